@@ -1,0 +1,342 @@
+"""The typed schema of every config group, and every cross-field rule, checked once before launch.
+
+YAML under ``conf/`` holds the values; these dataclasses hold the types, so a typo or a wrong type
+fails at compose. ``__post_init__`` only runs in ``OmegaConf.to_object`` (see ``to_typed``), which
+is where single-field rules live; rules that need the world size live in ``validate``.
+This module imports no torch: the parent checks a config in well under a second.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user error in the config: the message names the setting and the fix, on one line."""
+
+
+class ShardingStrategy(enum.Enum):
+    full = "full"  # ZeRO-3: params, grads, optimizer state sharded; reshard after forward
+    grad_op = "grad_op"  # ZeRO-2: params kept gathered between forward and backward
+    no_shard = "no_shard"  # DDP: everything replicated, gradients all-reduced
+    hybrid = "hybrid"  # HSDP: shard inside a group, replicate across groups
+    hybrid_zero2 = "hybrid_zero2"  # HSDP without resharding after forward
+
+
+class Dtype(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WrapPolicy(enum.Enum):
+    transformer = "transformer"
+    size = "size"
+    none = "none"
+
+
+class OffloadDevice(enum.Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class HardwareKind(enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class ModelArch(enum.Enum):
+    llama = "llama"
+    gpt2 = "gpt2"
+    qwen2 = "qwen2"
+
+
+class DataKind(enum.Enum):
+    synthetic = "synthetic"
+
+
+@dataclass
+class ShardingConfig:
+    strategy: ShardingStrategy = ShardingStrategy.full
+    """How parameters, gradients and optimizer state are split across ranks (the group option)."""
+    replicate_size: Optional[int] = None
+    """hybrid only: ranks along the replicate axis. None: the number of nodes when > 1, else 2."""
+    reshard_after_forward: Optional[Any] = None
+    """None: the strategy's default. true/false overrides it; an int N > 1 reshards to groups of
+    N ranks after forward (must divide the shard axis)."""
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: Dtype = Dtype.fp32
+    """dtype of the all-gathered parameters that forward and backward compute in."""
+    reduce_dtype: Dtype = Dtype.fp32
+    """dtype gradients are reduce-scattered / all-reduced in."""
+    output_dtype: Optional[Dtype] = None
+    """dtype the root module's outputs are cast to; None keeps the compute dtype."""
+    grad_scaler_enabled: bool = False
+    """Scale the loss and unscale sharded gradients (needed for fp16 compute)."""
+
+
+@dataclass
+class WrapConfig:
+    policy: WrapPolicy = WrapPolicy.transformer
+    """transformer: one FSDP unit per block class; size: by parameter count; none: root only."""
+    classes: List[str] = field(default_factory=list)
+    """transformer: block class names; empty takes the model's `_no_split_modules`."""
+    min_num_params: int = 1_000_000
+    """size: a module becomes a unit when it holds at least this many not-yet-wrapped params."""
+
+
+@dataclass
+class OffloadConfig:
+    device: OffloadDevice = OffloadDevice.none
+    """cpu: keep sharded params, grads and the optimizer step on CPU (FSDP2 CPUOffloadPolicy)."""
+
+
+@dataclass
+class HardwareConfig:
+    kind: HardwareKind = HardwareKind.auto
+    """cpu (gloo), gpu (nccl, one rank per GPU) or auto (gpu when CUDA is available)."""
+    nproc_per_node: Optional[int] = None
+    """Ranks per node. None: 2 on CPU, every visible GPU on gpu. Ignored under torchrun/srun."""
+    num_nodes: int = 1
+    """Nodes in the job (from the launcher under torchrun/srun)."""
+    timeout_s: int = 300
+    """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
+    threads_per_rank: Optional[int] = None
+    """CPU threads per rank. None: the node's cores divided among its ranks."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Optional[ModelArch] = None
+    """Preset family built from the sizes below with random init; None when name_or_path is set."""
+    name_or_path: Optional[str] = None
+    """A local Hugging Face model directory (its config.json defines the model)."""
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head (GPT-2, small Qwen2)."""
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.synthetic
+    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: Optional[float] = 1.0
+    """Max global gradient norm; None disables clipping (the norm is still logged)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    micro_batch_size: int = 4
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0's console (metrics.jsonl is written either way)."""
+
+
+@dataclass
+class Config:
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    """Seeds the model init (done once, on rank 0) and the data; the same seed gives the same run
+    whatever the world size or strategy."""
+
+
+SCHEMA_NAME = "fsdp_lab_schema"
+
+
+def register_schema() -> None:
+    """Put the schema in Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+def to_typed(cfg: DictConfig | dict) -> Config:
+    """A composed config (or its plain-dict form) as typed dataclasses, single-field rules checked."""
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        typed = OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e).splitlines()[0]) from e
+    assert isinstance(typed, Config)
+    _check_fields(typed)
+    return typed
+
+
+def to_container(cfg: Config) -> dict:
+    """The typed config as plain YAML-able data (enums as their names)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def _positive(value: int | float, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
+
+
+def _check_fields(cfg: Config) -> None:
+    t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
+    for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
+        _positive(getattr(t, name), f"trainer.{name}")
+    _positive(o.lr, "optim.lr")
+    if o.grad_clip is not None:
+        _positive(o.grad_clip, "optim.grad_clip")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if h.nproc_per_node is not None and h.nproc_per_node < 1:
+        raise ConfigError(
+            f"hardware.nproc_per_node={h.nproc_per_node} must be >= 1; set it to the ranks per node"
+        )
+    _positive(h.num_nodes, "hardware.num_nodes")
+    _positive(h.timeout_s, "hardware.timeout_s")
+    if h.threads_per_rank is not None:
+        _positive(h.threads_per_rank, "hardware.threads_per_rank")
+    if cfg.wrap.policy is WrapPolicy.size:
+        _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
+    _check_model(m, t)
+    _check_precision(cfg.precision)
+    raf = cfg.sharding.reshard_after_forward
+    if raf is not None and not isinstance(raf, (bool, int)):
+        raise ConfigError(
+            f"sharding.reshard_after_forward={raf!r} must be true, false, an int or null"
+        )
+    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
+        raise ConfigError(
+            f"sharding.reshard_after_forward={raf} as an int must be >= 2 (use true or false)"
+        )
+
+
+def _check_model(m: ModelConfig, t: TrainerConfig) -> None:
+    if (m.arch is None) == (m.name_or_path is None):
+        raise ConfigError(
+            "model: set exactly one of model.arch (a preset) and model.name_or_path "
+            f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
+        )
+    if m.name_or_path is not None:
+        path = Path(m.name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
+                "Hugging Face model directory (one that save_pretrained wrote)"
+            )
+        return
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_position_embeddings"):
+        _positive(getattr(m, name), f"model.{name}")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}"
+        )
+    if t.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"trainer.seq_len={t.seq_len} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}; lower trainer.seq_len"
+        )
+
+
+def _check_precision(p: PrecisionConfig) -> None:
+    if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
+        raise ConfigError(
+            "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "
+            "(fp16 gradients underflow without loss scaling); or use precision=fp16"
+        )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who runs where, decided once in the parent (or from the launcher's environment)."""
+
+    world_size: int
+    nproc_per_node: int
+    num_nodes: int
+    device: HardwareKind  # cpu or gpu, never auto
+
+
+def resolve_replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
+    """Ranks along the replicate axis: 1 for 1D strategies, world size for no_shard."""
+    match cfg.strategy:
+        case ShardingStrategy.full | ShardingStrategy.grad_op:
+            return 1
+        case ShardingStrategy.no_shard:
+            return topo.world_size
+        case ShardingStrategy.hybrid | ShardingStrategy.hybrid_zero2:
+            if cfg.replicate_size is not None:
+                return cfg.replicate_size
+            return topo.num_nodes if topo.num_nodes > 1 else 2
+        case _:
+            raise ValueError(f"unknown sharding.strategy {cfg.strategy}")
+
+
+def validate(cfg: Config, topo: Topology) -> None:
+    """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
+    s = cfg.sharding
+    hybrid = s.strategy in (ShardingStrategy.hybrid, ShardingStrategy.hybrid_zero2)
+    if s.replicate_size is not None and not hybrid:
+        raise ConfigError(
+            f"sharding.replicate_size={s.replicate_size} applies only to sharding=hybrid or "
+            f"hybrid_zero2 (got sharding={s.strategy.name}); remove it"
+        )
+    replicate = resolve_replicate_size(s, topo)
+    if hybrid:
+        if replicate < 1 or topo.world_size % replicate or topo.world_size // replicate < 2:
+            raise ConfigError(
+                f"sharding.replicate_size={replicate} must divide the world size "
+                f"{topo.world_size} and leave a shard group of >= 2 ranks; run hybrid on "
+                "4+ ranks (hardware.nproc_per_node=4) or set sharding.replicate_size"
+            )
+    raf = s.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool):
+        shard_size = topo.world_size // replicate
+        if shard_size % raf or raf >= shard_size:
+            raise ConfigError(
+                f"sharding.reshard_after_forward={raf} must be a proper divisor of the shard "
+                f"axis size {shard_size}; use true, false or a divisor"
+            )

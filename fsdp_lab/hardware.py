@@ -1,0 +1,121 @@
+"""The only module that names cuda or cpu: devices, backends, threads, memory and dtype support.
+
+Everything else asks this module, so the GPU path differs from the tested CPU path only here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
+
+
+def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
+    """auto becomes gpu when CUDA is usable, else cpu; an explicit gpu without CUDA is an error."""
+    match cfg.kind:
+        case HardwareKind.auto:
+            return HardwareKind.gpu if torch.cuda.is_available() else HardwareKind.cpu
+        case HardwareKind.cpu:
+            return HardwareKind.cpu
+        case HardwareKind.gpu:
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "hardware=gpu but CUDA is not available on this machine; use hardware=cpu "
+                    "(or hardware=auto)"
+                )
+            return HardwareKind.gpu
+        case _:
+            raise ValueError(f"unknown hardware.kind {cfg.kind}")
+
+
+def default_nproc_per_node(kind: HardwareKind) -> int:
+    return torch.cuda.device_count() if kind is HardwareKind.gpu else 2
+
+
+def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
+    if kind is HardwareKind.gpu and nproc_per_node > torch.cuda.device_count():
+        raise ConfigError(
+            f"hardware.nproc_per_node={nproc_per_node} but only {torch.cuda.device_count()} GPUs "
+            "are visible; lower hardware.nproc_per_node (one rank per GPU)"
+        )
+
+
+def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
+    """Fail before launch when the device cannot compute or reduce in ``dtype``.
+
+    gloo reduces fp16 and bf16 (checked on torch 2.13) and CPU kernels cover both; on GPU,
+    bf16 needs an Ampere-or-newer device (NCCL and the matmuls both rely on it).
+    """
+    if kind is HardwareKind.gpu and dtype is Dtype.bf16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"{setting}=bf16 but this GPU has no bf16 support; use precision=fp16 or fp32"
+        )
+
+
+def backend(kind: HardwareKind) -> str:
+    return "nccl" if kind is HardwareKind.gpu else "gloo"
+
+
+def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
+    if kind is HardwareKind.gpu:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
+    """Split the node's cores among its ranks: two threads per rank on two cores is slower."""
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def init_process_group(kind: HardwareKind, device: torch.device, timeout_s: int) -> None:
+    """Join the group described by the launcher's RANK/WORLD_SIZE/MASTER_* variables."""
+    dist.init_process_group(
+        backend=backend(kind),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if kind is HardwareKind.gpu else None,
+    )
+
+
+def pin_memory(kind: HardwareKind) -> bool:
+    """CPUOffloadPolicy pins host memory for fast H2D copies; pinning needs a GPU."""
+    return kind is HardwareKind.gpu
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Allocator peak on GPU; on CPU the process's peak RSS (it includes imports, ~360 MB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so that step times are real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(kind: HardwareKind) -> str:
+    if kind is HardwareKind.gpu:
+        return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"cpu: {os.cpu_count()} cores"

@@ -1,0 +1,219 @@
+"""From a composed config to N ranks running ``worker.run``: local spawn or an existing group.
+
+Bare ``python train.py`` validates the config here, in the parent, then starts
+``hardware.nproc_per_node`` worker processes that read the resolved config from the run dir.
+Under torchrun (RANK/WORLD_SIZE set) this process is one rank: it joins the group, and every rank
+takes rank 0's config and run dir, since each rank composed its own (``${now:}`` can differ).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from fsdp_lab.config import ConfigError, Config, HardwareKind, Topology, to_container, to_typed, validate
+
+log = logging.getLogger("fsdp_lab")
+
+# After the first rank fails, the others get this long to fail on their own (a broken
+# collective usually ends them at once) before they are terminated.
+GRACE_S = 5.0
+
+
+def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
+    """Entry from train.py. Exits non-zero, with one line on stderr, when the run fails."""
+    try:
+        cfg = to_typed(dict_cfg)
+        if "RANK" in os.environ:
+            if multirun:
+                raise ConfigError(
+                    "-m/--multirun under torchrun would run the whole sweep on every rank; "
+                    "run `python train.py -m ...` (it starts each job's ranks itself)")
+            _join_existing_group(cfg, run_dir)  # never returns
+        topo = _local_topology(cfg)
+        check_run(cfg, topo)
+        _claim_run_dir(run_dir)
+    except ConfigError as e:
+        print(f"fsdp_lab: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    code = spawn_local(cfg, topo, run_dir)
+    if code != 0:
+        sys.exit(code)
+
+
+def check_run(cfg: Config, topo: Topology) -> None:
+    """Every check that can run before a worker starts."""
+    from fsdp_lab import hardware
+
+    validate(cfg, topo)
+    hardware.check_nproc(topo.device, topo.nproc_per_node)
+    p = cfg.precision
+    for name in ("param_dtype", "reduce_dtype"):
+        hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+
+
+def _local_topology(cfg: Config) -> Topology:
+    from fsdp_lab import hardware
+
+    kind = hardware.resolve_kind(cfg.hardware)
+    if cfg.hardware.num_nodes > 1:
+        raise ConfigError(
+            f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
+            "on this node only; launch multi-node runs with torchrun or srun on every node")
+    nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
+    if nproc < 1:
+        raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
+    log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
+    return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
+
+
+def _claim_run_dir(run_dir: Path) -> None:
+    """A run dir holds one run: never write into one that already has files."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if any(run_dir.iterdir()):
+        raise ConfigError(
+            f"run dir {run_dir} already holds files; pick a new one with hydra.run.dir=... "
+            "(or hydra.sweep.dir=... for -m)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
+    """Start one worker process per rank, wait, and report the first failure once."""
+    from fsdp_lab import worker
+
+    worker.save_run_config(cfg, run_dir)
+    log_dir = run_dir / worker.LOG_DIR
+    log_dir.mkdir(exist_ok=True)
+    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(topo.world_size), "LOCAL_WORLD_SIZE": str(topo.nproc_per_node),
+                "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen] = []
+    outputs = []
+    try:
+        for rank in range(topo.world_size):
+            env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            # Rank 0 talks to the console; the others' raw output (native warnings, crashes)
+            # goes to their log file beside what their logger writes there.
+            out = None if rank == 0 else open(log_dir / f"rank{rank}.log", "ab")
+            outputs.append(out)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fsdp_lab.worker", str(run_dir)], env=env,
+                stdout=out, stderr=subprocess.STDOUT if out else None))
+        code = _wait(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        print("fsdp_lab: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for out in outputs:
+            if out is not None:
+                out.close()
+    if code != 0:
+        print(f"fsdp_lab: error: {_first_failure(run_dir, procs)}", file=sys.stderr)
+    return code
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return next((c for c in codes if c != 0), 0)
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            _stop(procs)
+            return next(c for c in codes if c not in (None, 0))
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _first_failure(run_dir: Path, procs: list[subprocess.Popen]) -> str:
+    """The root cause: the earliest error any rank wrote (later ones are usually the others
+    losing their peer), or the first rank that died without writing one."""
+    from fsdp_lab import worker
+
+    errors = []
+    for rank in range(len(procs)):
+        path = worker.error_file(run_dir, rank)
+        if path.is_file():
+            errors.append(json.loads(path.read_text()))
+    log_hint = f"(full log: {run_dir / worker.LOG_DIR}/rank{{rank}}.log)"
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        return f"rank {first['rank']} failed: {first['error']} {log_hint.format(rank=first['rank'])}"
+    for rank, p in enumerate(procs):
+        if p.returncode not in (0, None):
+            how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
+            return f"rank {rank} died ({how}) {log_hint.format(rank=rank)}"
+    return "a rank failed"
+
+
+def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
+    """Under torchrun: join the group, adopt rank 0's config and run dir, run this rank."""
+    import torch.distributed as dist
+
+    from fsdp_lab import hardware, worker
+
+    kind = hardware.resolve_kind(cfg.hardware)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = hardware.rank_device(kind, local_rank)
+    hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    rank = dist.get_rank()
+    payload: list = [None]
+    if rank == 0:
+        try:
+            topo = worker.topology_from_env(kind)
+            check_run(cfg, topo)
+            _claim_run_dir(hydra_run_dir)
+            worker.save_run_config(cfg, hydra_run_dir)
+            payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
+        except ConfigError as e:
+            payload = [{"error": str(e)}]
+    dist.broadcast_object_list(payload, src=0)
+    shared = payload[0]
+    if "error" in shared:
+        if rank == 0:
+            print(f"fsdp_lab: error: {shared['error']}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(2)
+    run_dir = Path(shared["run_dir"])
+    if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
+        _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
+    worker.run_and_exit(to_typed(shared["config"]), run_dir)
+
+
+def _remove_if_empty(path: Path) -> None:
+    """Remove a run dir this rank's Hydra made and nothing wrote to, and its empty parent."""
+    for p in (path, path.parent):
+        try:
+            p.rmdir()
+        except OSError:
+            return

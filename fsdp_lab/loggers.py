@@ -1,0 +1,73 @@
+"""Where a run reports: per-rank log files, rank 0's console progress bar, metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+LOG_FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
+
+
+def setup_rank_logging(log_dir: Path, rank: int) -> Path:
+    """Every rank logs to logs/rank{r}.log; rank 0 also to the console (INFO, short form)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"rank{rank}.log"
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
+    root.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("[fsdp_lab] %(message)s"))
+        console.setLevel(logging.INFO)
+        # Tracebacks go to the log file; the launcher prints one line about them.
+        console.addFilter(lambda record: record.exc_info is None)
+        root.addHandler(console)
+    for noisy in ("transformers", "torch.distributed", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return path
+
+
+class MetricsWriter:
+    """Rank 0's record of every optimizer step, one JSON object per line, flushed each step."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Progress:
+    """A console progress bar on rank 0 (no-op elsewhere or when disabled)."""
+
+    def __init__(self, total: int, *, enabled: bool, initial: int = 0) -> None:
+        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                         dynamic_ncols=True, file=sys.stderr) if enabled else None
+
+    def update(self, record: dict) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                              tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (for tests, reports and users)."""
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,79 @@
+"""The training step and loop: plain PyTorch on an FSDP2 model."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_lab.metrics import StepMetrics, StepTimer, gather_step_stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    local_loss: float  # this rank's mean loss over its micro-batches
+    grad_norm: float  # global norm over all ranks' shards, before clipping
+    skipped: bool  # the grad scaler found inf/nan and skipped the update
+
+
+def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
+               optimizer: torch.optim.Optimizer, scaler, grad_clip: float | None) -> StepResult:
+    """Forward/backward over the micro-batches, one gradient reduction, clip, update."""
+    num_micro = len(batches)
+    total = torch.zeros((), dtype=torch.float32, device=batches[0]["input_ids"].device)
+    for i, batch in enumerate(batches):
+        # Reduce-scatter only after the last micro-batch; earlier ones accumulate locally.
+        model.set_requires_gradient_sync(i == num_micro - 1)
+        loss = model(**batch).loss / num_micro
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach().float()
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # so clipping sees true gradient magnitudes
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), max_norm=grad_clip if grad_clip is not None else math.inf)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    skipped = False
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale  # the scale backs off exactly when a step is skipped
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(local_loss=total.item(), grad_norm=norm.item(), skipped=skipped)
+
+
+def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: float | None,
+          max_steps: int, grad_accum_steps: int, tokens_per_step: int, device: torch.device,
+          on_step) -> StepMetrics | None:
+    """Run optimizer steps 1..max_steps; ``on_step(metrics)`` is called on every rank."""
+    model.train()
+    timer = StepTimer(device)
+    last = None
+    for step in range(max_steps):
+        timer.start()
+        batches = [{k: v.to(device, non_blocking=True) for k, v in data.batch(step, m).items()}
+                   for m in range(grad_accum_steps)]
+        lr = scheduler.get_last_lr()[0]
+        result = train_step(model, batches, optimizer=optimizer, scaler=scaler,
+                            grad_clip=grad_clip)
+        scheduler.step()
+        step_time = timer.stop()
+        loss, peaks = gather_step_stats(result.local_loss, device)
+        if not math.isfinite(loss) and scaler is None:
+            raise FloatingPointError(
+                f"loss is {loss} at step {step + 1}; lower optim.lr or use precision=fp32/bf16")
+        last = StepMetrics(step=step + 1, loss=loss, grad_norm=result.grad_norm, lr=lr,
+                           step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
+                           peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
+                           skipped=result.skipped)
+        on_step(last)
+    return last

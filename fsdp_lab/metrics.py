@@ -1,0 +1,59 @@
+"""Per-step measurements: step time, throughput, peak memory, all reduced over ranks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab import hardware
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    peak_mem_bytes_per_rank: list[int]
+    skipped: bool = False
+
+    def as_record(self) -> dict:
+        return dict(self.__dict__)
+
+
+class StepTimer:
+    """Wall time of one optimizer step, with the device synchronised at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = 0.0
+
+    def start(self) -> None:
+        hardware.synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        hardware.synchronize(self.device)
+        return time.perf_counter() - self._start
+
+
+def gather_step_stats(local_loss: float, device: torch.device) -> tuple[float, list[int]]:
+    """(mean loss over ranks, each rank's peak memory) in one small all-gather.
+
+    Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
+    losses is the mean loss of the global batch.
+    """
+    # An all-reduce over a one-hot row layout works on every backend and torch version
+    # (all_gather_into_tensor is deprecated in recent releases).
+    stats = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=device)
+    stats[dist.get_rank()] = torch.tensor(
+        [local_loss, float(hardware.peak_memory_bytes(device))], dtype=torch.float64)
+    dist.all_reduce(stats)
+    rows = stats.cpu()
+    return rows[:, 0].mean().item(), [int(v) for v in rows[:, 1].tolist()]

@@ -1,0 +1,182 @@
+"""One rank of a run: the ordered recipe from a resolved config to a trained, sharded model.
+
+Started by the launcher as ``python -m fsdp_lab.worker RUN_DIR`` (local spawn: it reads
+RUN_DIR/config.yaml, the config the parent composed and validated) or called in-process under
+torchrun. Either way it ends with ``os._exit``: interpreter shutdown after
+``destroy_process_group`` sometimes aborts ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from fsdp_lab import hardware, model as model_lib, precision, sharding, wrap
+from fsdp_lab.config import Config, OffloadDevice, Topology, to_container, to_typed, validate
+from fsdp_lab.data import build_data
+from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
+from fsdp_lab.loop import train
+from fsdp_lab.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("fsdp_lab")
+
+CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
+
+
+def topology_from_env(kind) -> Topology:
+    world = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Topology(world_size=world, nproc_per_node=per_node, num_nodes=world // per_node,
+                    device=kind)
+
+
+def local_numel(module: torch.nn.Module) -> int:
+    """Parameter elements this rank stores (its shards; everything for replicated params)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+               for p in module.parameters())
+
+
+def run(cfg: Config, run_dir: Path) -> None:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    setup_rank_logging(run_dir / LOG_DIR, rank)
+    t0 = time.perf_counter()
+
+    # 1) Device, threads and the process group (under torchrun the launcher already joined it).
+    kind = hardware.resolve_kind(cfg.hardware)
+    device = hardware.rank_device(kind, local_rank)
+    topo = topology_from_env(kind)
+    threads = hardware.set_threads(cfg.hardware, topo.nproc_per_node)
+    if not dist.is_initialized():
+        hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    validate(cfg, topo)
+    torch.manual_seed(cfg.seed)
+
+    # 2) The model's structure on meta: no memory is spent before sharding decides the layout.
+    hf_config = model_lib.build_hf_config(cfg.model)
+    model = model_lib.build_meta_model(hf_config)
+    total_params = sum(p.numel() for p in model.parameters())
+    model_class = type(model).__name__  # before fully_shard renames it FSDP<name>
+
+    # 3) FSDP units, then 4) fully_shard them on the strategy's mesh with the dtype and
+    # offload policies. Sharding comes before materialising so no rank holds the full model.
+    units = wrap.select_units(model, cfg.wrap)
+    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    mesh = sharding.build_mesh(cfg.sharding, topo, device_type=device.type)
+    sharding.apply_fsdp(
+        model, units, mesh=mesh,
+        reshard_after_forward=sharding.reshard_after_forward(cfg.sharding),
+        mp_policy=precision.build_mp_policy(cfg.precision),
+        offload_policy=sharding.build_offload_policy(
+            cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)),
+    )
+
+    # 5) Storage and initial weights (made on rank 0, broadcast into every rank's shards).
+    model_lib.materialize(model, device=device, seed=cfg.seed, hf_config=hf_config)
+
+    # 6) Optimizer over the sharded params (its state is sharded with them), schedule, scaler.
+    t = cfg.trainer
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
+    scaler = precision.build_grad_scaler(cfg.precision, device)
+
+    # 7) This rank's share of every global batch (all ranks are data-parallel ranks).
+    data = build_data(cfg.data, seed=cfg.seed, vocab_size=hf_config.vocab_size,
+                      seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+                      dp_size=topo.world_size, dp_rank=rank)
+    tokens_per_step = topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len
+
+    numels = [None] * topo.world_size
+    dist.all_gather_object(numels, local_numel(model))
+    facts = {
+        "world_size": topo.world_size, "num_nodes": topo.num_nodes,
+        "hardware": hardware.describe(kind), "backend": hardware.backend(kind),
+        "threads_per_rank": threads,
+        "mesh_shape": list(mesh.shape), "mesh_axes": list(mesh.mesh_dim_names),
+        "fsdp_units": units_desc, "num_fsdp_units": len(units) + 1,
+        "model_class": model_class, "total_params": total_params,
+        "local_params_per_rank": numels, "tokens_per_step": tokens_per_step,
+        "torch": torch.__version__,
+    }
+    writer = progress = None
+    if rank == 0:
+        log.info("%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
+                 facts["hardware"], topo.world_size, facts["mesh_axes"], facts["mesh_shape"],
+                 facts["fsdp_units"], f"{total_params:,}", [f"{n:,}" for n in numels])
+        _write_run_file(run_dir, {**facts, "status": "running"})
+        writer = MetricsWriter(run_dir / METRICS_FILE)
+        progress = Progress(t.max_steps, enabled=t.progress_bar)
+
+    def on_step(m) -> None:
+        if rank == 0:
+            writer.write(m.as_record())
+            progress.update(m.as_record())
+
+    # 8) The loop.
+    last = train(model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                 grad_clip=cfg.optim.grad_clip, max_steps=t.max_steps,
+                 grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step,
+                 device=device, on_step=on_step)
+    if rank == 0:
+        progress.close()
+        writer.close()
+        _write_run_file(run_dir, {**facts, "status": "completed", "final_loss": last.loss,
+                                  "total_time_s": time.perf_counter() - t0})
+        log.info("done: %d steps, final loss %.4f, %.0f tokens/s, run dir %s",
+                 last.step, last.loss, last.tokens_per_s, run_dir)
+
+
+def _write_run_file(run_dir: Path, facts: dict) -> None:
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(facts, indent=2) + "\n")
+    tmp.replace(run_dir / RUN_FILE)
+
+
+def error_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / LOG_DIR / f"rank{rank}.error.json"
+
+
+def run_and_exit(cfg: Config, run_dir: Path) -> None:
+    """Run this rank; on failure leave a one-line error for the launcher. Never returns."""
+    code = 0
+    try:
+        run(cfg, run_dir)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        rank = int(os.environ.get("RANK", 0))
+        logging.getLogger("fsdp_lab").error("rank %d failed", rank, exc_info=True)
+        path = error_file(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = traceback.format_exception_only(type(e), e)[-1].strip()
+        path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot block the exit
+                pass
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    return to_typed(OmegaConf.load(run_dir / CONFIG_FILE))
+
+
+def save_run_config(cfg: Config, run_dir: Path) -> None:
+    OmegaConf.save(OmegaConf.create(to_container(cfg)), run_dir / CONFIG_FILE)
+
+
+if __name__ == "__main__":
+    run_dir = Path(sys.argv[1])
+    run_and_exit(load_run_config(run_dir), run_dir)

@@ -1,0 +1,32 @@
+"""Train a Hugging Face model with FSDP2, configured by Hydra.
+
+    python train.py                                          # tiny Llama, 2 CPU ranks (or all GPUs)
+    python train.py sharding=hybrid precision=bf16 hardware.nproc_per_node=4
+    python train.py -m sharding=full,grad_op precision=fp32,bf16      # a local sweep
+    torchrun --nproc_per_node=2 train.py sharding=grad_op              # join torchrun's group
+    python train.py --cfg job                                # print the composed config
+
+Groups: sharding, precision, wrap, offload, hardware, model, data, optim, trainer (see conf/).
+Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log.
+"""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from fsdp_lab import config, launch
+
+config.register_schema()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    launch.main(cfg, run_dir=Path(hc.runtime.output_dir), multirun=hc.mode == RunMode.MULTIRUN)
+
+
+if __name__ == "__main__":
+    main()
