@@ -326,11 +326,16 @@ def validate(cfg: Config, topo: Topology) -> None:
         )
     replicate = resolve_replicate_size(s, topo)
     if hybrid:
-        if replicate < 1 or topo.world_size % replicate or topo.world_size // replicate < 2:
+        if replicate < 1 or topo.world_size % replicate:
             raise ConfigError(
-                f"sharding.replicate_size={replicate} must divide the world size "
-                f"{topo.world_size} and leave a shard group of >= 2 ranks; run hybrid on "
-                "4+ ranks (hardware.nproc_per_node=4) or set sharding.replicate_size"
+                f"sharding.replicate_size={replicate} does not divide the world size "
+                f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
+            )
+        if topo.world_size // replicate < 2:
+            raise ConfigError(
+                f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
+                f"{replicate} leaves shard groups of 1 rank; use 4+ ranks "
+                "(hardware.nproc_per_node=4), a smaller sharding.replicate_size, or sharding=full"
             )
     raf = s.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):

@@ -54,11 +54,16 @@ def check_run(cfg: Config, topo: Topology) -> None:
     """Every check that can run before a worker starts."""
     from fsdp_lab import hardware
 
+    from fsdp_lab import model as model_lib, wrap
+
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
     p = cfg.precision
     for name in ("param_dtype", "reduce_dtype"):
         hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+    # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
+    # surface here once, not in every worker.
+    wrap.select_units(model_lib.build_meta_model(model_lib.build_hf_config(cfg.model)), cfg.wrap)
 
 
 def _local_topology(cfg: Config) -> Topology:

@@ -1,0 +1,114 @@
+"""Every option of every config group composes into a valid typed config; bad values fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from fsdp_lab.config import (
+    ConfigError, Config, Dtype, HardwareKind, ShardingStrategy, Topology, register_schema,
+    to_typed, validate,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+# Options that need a value the user must supply (marked ??? in their YAML).
+REQUIRED = {("model", "local"): ["model.name_or_path={tiny_model_dir}"]}
+
+register_schema()
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_groups_are_the_documented_ones():
+    assert {"sharding", "precision", "wrap", "offload", "hardware", "model", "data", "optim",
+            "trainer"} <= set(GROUPS)
+    assert {o for g, o in OPTIONS if g == "sharding"} == {s.value for s in ShardingStrategy}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_types(group, option, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    extra = [o.format(tiny_model_dir=model_dir) for o in REQUIRED.get((group, option), [])]
+    cfg = to_typed(compose_cfg(f"{group}={option}", *extra))
+    assert isinstance(cfg, Config)
+
+
+def test_group_options_map_to_their_enum():
+    assert to_typed(compose_cfg("sharding=hybrid_zero2")).sharding.strategy is (
+        ShardingStrategy.hybrid_zero2)
+    p = to_typed(compose_cfg("precision=bf16")).precision
+    assert (p.param_dtype, p.reduce_dtype, p.grad_scaler_enabled) == (Dtype.bf16, Dtype.fp32, False)
+    p = to_typed(compose_cfg("precision=bf16_pure")).precision
+    assert (p.param_dtype, p.reduce_dtype) == (Dtype.bf16, Dtype.bf16)
+    p = to_typed(compose_cfg("precision=fp16")).precision
+    assert (p.param_dtype, p.reduce_dtype, p.grad_scaler_enabled) == (Dtype.fp16, Dtype.fp32, True)
+
+
+def test_unknown_option_fails_listing_the_valid_ones():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("sharding=fulll")
+    assert "full" in str(e.value.__cause__ or e.value) or "sharding/fulll" in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["trainer.max_step=3", "sharding.strategy=zero3",
+                                      "trainer.seq_len=abc", "precision.param_dtype=fp8"])
+def test_typos_and_wrong_types_fail_at_compose(override):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, ValidationError)):
+        compose_cfg(override)
+
+
+def topo(world: int, nodes: int = 1) -> Topology:
+    return Topology(world_size=world, nproc_per_node=world // nodes, num_nodes=nodes,
+                    device=HardwareKind.cpu)
+
+
+@pytest.mark.parametrize("overrides,world,fragment", [
+    (["trainer.seq_len=0"], 2, "trainer.seq_len"),
+    (["trainer.micro_batch_size=-1"], 2, "trainer.micro_batch_size"),
+    (["trainer.max_steps=0"], 2, "trainer.max_steps"),
+    (["hardware.nproc_per_node=0"], 2, "hardware.nproc_per_node"),
+    (["trainer.seq_len=1024"], 2, "max_position_embeddings"),
+    (["model.num_heads=3"], 2, "model.num_heads"),
+    (["precision.param_dtype=fp16"], 2, "grad_scaler_enabled"),
+    (["sharding.reshard_after_forward=1"], 2, "reshard_after_forward"),
+    (["sharding.reshard_after_forward=maybe"], 2, "reshard_after_forward"),
+    (["model.arch=null"], 2, "model.arch"),
+    (["model=local", "model.name_or_path=/nonexistent"], 2, "config.json"),
+    (["sharding=hybrid"], 2, "shard groups of 1"),
+    (["sharding=hybrid", "sharding.replicate_size=3"], 4, "does not divide"),
+    (["sharding=full", "sharding.replicate_size=2"], 4, "only to sharding=hybrid"),
+    (["sharding=full", "sharding.reshard_after_forward=3"], 4, "divisor"),
+])
+def test_bad_values_fail_naming_the_setting(overrides, world, fragment):
+    with pytest.raises(ConfigError) as e:
+        validate(to_typed(compose_cfg(*overrides)), topo(world))
+    message = str(e.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_hybrid_replicate_size_defaults():
+    from fsdp_lab.config import resolve_replicate_size
+
+    cfg = to_typed(compose_cfg("sharding=hybrid"))
+    assert resolve_replicate_size(cfg.sharding, topo(4)) == 2
+    assert resolve_replicate_size(cfg.sharding, topo(16, nodes=4)) == 4
+    validate(cfg, topo(16, nodes=4))
+    cfg = to_typed(compose_cfg("sharding=hybrid", "sharding.replicate_size=4"))
+    validate(cfg, topo(8))
+    assert resolve_replicate_size(cfg.sharding, topo(8)) == 4
+
+
+def test_reshard_after_forward_accepts_bool_and_divisor():
+    validate(to_typed(compose_cfg("sharding.reshard_after_forward=false")), topo(2))
+    validate(to_typed(compose_cfg("sharding.reshard_after_forward=2")), topo(8))

@@ -1,0 +1,103 @@
+"""Strategy -> mesh/reshard/dtype mappings, and a 64-rank hybrid mesh on a fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_lab import precision, sharding, wrap
+from fsdp_lab.config import (
+    Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, ShardingConfig,
+    ShardingStrategy as S, Topology, WrapConfig,
+)
+from fsdp_lab.model import build_hf_config, build_meta_model
+
+
+def topo(world: int, nodes: int = 1) -> Topology:
+    return Topology(world_size=world, nproc_per_node=world // nodes, num_nodes=nodes,
+                    device=HardwareKind.cpu)
+
+
+@pytest.mark.parametrize("strategy,world,shape,reshard", [
+    (S.full, 8, (8,), True),
+    (S.grad_op, 8, (8,), False),
+    (S.no_shard, 8, (8, 1), False),
+    (S.hybrid, 8, (2, 4), True),
+    (S.hybrid_zero2, 8, (2, 4), False),
+])
+def test_strategy_maps_to_mesh_and_reshard(strategy, world, shape, reshard):
+    cfg = ShardingConfig(strategy=strategy)
+    assert sharding.mesh_shape(cfg, topo(world)) == shape
+    assert sharding.reshard_after_forward(cfg) is reshard
+
+
+def test_hybrid_across_nodes_replicates_over_nodes_and_override_wins():
+    assert sharding.mesh_shape(ShardingConfig(strategy=S.hybrid), topo(32, nodes=4)) == (4, 8)
+    cfg = ShardingConfig(strategy=S.full, reshard_after_forward=4)
+    assert sharding.reshard_after_forward(cfg) == 4
+
+
+@pytest.mark.parametrize("cfg,dtypes", [
+    (PrecisionConfig(), (torch.float32, torch.float32, None)),
+    (PrecisionConfig(param_dtype=Dtype.bf16), (torch.bfloat16, torch.float32, None)),
+    (PrecisionConfig(param_dtype=Dtype.bf16, reduce_dtype=Dtype.bf16, output_dtype=Dtype.fp32),
+     (torch.bfloat16, torch.bfloat16, torch.float32)),
+])
+def test_precision_maps_to_mp_policy(cfg, dtypes):
+    policy = precision.build_mp_policy(cfg)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == dtypes
+
+
+def test_fp16_gets_a_sharded_grad_scaler():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert precision.build_grad_scaler(PrecisionConfig(), torch.device("cpu")) is None
+    scaler = precision.build_grad_scaler(
+        PrecisionConfig(param_dtype=Dtype.fp16, grad_scaler_enabled=True), torch.device("cpu"))
+    assert isinstance(scaler, ShardedGradScaler)
+
+
+@pytest.fixture
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(rank: int, world: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    yield init
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy,placements,rows_div", [
+    (S.hybrid, (Replicate(), Shard(0)), 8),
+    (S.no_shard, (Replicate(), Shard(0)), 1),
+    (S.full, (Shard(0),), 64),
+])
+def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows_div):
+    """8 nodes x 8 ranks: hybrid shards each param 8 ways inside a node and replicates across."""
+    rank = 13
+    fake_group(rank, 64)
+    t = topo(64, nodes=8)
+    cfg = ShardingConfig(strategy=strategy)
+    mesh = sharding.build_mesh(cfg, t, device_type="cpu")
+    model = build_meta_model(build_hf_config(ModelConfig(
+        arch=ModelArch.llama, vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=4)))
+    units = wrap.select_units(model, WrapConfig())
+    sharding.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
+                        mp_policy=precision.build_mp_policy(PrecisionConfig()),
+                        offload_policy=None)
+    if len(placements) == 2:
+        assert mesh.mesh_dim_names == ("replicate", "shard")
+        assert mesh.shape == (64 // rows_div, rows_div)
+        # Replicate-major layout: rank 13 is the 6th rank of node 1.
+        assert mesh["shard"].get_local_rank() == 13 % rows_div
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) for p in params.values())
+    for name, p in params.items():
+        assert p.placements == placements, name
+        # Every dim 0 here divides by 64, so every shard is exactly 1/rows_div of the rows.
+        assert p.to_local().shape[0] == p.shape[0] // rows_div, name
+        assert p.to_local().shape[1:] == p.shape[1:]
+    emb = params["model.embed_tokens.weight"]
+    assert emb.to_local().shape == (1024 // rows_div, 256)
