@@ -118,7 +118,7 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fsdp_lab.worker", str(run_dir)], env=env,
                 stdout=out, stderr=subprocess.STDOUT if out else None))
-        code = _wait(procs)
+        code, exit_times = _wait(procs)
     except KeyboardInterrupt:
         _stop(procs)
         print("fsdp_lab: interrupted", file=sys.stderr)
@@ -128,21 +128,30 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
             if out is not None:
                 out.close()
     if code != 0:
-        print(f"fsdp_lab: error: {_first_failure(run_dir, procs)}", file=sys.stderr)
+        reason = _first_failure(run_dir, procs, exit_times)
+        _mark_failed(run_dir, reason)
+        print(f"fsdp_lab: error: {reason}", file=sys.stderr)
     return code
 
 
-def _wait(procs: list[subprocess.Popen]) -> int:
+def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
+    """Wait for every rank; after the first failure, stop the rest. Returns the first non-zero
+    exit code (0 if none) and when each rank was seen to exit (wall clock)."""
+    exit_times: dict[int, float] = {}
     failed_at = None
     while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return next((c for c in codes if c != 0), 0)
-        if failed_at is None and any(c not in (None, 0) for c in codes):
+        for rank, p in enumerate(procs):
+            if rank not in exit_times and p.poll() is not None:
+                exit_times[rank] = time.time()
+        codes = [p.returncode for p in procs]
+        first_bad = next((c for c in codes if c not in (None, 0)), 0)
+        if len(exit_times) == len(procs):
+            return first_bad, exit_times
+        if failed_at is None and first_bad:
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             _stop(procs)
-            return next(c for c in codes if c not in (None, 0))
+            return first_bad, exit_times
         time.sleep(0.1)
 
 
@@ -159,25 +168,34 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _first_failure(run_dir: Path, procs: list[subprocess.Popen]) -> str:
-    """The root cause: the earliest error any rank wrote (later ones are usually the others
-    losing their peer), or the first rank that died without writing one."""
+def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
+                   exit_times: dict[int, float]) -> str:
+    """The root cause: the earliest of the errors ranks wrote and the deaths of ranks that could
+    not write one (kill -9, a native crash). Later errors are usually others losing a peer."""
     from fsdp_lab import worker
 
-    errors = []
-    for rank in range(len(procs)):
+    events = []  # (time, rank, message)
+    for rank, p in enumerate(procs):
         path = worker.error_file(run_dir, rank)
         if path.is_file():
-            errors.append(json.loads(path.read_text()))
-    log_hint = f"(full log: {run_dir / worker.LOG_DIR}/rank{{rank}}.log)"
-    if errors:
-        first = min(errors, key=lambda e: e["time"])
-        return f"rank {first['rank']} failed: {first['error']} {log_hint.format(rank=first['rank'])}"
-    for rank, p in enumerate(procs):
-        if p.returncode not in (0, None):
-            how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
-            return f"rank {rank} died ({how}) {log_hint.format(rank=rank)}"
-    return "a rank failed"
+            err = json.loads(path.read_text())
+            events.append((err["time"], rank, f"failed: {err['error']}"))
+        elif p.returncode not in (0, None) and rank in exit_times:
+            how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+            events.append((exit_times[rank], rank, f"died ({how}) without an error message"))
+    if not events:
+        return "a rank failed without an error message"
+    _, rank, message = min(events)
+    return f"rank {rank} {message} (full log: {run_dir / worker.LOG_DIR / f'rank{rank}.log'})"
+
+
+def _mark_failed(run_dir: Path, reason: str) -> None:
+    """Record the failure in run.json, so reports list the run as failed with its reason."""
+    from fsdp_lab import worker
+
+    path = run_dir / worker.RUN_FILE
+    facts = json.loads(path.read_text()) if path.is_file() else {}
+    worker.write_run_file(run_dir, {**facts, "status": "failed", "error": reason})
 
 
 def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:

@@ -111,7 +111,7 @@ def run(cfg: Config, run_dir: Path) -> None:
         log.info("%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
                  facts["hardware"], topo.world_size, facts["mesh_axes"], facts["mesh_shape"],
                  facts["fsdp_units"], f"{total_params:,}", [f"{n:,}" for n in numels])
-        _write_run_file(run_dir, {**facts, "status": "running"})
+        write_run_file(run_dir, {**facts, "status": "running"})
         writer = MetricsWriter(run_dir / METRICS_FILE)
         progress = Progress(t.max_steps, enabled=t.progress_bar)
 
@@ -128,13 +128,13 @@ def run(cfg: Config, run_dir: Path) -> None:
     if rank == 0:
         progress.close()
         writer.close()
-        _write_run_file(run_dir, {**facts, "status": "completed", "final_loss": last.loss,
+        write_run_file(run_dir, {**facts, "status": "completed", "final_loss": last.loss,
                                   "total_time_s": time.perf_counter() - t0})
         log.info("done: %d steps, final loss %.4f, %.0f tokens/s, run dir %s",
                  last.step, last.loss, last.tokens_per_s, run_dir)
 
 
-def _write_run_file(run_dir: Path, facts: dict) -> None:
+def write_run_file(run_dir: Path, facts: dict) -> None:
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps(facts, indent=2) + "\n")
     tmp.replace(run_dir / RUN_FILE)

@@ -1,0 +1,153 @@
+"""train.py as a user runs it: run dirs, sweeps, torchrun, and bad input that fails at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check_ok, train
+from fsdp_lab.loggers import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "peak_mem_bytes",
+             "peak_mem_bytes_per_rank"}
+
+
+def test_run_dir_holds_config_logs_and_metrics(run_dir):
+    proc = train(run_dir, "trainer.max_steps=5", "hardware=cpu")
+    check_ok(proc)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.yaml", "logs", "metrics.jsonl", "run.json"]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert STEP_KEYS <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert len(r["peak_mem_bytes_per_rank"]) == 2
+        assert r["peak_mem_bytes"] == max(r["peak_mem_bytes_per_rank"]) > 100 * 2**20
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "completed" and facts["backend"] == "gloo"
+    assert "max_steps: 5" in (run_dir / "config.yaml").read_text()
+    assert "done: 5 steps" in proc.stderr
+    assert "rank 1" not in proc.stderr  # only rank 0 talks to the console
+
+
+def test_an_existing_run_dir_is_never_overwritten(run_dir):
+    check_ok(train(run_dir, "trainer.max_steps=2", "hardware=cpu"))
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    proc = train(run_dir, "trainer.max_steps=3", "hardware=cpu")
+    assert proc.returncode == 2
+    assert "already holds files" in proc.stderr and "hydra.run.dir" in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "sharding=full,grad_op", "trainer.max_steps=3",
+         "hardware=cpu", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    for job, strategy in (("0", "full"), ("1", "grad_op")):
+        assert len(read_metrics(sweep / job / "metrics.jsonl")) == 3
+        assert f"strategy: {strategy}" in (sweep / job / "config.yaml").read_text()
+    assert (sweep / "multirun.yaml").is_file()
+
+
+def test_torchrun_joins_its_group_with_one_run_dir(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), "trainer.max_steps=3", "hardware=cpu",
+         "trainer.progress_bar=false", "sharding=grad_op"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    run_dirs = [p.parent for p in (tmp_path / "outputs").rglob("config.yaml")]
+    assert len(run_dirs) == 1
+    assert len(read_metrics(run_dirs[0] / "metrics.jsonl")) == 3
+    # Every rank's Hydra made a dir; only rank 0's remains.
+    assert len([d for d in (tmp_path / "outputs").rglob("*") if d.is_dir() and d.name != "logs"
+                and not any(d.iterdir())]) == 0
+    assert json.loads((run_dirs[0] / "run.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["sharding=hybrid", "hardware.nproc_per_node=2"], "sharding=hybrid on 2 ranks"),
+    (["hardware.nproc_per_node=0"], "hardware.nproc_per_node=0"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0"),
+    (["model=local", "model.name_or_path=/nonexistent"], "no config.json"),
+    (["hardware=gpu"], "CUDA is not available"),
+    (["wrap.classes=[Block]"], "its module classes are"),
+])
+def test_bad_input_fails_in_the_parent_with_one_line(run_dir, overrides, fragment):
+    proc = train(run_dir, *overrides, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp_lab: error:")]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "logs").exists()  # no worker started
+
+
+def test_unknown_group_option_lists_the_valid_ones(run_dir):
+    proc = train(run_dir, "sharding=zero3", timeout=120)
+    assert proc.returncode != 0
+    assert "Available options in 'sharding'" in proc.stderr
+    assert "hybrid_zero2" in proc.stderr
+
+
+def test_a_failing_worker_fails_the_run_and_is_reported_once(run_dir):
+    proc = train(run_dir, "hardware=cpu", "optim.lr=1e6", "optim.grad_clip=null",
+                 "optim.warmup_steps=0", "trainer.max_steps=50")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp_lab: error:")]
+    assert len(errors) == 1 and "FloatingPointError: loss is nan" in errors[0]
+    assert "Traceback" not in proc.stderr  # the traceback is in the rank's log
+    assert "Traceback" in (run_dir / "logs" / "rank0.log").read_text()
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "failed" and "loss is nan" in facts["error"]
+
+
+def _worker_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc_dir in Path("/proc").iterdir():
+            if not proc_dir.name.isdigit():
+                continue
+            try:
+                cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
+                env = (proc_dir / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"fsdp_lab.worker" in cmd and str(run_dir).encode() in cmd \
+                    and f"RANK={rank}".encode() in env:
+                return int(proc_dir.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def test_a_killed_rank_fails_the_run_fast_and_is_named(run_dir):
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "hardware=cpu",
+           "trainer.progress_bar=false", "trainer.max_steps=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        pid = _worker_pid(run_dir, 1)
+        while not (run_dir / "metrics.jsonl").is_file():  # wait for training to start
+            time.sleep(0.2)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 30  # not the 300 s collective timeout
+    errors = [line for line in stderr.splitlines() if line.startswith("fsdp_lab: error:")]
+    assert len(errors) == 1 and "rank 1 died (signal 9)" in errors[0], stderr
