@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
     model.train()
     timer = StepTimer(device)
     last = None
+    loop_start = time.perf_counter()
     for step in range(max_steps):
         timer.start()
         batches = [{k: v.to(device, non_blocking=True) for k, v in data.batch(step, m).items()}
@@ -74,6 +76,6 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
         last = StepMetrics(step=step + 1, loss=loss, grad_norm=result.grad_norm, lr=lr,
                            step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                            peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
-                           skipped=result.skipped)
+                           skipped=result.skipped, elapsed_s=time.perf_counter() - loop_start)
         on_step(last)
     return last

@@ -22,6 +22,7 @@ class StepMetrics:
     peak_mem_bytes: int
     peak_mem_bytes_per_rank: list[int]
     skipped: bool = False
+    elapsed_s: float = 0.0  # wall time since the loop started, all overheads included
 
     def as_record(self) -> dict:
         return dict(self.__dict__)
