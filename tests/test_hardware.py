@@ -1,0 +1,62 @@
+"""The GPU path's decisions, checked without a GPU by faking what torch.cuda reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_lab import hardware
+from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    def install(count: int, bf16: bool = True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    return install
+
+
+def test_auto_picks_gpu_only_when_cuda_is_there(fake_gpus):
+    fake_gpus(0)
+    assert hardware.resolve_kind(HardwareConfig(kind=HardwareKind.auto)) is HardwareKind.cpu
+    with pytest.raises(ConfigError, match="hardware=cpu"):
+        hardware.resolve_kind(HardwareConfig(kind=HardwareKind.gpu))
+    fake_gpus(8)
+    assert hardware.resolve_kind(HardwareConfig(kind=HardwareKind.auto)) is HardwareKind.gpu
+    assert hardware.default_nproc_per_node(HardwareKind.gpu) == 8
+    assert hardware.default_nproc_per_node(HardwareKind.cpu) == 2
+
+
+def test_gpu_backend_pinning_and_rank_counts(fake_gpus):
+    fake_gpus(4)
+    assert hardware.backend(HardwareKind.gpu) == "nccl"
+    assert hardware.backend(HardwareKind.cpu) == "gloo"
+    assert hardware.pin_memory(HardwareKind.gpu) and not hardware.pin_memory(HardwareKind.cpu)
+    hardware.check_nproc(HardwareKind.gpu, 4)
+    with pytest.raises(ConfigError, match="only 4 GPUs"):
+        hardware.check_nproc(HardwareKind.gpu, 5)
+    hardware.check_nproc(HardwareKind.cpu, 16)  # CPU ranks are processes, not devices
+
+
+def test_bf16_needs_a_gpu_that_has_it(fake_gpus):
+    fake_gpus(1, bf16=False)
+    with pytest.raises(ConfigError, match="precision.param_dtype=bf16"):
+        hardware.check_dtype(HardwareKind.gpu, Dtype.bf16, "precision.param_dtype")
+    hardware.check_dtype(HardwareKind.gpu, Dtype.fp16, "precision.param_dtype")
+    hardware.check_dtype(HardwareKind.cpu, Dtype.bf16, "precision.param_dtype")
+
+
+def test_cpu_threads_are_split_among_ranks():
+    before = torch.get_num_threads()
+    try:
+        assert hardware.set_threads(HardwareConfig(threads_per_rank=3), 2) == 3
+        assert torch.get_num_threads() == 3
+        assert hardware.set_threads(HardwareConfig(), 10_000) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_peak_memory_on_cpu_is_the_process_rss():
+    assert hardware.peak_memory_bytes(torch.device("cpu")) > 50 * 2**20
