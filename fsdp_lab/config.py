@@ -62,6 +62,12 @@ class DataKind(enum.Enum):
     synthetic = "synthetic"
 
 
+class CheckpointFormat(enum.Enum):
+    sharded = "sharded"  # torch.distributed.checkpoint: every rank writes its own shards
+    full = "full"  # one consolidated state dict written by rank 0
+    none = "none"
+
+
 @dataclass
 class ShardingConfig:
     strategy: ShardingStrategy = ShardingStrategy.full
@@ -139,6 +145,22 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    format: CheckpointFormat = CheckpointFormat.sharded
+    """sharded (DCP, reshardable, scales), full (rank 0 writes one file), none."""
+    every_n_steps: int = 0
+    """Save every N optimizer steps; 0 saves only at the end (and on preemption)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are removed only after a newer one is complete."""
+    dir: Optional[str] = None
+    """Where checkpoints go; None: <run dir>/checkpoints."""
+    async_enabled: bool = False
+    """sharded only: write in the background (DCP async_save) while training continues."""
+    export_hf: bool = False
+    """At the end, also write a Hugging Face directory (<run dir>/hf) from the final weights."""
+
+
+@dataclass
 class OptimConfig:
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
@@ -179,6 +201,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint of this run dir, if it has one;
+    never: always start fresh; a path: a checkpoint dir, or a run dir / checkpoint root to take
+    the latest complete checkpoint of."""
     seed: int = 0
     """Seeds the model init (done once, on rank 0) and the data; the same seed gives the same run
     whatever the world size or strategy."""
@@ -238,6 +265,7 @@ def _check_fields(cfg: Config) -> None:
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
     _check_model(m, t)
+    _check_checkpoint(cfg.checkpoint)
     _check_precision(cfg.precision)
     raf = cfg.sharding.reshard_after_forward
     if raf is not None and not isinstance(raf, (bool, int)):
@@ -280,6 +308,16 @@ def _check_model(m: ModelConfig, t: TrainerConfig) -> None:
             f"trainer.seq_len={t.seq_len} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}; lower trainer.seq_len"
         )
+
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    if c.every_n_steps < 0:
+        raise ConfigError(f"checkpoint.every_n_steps={c.every_n_steps} must be >= 0 (0: at the end)")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    if c.async_enabled and c.format is not CheckpointFormat.sharded:
+        raise ConfigError(
+            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})")
 
 
 def _check_precision(p: PrecisionConfig) -> None:

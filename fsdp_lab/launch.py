@@ -8,6 +8,7 @@ takes rank 0's config and run dir, since each rank composed its own (``${now:}``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,10 +28,12 @@ log = logging.getLogger("fsdp_lab")
 # After the first rank fails, the others get this long to fail on their own (a broken
 # collective usually ends them at once) before they are terminated.
 GRACE_S = 5.0
+PREEMPTED = 75  # worker.PREEMPTED_EXIT_CODE, without importing torch here
 
 
 def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
     """Entry from train.py. Exits non-zero, with one line on stderr, when the run fails."""
+    forwarder = _SignalForwarder() if "RANK" not in os.environ else None
     try:
         cfg = to_typed(dict_cfg)
         if "RANK" in os.environ:
@@ -40,21 +43,49 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
                     "run `python train.py -m ...` (it starts each job's ranks itself)")
             _join_existing_group(cfg, run_dir)  # never returns
         topo = _local_topology(cfg)
-        check_run(cfg, topo)
-        _claim_run_dir(run_dir)
+        cfg = prepare_run(cfg, topo, run_dir)
     except ConfigError as e:
         print(f"fsdp_lab: error: {e}", file=sys.stderr)
         sys.exit(2)
-    code = spawn_local(cfg, topo, run_dir)
+    try:
+        code = spawn_local(cfg, topo, run_dir, forwarder)
+    finally:
+        forwarder.restore()
     if code != 0:
         sys.exit(code)
 
 
-def check_run(cfg: Config, topo: Topology) -> None:
-    """Every check that can run before a worker starts."""
-    from fsdp_lab import hardware
+class _SignalForwarder:
+    """Preemption signals to the launcher go to every rank; one that arrives before the ranks
+    exist is kept and sent to them as soon as they start (they then stop after one step)."""
 
-    from fsdp_lab import model as model_lib, wrap
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.procs: list[subprocess.Popen] = []
+        self._previous = {sig: signal.signal(sig, self._forward)
+                          for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _forward(self, signum, frame) -> None:
+        self.seen.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def add(self, proc: subprocess.Popen) -> None:
+        self.procs.append(proc)
+        for signum in self.seen:
+            proc.send_signal(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
+    """Every check that can run before a worker starts, and the decisions made once: which
+    checkpoint to resume from and whether this run dir may be written. Returns the config the
+    workers run, with ``resume`` resolved to a checkpoint path or "never"."""
+    from fsdp_lab import checkpoint as ckpt, hardware, model as model_lib, wrap
 
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
@@ -62,8 +93,34 @@ def check_run(cfg: Config, topo: Topology) -> None:
     for name in ("param_dtype", "reduce_dtype"):
         hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
-    # surface here once, not in every worker.
-    wrap.select_units(model_lib.build_meta_model(model_lib.build_hf_config(cfg.model)), cfg.wrap)
+    # and checkpoints of another model surface here once, not in every worker.
+    meta_model = model_lib.build_meta_model(model_lib.build_hf_config(cfg.model))
+    wrap.select_units(meta_model, cfg.wrap)
+    root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
+    resume_path = ckpt.resolve_resume(cfg.resume, root)
+    if resume_path is not None:
+        step = ckpt.verify(resume_path)["step"]
+        ckpt.check_compatible(resume_path, meta_model)
+    continuing = resume_path is not None and cfg.resume == "auto"
+    _claim_run_dir(run_dir, continuing=continuing)
+    if continuing:
+        _truncate_metrics(run_dir / "metrics.jsonl", step)
+        log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
+    elif resume_path is not None:
+        log.info("starting from %s (step %d)", resume_path, step)
+    return dataclasses.replace(cfg, resume=str(resume_path) if resume_path else "never")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint: they are about to be run again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 def _local_topology(cfg: Config) -> Topology:
@@ -81,13 +138,14 @@ def _local_topology(cfg: Config) -> Topology:
     return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
 
 
-def _claim_run_dir(run_dir: Path) -> None:
-    """A run dir holds one run: never write into one that already has files."""
+def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
+    """A run dir holds one run: write into one that has files only to continue its run."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if any(run_dir.iterdir()):
+    if any(run_dir.iterdir()) and not continuing:
         raise ConfigError(
-            f"run dir {run_dir} already holds files; pick a new one with hydra.run.dir=... "
-            "(or hydra.sweep.dir=... for -m)")
+            f"run dir {run_dir} already holds files and no complete checkpoint to resume "
+            "(or resume is not auto); pick a new one with hydra.run.dir=... (hydra.sweep.dir=... "
+            "for -m)")
 
 
 def _free_port() -> int:
@@ -96,8 +154,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
-    """Start one worker process per rank, wait, and report the first failure once."""
+def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalForwarder) -> int:
+    """Start one worker process per rank, wait, and report the first failure once.
+
+    A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
+    ``forwarder``; they finish the step, checkpoint and exit with PREEMPTED."""
     from fsdp_lab import worker
 
     worker.save_run_config(cfg, run_dir)
@@ -116,8 +177,10 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
             out = None if rank == 0 else open(log_dir / f"rank{rank}.log", "ab")
             outputs.append(out)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fsdp_lab.worker", str(run_dir)], env=env,
-                stdout=out, stderr=subprocess.STDOUT if out else None))
+                [sys.executable, "-m", "fsdp_lab.rank_main", str(run_dir)], env=env,
+                stdout=out, stderr=subprocess.STDOUT if out else None,
+                preexec_fn=_block_preempt_signals))
+            forwarder.add(procs[-1])
         code, exit_times = _wait(procs)
     except KeyboardInterrupt:
         _stop(procs)
@@ -127,11 +190,22 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path) -> int:
         for out in outputs:
             if out is not None:
                 out.close()
-    if code != 0:
+    if code == worker.PREEMPTED_EXIT_CODE:
+        facts = json.loads((run_dir / worker.RUN_FILE).read_text())
+        print(f"fsdp_lab: preempted (signal {forwarder.seen[0] if forwarder.seen else '?'}) after step "
+              f"{facts.get('step')}, checkpoint written; run the same command again with "
+              f"hydra.run.dir={run_dir} to resume", file=sys.stderr)
+    elif code != 0:
         reason = _first_failure(run_dir, procs, exit_times)
         _mark_failed(run_dir, reason)
         print(f"fsdp_lab: error: {reason}", file=sys.stderr)
-    return code
+    return 128 - code if code < 0 else code  # killed by signal N: exit 128+N, as shells do
+
+
+def _block_preempt_signals() -> None:
+    """In the child before exec: hold preemption signals pending (the mask survives exec)
+    until rank_main has its handler in place and unblocks them, so none is lost or fatal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
@@ -144,9 +218,10 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
             if rank not in exit_times and p.poll() is not None:
                 exit_times[rank] = time.time()
         codes = [p.returncode for p in procs]
-        first_bad = next((c for c in codes if c not in (None, 0)), 0)
+        # A preempted rank (PREEMPTED_EXIT_CODE) is not a failure: the others follow it.
+        first_bad = next((c for c in codes if c not in (None, 0, PREEMPTED)), 0)
         if len(exit_times) == len(procs):
-            return first_bad, exit_times
+            return first_bad or (PREEMPTED if PREEMPTED in codes else 0), exit_times
         if failed_at is None and first_bad:
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
@@ -213,8 +288,7 @@ def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
     if rank == 0:
         try:
             topo = worker.topology_from_env(kind)
-            check_run(cfg, topo)
-            _claim_run_dir(hydra_run_dir)
+            cfg = prepare_run(cfg, topo, hydra_run_dir)
             worker.save_run_config(cfg, hydra_run_dir)
             payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
         except ConfigError as e:

@@ -53,14 +53,18 @@ def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
 
 
 def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: float | None,
-          max_steps: int, grad_accum_steps: int, tokens_per_step: int, device: torch.device,
-          on_step) -> StepMetrics | None:
-    """Run optimizer steps 1..max_steps; ``on_step(metrics)`` is called on every rank."""
+          start_step: int, max_steps: int, grad_accum_steps: int, tokens_per_step: int,
+          device: torch.device, on_step, stop_requested) -> tuple[StepMetrics | None, bool]:
+    """Run optimizer steps start_step+1..max_steps, calling ``on_step(metrics)`` on every rank.
+
+    Returns the last step's metrics and whether the run stopped early because some rank's
+    ``stop_requested()`` said so (a preemption signal); all ranks stop after the same step.
+    """
     model.train()
     timer = StepTimer(device)
     last = None
     loop_start = time.perf_counter()
-    for step in range(max_steps):
+    for step in range(start_step, max_steps):
         timer.start()
         batches = [{k: v.to(device, non_blocking=True) for k, v in data.batch(step, m).items()}
                    for m in range(grad_accum_steps)]
@@ -69,7 +73,8 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
                             grad_clip=grad_clip)
         scheduler.step()
         step_time = timer.stop()
-        loss, peaks = gather_step_stats(result.local_loss, device)
+        loss, peaks, stop = gather_step_stats(result.local_loss, device,
+                                              stop_requested=stop_requested())
         if not math.isfinite(loss) and scaler is None:
             raise FloatingPointError(
                 f"loss is {loss} at step {step + 1}; lower optim.lr or use precision=fp32/bf16")
@@ -78,4 +83,6 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
                            peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
                            skipped=result.skipped, elapsed_s=time.perf_counter() - loop_start)
         on_step(last)
-    return last
+        if stop and step + 1 < max_steps:
+            return last, True
+    return last, False

@@ -44,17 +44,22 @@ class StepTimer:
         return time.perf_counter() - self._start
 
 
-def gather_step_stats(local_loss: float, device: torch.device) -> tuple[float, list[int]]:
-    """(mean loss over ranks, each rank's peak memory) in one small all-gather.
+def gather_step_stats(local_loss: float, device: torch.device, *,
+                      stop_requested: bool) -> tuple[float, list[int], bool]:
+    """(mean loss over ranks, each rank's peak memory, whether any rank asked to stop) in one
+    small all-reduce per step.
 
     Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
-    losses is the mean loss of the global batch.
+    losses is the mean loss of the global batch. A stop request (a signal) may reach the ranks
+    at different steps; sharing it here makes every rank stop after the same step.
     """
-    # An all-reduce over a one-hot row layout works on every backend and torch version
+    # One-hot rows summed by all-reduce: works on every backend and torch version
     # (all_gather_into_tensor is deprecated in recent releases).
-    stats = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=device)
+    stats = torch.zeros(dist.get_world_size(), 3, dtype=torch.float64, device=device)
     stats[dist.get_rank()] = torch.tensor(
-        [local_loss, float(hardware.peak_memory_bytes(device))], dtype=torch.float64)
+        [local_loss, float(hardware.peak_memory_bytes(device)), float(stop_requested)],
+        dtype=torch.float64)
     dist.all_reduce(stats)
     rows = stats.cpu()
-    return rows[:, 0].mean().item(), [int(v) for v in rows[:, 1].tolist()]
+    return (rows[:, 0].mean().item(), [int(v) for v in rows[:, 1].tolist()],
+            bool(rows[:, 2].sum().item() > 0))

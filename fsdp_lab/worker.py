@@ -1,6 +1,6 @@
 """One rank of a run: the ordered recipe from a resolved config to a trained, sharded model.
 
-Started by the launcher as ``python -m fsdp_lab.worker RUN_DIR`` (local spawn: it reads
+Started by the launcher as ``python -m fsdp_lab.rank_main RUN_DIR`` (local spawn: it reads
 RUN_DIR/config.yaml, the config the parent composed and validated) or called in-process under
 torchrun. Either way it ends with ``os._exit``: interpreter shutdown after
 ``destroy_process_group`` sometimes aborts ("terminate called without an active exception").
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from fsdp_lab import hardware, model as model_lib, precision, sharding, wrap
+from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
 from fsdp_lab.config import Config, OffloadDevice, Topology, to_container, to_typed, validate
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
@@ -30,6 +32,30 @@ from fsdp_lab.optim import build_optimizer, build_scheduler
 log = logging.getLogger("fsdp_lab")
 
 CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
+HF_EXPORT_DIR = "hf"
+# Exit code of a rank that stopped on SIGTERM/SIGUSR1 after checkpointing (EX_TEMPFAIL: "try
+# again"): a scheduler requeues the job and resume=auto continues it.
+PREEMPTED_EXIT_CODE = 75  # also launch.PREEMPTED
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """Every rank stopped early on a signal, with a checkpoint written if checkpointing is on."""
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGUSR1; the loop finishes its step, then every rank stops together."""
+
+    def __init__(self, early_signals: list[int] | None = None) -> None:
+        self.signal: int | None = early_signals[0] if early_signals else None
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def __call__(self) -> bool:
+        return self.signal is not None
 
 
 def topology_from_env(kind) -> Topology:
@@ -45,10 +71,11 @@ def local_numel(module: torch.nn.Module) -> int:
                for p in module.parameters())
 
 
-def run(cfg: Config, run_dir: Path) -> None:
+def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     setup_rank_logging(run_dir / LOG_DIR, rank)
     t0 = time.perf_counter()
+    stop = StopFlag(early_signals)  # a signal during set-up is acted on after the first step
 
     # 1) Device, threads and the process group (under torchrun the launcher already joined it).
     kind = hardware.resolve_kind(cfg.hardware)
@@ -88,7 +115,17 @@ def run(cfg: Config, run_dir: Path) -> None:
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     scaler = precision.build_grad_scaler(cfg.precision, device)
 
-    # 7) This rank's share of every global batch (all ranks are data-parallel ranks).
+    # 7) Resume: the launcher resolved cfg.resume to a checkpoint path or "never".
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg.checkpoint, run_dir),
+                                model=model, optimizer=optimizer, scheduler=scheduler,
+                                scaler=scaler, config=to_container(cfg), device=device)
+    assert cfg.resume != "auto", "the launcher resolves resume=auto before workers start"
+    start_step = tokens_seen = 0
+    if cfg.resume != "never":
+        restored = checkpointer.load(Path(cfg.resume))
+        start_step, tokens_seen = restored.step, restored.tokens_seen
+
+    # 8) This rank's share of every global batch (all ranks are data-parallel ranks).
     data = build_data(cfg.data, seed=cfg.seed, vocab_size=hf_config.vocab_size,
                       seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                       dp_size=topo.world_size, dp_rank=rank)
@@ -104,6 +141,7 @@ def run(cfg: Config, run_dir: Path) -> None:
         "fsdp_units": units_desc, "num_fsdp_units": len(units) + 1,
         "model_class": model_class, "total_params": total_params,
         "local_params_per_rank": numels, "tokens_per_step": tokens_per_step,
+        "resumed_from": None if cfg.resume == "never" else cfg.resume, "start_step": start_step,
         "torch": torch.__version__,
     }
     writer = progress = None
@@ -113,25 +151,63 @@ def run(cfg: Config, run_dir: Path) -> None:
                  facts["fsdp_units"], f"{total_params:,}", [f"{n:,}" for n in numels])
         write_run_file(run_dir, {**facts, "status": "running"})
         writer = MetricsWriter(run_dir / METRICS_FILE)
-        progress = Progress(t.max_steps, enabled=t.progress_bar)
+        progress = Progress(t.max_steps, enabled=t.progress_bar, initial=start_step)
+    saved_step = start_step if cfg.resume != "never" else -1
 
     def on_step(m) -> None:
+        nonlocal saved_step
         if rank == 0:
             writer.write(m.as_record())
             progress.update(m.as_record())
+        checkpointer.poll()
+        if checkpointer.should_save(m.step):
+            checkpointer.save(m.step, tokens_seen + (m.step - start_step) * tokens_per_step)
+            saved_step = m.step
 
-    # 8) The loop.
-    last = train(model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                 grad_clip=cfg.optim.grad_clip, max_steps=t.max_steps,
-                 grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step,
-                 device=device, on_step=on_step)
+    # 9) The loop; a preemption signal ends it after the current step on every rank.
+    last, preempted = train(
+        model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,
+        grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step, device=device,
+        on_step=on_step, stop_requested=stop)
+    end_step = last.step if last is not None else start_step
     if rank == 0:
         progress.close()
         writer.close()
-        write_run_file(run_dir, {**facts, "status": "completed", "final_loss": last.loss,
-                                  "total_time_s": time.perf_counter() - t0})
-        log.info("done: %d steps, final loss %.4f, %.0f tokens/s, run dir %s",
-                 last.step, last.loss, last.tokens_per_s, run_dir)
+
+    # 10) The final (or preemption) checkpoint, then the Hugging Face export.
+    if checkpointer.enabled and saved_step != end_step:
+        checkpointer.save(end_step, tokens_seen + (end_step - start_step) * tokens_per_step,
+                          blocking=True)
+    checkpointer.wait()
+    if preempted:
+        if rank == 0:
+            write_run_file(run_dir, {**facts, "status": "preempted", "step": end_step})
+            log.info("stopped by signal %s after step %d", stop.signal, end_step)
+        raise Preempted(f"stopped after step {end_step}")
+    if cfg.checkpoint.export_hf:
+        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank)
+    if rank == 0:
+        final_loss = last.loss if last is not None else None
+        write_run_file(run_dir, {**facts, "status": "completed", "step": end_step,
+                                 "final_loss": final_loss,
+                                 "total_time_s": time.perf_counter() - t0})
+        log.info("done: step %d/%d, final loss %s, run dir %s", end_step, t.max_steps,
+                 f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
+
+
+def _export(model, hf_config, out_dir: Path, rank: int) -> None:
+    """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_lab.export import export_hf
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                              cpu_offload=True))
+    if rank == 0:
+        export_hf(sd, hf_config, out_dir)
+        log.info("exported Hugging Face model: %s", out_dir)
+    dist.barrier()
 
 
 def write_run_file(run_dir: Path, facts: dict) -> None:
@@ -144,11 +220,13 @@ def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / LOG_DIR / f"rank{rank}.error.json"
 
 
-def run_and_exit(cfg: Config, run_dir: Path) -> None:
+def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns."""
     code = 0
     try:
-        run(cfg, run_dir)
+        run(cfg, run_dir, early_signals=early_signals)
+    except Preempted:
+        code = PREEMPTED_EXIT_CODE
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
         rank = int(os.environ.get("RANK", 0))
@@ -175,8 +253,3 @@ def load_run_config(run_dir: Path) -> Config:
 
 def save_run_config(cfg: Config, run_dir: Path) -> None:
     OmegaConf.save(OmegaConf.create(to_container(cfg)), run_dir / CONFIG_FILE)
-
-
-if __name__ == "__main__":
-    run_dir = Path(sys.argv[1])
-    run_and_exit(load_run_config(run_dir), run_dir)

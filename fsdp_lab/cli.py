@@ -1,0 +1,41 @@
+"""The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
+
+    fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fsdp_lab.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write a from_pretrained directory from a checkpoint")
+    exp.add_argument("checkpoint", type=Path,
+                     help="a checkpoint dir, or a run dir / checkpoint root (its latest)")
+    exp.add_argument("out_dir", type=Path, help="new or empty output directory")
+    exp.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (2GB)")
+    args = parser.parse_args(argv)
+    try:
+        match args.command:
+            case "export":
+                from fsdp_lab.export import export_hf, load_checkpoint_weights
+
+                sd, hf_config = load_checkpoint_weights(args.checkpoint)
+                out = export_hf(sd, hf_config, args.out_dir, max_shard_size=args.max_shard_size)
+                print(f"exported {args.checkpoint} -> {out}")
+            case _:
+                raise ValueError(f"unknown command {args.command}")
+    except ConfigError as e:
+        print(f"fsdp-lab: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
