@@ -76,7 +76,8 @@ class ShardingConfig:
     """hybrid only: ranks along the replicate axis. None: the number of nodes when > 1, else 2."""
     reshard_after_forward: Optional[Any] = None
     """None: the strategy's default. true/false overrides it; an int N > 1 reshards to groups of
-    N ranks after forward (must divide the shard axis)."""
+    N ranks after forward (must divide the shard axis). An int makes FSDP2 create two extra
+    process groups per FSDP unit (dozens of NCCL communicators on a deep model)."""
 
 
 @dataclass
@@ -247,7 +248,18 @@ def _check_fields(cfg: Config) -> None:
     t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
     for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
         _positive(getattr(t, name), f"trainer.{name}")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if t.seq_len < 2:
+        raise ConfigError(f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs "
+                          "two tokens)")
     _positive(o.lr, "optim.lr")
+    _positive(o.eps, "optim.eps")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1)")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
     if o.grad_clip is not None:
         _positive(o.grad_clip, "optim.grad_clip")
     if not 0 <= o.min_lr_ratio <= 1:
@@ -299,10 +311,14 @@ def _check_model(m: ModelConfig, t: TrainerConfig) -> None:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
         )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}"
-        )
+    if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by "
+                              f"model.num_kv_heads={m.num_kv_heads}")
+        if (m.hidden_size // m.num_heads) % 2:
+            raise ConfigError(
+                f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
+                "(rotary embeddings rotate pairs of dimensions)")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"trainer.seq_len={t.seq_len} exceeds model.max_position_embeddings="

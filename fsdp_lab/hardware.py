@@ -65,7 +65,9 @@ def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
 
 
 def backend(kind: HardwareKind) -> str:
-    return "nccl" if kind is HardwareKind.gpu else "gloo"
+    """On GPU, NCCL for CUDA tensors plus gloo for CPU ones: with offload=cpu the gradient
+    shards (and so clip_grad_norm_'s all-reduce) live on the CPU, which NCCL cannot reduce."""
+    return "cuda:nccl,cpu:gloo" if kind is HardwareKind.gpu else "gloo"
 
 
 def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:

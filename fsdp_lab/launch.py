@@ -90,11 +90,17 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
     p = cfg.precision
-    for name in ("param_dtype", "reduce_dtype"):
-        hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        if getattr(p, name) is not None:
+            hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
-    meta_model = model_lib.build_meta_model(model_lib.build_hf_config(cfg.model))
+    hf_config = model_lib.build_hf_config(cfg.model)
+    positions = model_lib.max_positions(hf_config)
+    if positions is not None and cfg.trainer.seq_len > positions:
+        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds the model's "
+                          f"{positions} positions; lower trainer.seq_len")
+    meta_model = model_lib.build_meta_model(hf_config)
     wrap.select_units(meta_model, cfg.wrap)
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
     resume_path = ckpt.resolve_resume(cfg.resume, root)
@@ -179,11 +185,12 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalFo
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fsdp_lab.rank_main", str(run_dir)], env=env,
                 stdout=out, stderr=subprocess.STDOUT if out else None,
-                preexec_fn=_block_preempt_signals))
+                preexec_fn=_prepare_child))
             forwarder.add(procs[-1])
         code, exit_times = _wait(procs)
     except KeyboardInterrupt:
         _stop(procs)
+        _mark_failed(run_dir, "interrupted (Ctrl-C)")
         print("fsdp_lab: interrupted", file=sys.stderr)
         return 130
     finally:
@@ -202,10 +209,19 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalFo
     return 128 - code if code < 0 else code  # killed by signal N: exit 128+N, as shells do
 
 
-def _block_preempt_signals() -> None:
-    """In the child before exec: hold preemption signals pending (the mask survives exec)
-    until rank_main has its handler in place and unblocks them, so none is lost or fatal."""
+def _prepare_child() -> None:
+    """In the child before exec.
+
+    Hold preemption signals pending (the mask survives exec) until rank_main has its handler
+    in place and unblocks them, so none is lost or fatal. And on Linux, die with the launcher:
+    a launcher killed by SIGKILL or the OOM killer must not leave ranks training as orphans.
+    """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
@@ -245,22 +261,27 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
                    exit_times: dict[int, float]) -> str:
-    """The root cause: the earliest of the errors ranks wrote and the deaths of ranks that could
-    not write one (kill -9, a native crash). Later errors are usually others losing a peer."""
+    """The root cause, shown once.
+
+    A rank that died without writing an error (kill -9, OOM killer, a native crash) before the
+    launcher stopped anyone is the cause: the errors its peers then write ("Connection reset by
+    peer") are effects, and they often reach the disk before the launcher's poll sees the
+    death. Otherwise the earliest error written wins.
+    """
     from fsdp_lab import worker
 
-    events = []  # (time, rank, message)
+    deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
         path = worker.error_file(run_dir, rank)
         if path.is_file():
             err = json.loads(path.read_text())
-            events.append((err["time"], rank, f"failed: {err['error']}"))
-        elif p.returncode not in (0, None) and rank in exit_times:
+            errors.append((err["time"], rank, f"failed: {err['error']}"))
+        elif p.returncode not in (0, None, PREEMPTED) and rank in exit_times:
             how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
-            events.append((exit_times[rank], rank, f"died ({how}) without an error message"))
-    if not events:
+            deaths.append((exit_times[rank], rank, f"died ({how}) without an error message"))
+    if not deaths and not errors:
         return "a rank failed without an error message"
-    _, rank, message = min(events)
+    _, rank, message = min(deaths or errors)
     return f"rank {rank} {message} (full log: {run_dir / worker.LOG_DIR / f'rank{rank}.log'})"
 
 
@@ -293,6 +314,8 @@ def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
             payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
         except ConfigError as e:
             payload = [{"error": str(e)}]
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            payload = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
     dist.broadcast_object_list(payload, src=0)
     shared = payload[0]
     if "error" in shared:

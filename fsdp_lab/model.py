@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from fsdp_lab.config import ModelArch, ModelConfig
+from fsdp_lab.config import ConfigError, ModelArch, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,13 @@ def build_hf_config(cfg: ModelConfig):
     from transformers import AutoConfig, GPT2Config, LlamaConfig, Qwen2Config
 
     if cfg.name_or_path is not None:
-        return AutoConfig.from_pretrained(Path(cfg.name_or_path).expanduser())
+        try:
+            return AutoConfig.from_pretrained(Path(cfg.name_or_path).expanduser())
+        except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"model.name_or_path={cfg.name_or_path}: its config.json cannot be read by "
+                f"transformers ({first}); point it at a causal LM directory") from e
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                   bos_token_id=0, eos_token_id=1, pad_token_id=None)
     match cfg.arch:
@@ -57,10 +63,24 @@ def build_hf_config(cfg: ModelConfig):
             raise ValueError(f"unknown model.arch {cfg.arch}")
 
 
+def max_positions(hf_config) -> int | None:
+    """The longest sequence the model takes (None where the config does not say)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def _from_config(hf_config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(hf_config)
+    try:
+        return AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:  # not a causal LM architecture
+        raise ConfigError(
+            f"model: {type(hf_config).__name__} is not a causal LM transformers can build "
+            f"({str(e).splitlines()[0]}); use a decoder model directory") from e
 
 
 def build_meta_model(hf_config) -> nn.Module:

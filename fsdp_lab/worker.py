@@ -235,6 +235,10 @@ def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None 
         path.parent.mkdir(parents=True, exist_ok=True)
         line = traceback.format_exception_only(type(e), e)[-1].strip()
         path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
+        run_file = run_dir / RUN_FILE
+        if rank == 0 and run_file.is_file():  # the local launcher refines this to the root cause
+            facts = json.loads(run_file.read_text())
+            write_run_file(run_dir, {**facts, "status": "failed", "error": f"rank 0: {line}"})
     finally:
         if dist.is_initialized():
             try:

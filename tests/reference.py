@@ -16,7 +16,8 @@ from fsdp_lab.model import build_full_model, build_hf_config
 from fsdp_lab.optim import build_optimizer, build_scheduler
 
 
-def reference_losses(cfg: Config, *, world_size: int) -> list[float]:
+def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[float]]:
+    """(loss, gradient norm before clipping) of every step."""
     torch.set_num_threads(1)
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)
@@ -26,7 +27,7 @@ def reference_losses(cfg: Config, *, world_size: int) -> list[float]:
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     data = SyntheticData(seed=cfg.seed, vocab_size=hf_config.vocab_size, seq_len=t.seq_len,
                          micro_batch_size=t.micro_batch_size, dp_size=world_size, dp_rank=0)
-    losses = []
+    losses, norms = [], []
     for step in range(t.max_steps):
         total = 0.0
         for micro in range(t.grad_accum_steps):
@@ -35,9 +36,11 @@ def reference_losses(cfg: Config, *, world_size: int) -> list[float]:
             loss.backward()
             total += loss.item()
         clip = cfg.optim.grad_clip
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              clip if clip is not None else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(total)
-    return losses
+        norms.append(norm.item())
+    return losses, norms
