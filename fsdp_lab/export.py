@@ -18,14 +18,16 @@ from fsdp_lab.model import build_full_model, build_hf_config, build_meta_model
 
 
 def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
-              max_shard_size: str = "2GB") -> Path:
+              max_shard_size: str = "2GB", replace: bool = False) -> Path:
     """Save ``model_sd`` as a from_pretrained-able directory; complete or invisible.
 
     The weights are assigned into a meta-built model (no second copy), and tied parameters are
-    re-tied, so save_pretrained writes a tied head once, as transformers expects.
+    re-tied, so save_pretrained writes a tied head once, as transformers expects. An existing
+    non-empty ``out_dir`` is an error unless ``replace`` (a run re-exporting its own hf/), and
+    then it is swapped out only once the new export is whole.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and any(out_dir.iterdir()) and not replace:
         raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
     model = build_meta_model(hf_config)
     missing, unexpected = model.load_state_dict(model_sd, strict=False, assign=True)
@@ -39,9 +41,12 @@ def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+    old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
-        out_dir.rmdir()
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
     tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -59,10 +64,14 @@ def load_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], object
     hf_config = build_hf_config(to_typed(trainer["config"]).model)
     if marker["format"] == "full":
         return torch.load(path / "model.pt", weights_only=True), hf_config
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     # DCP loads in place into tensors of the right shapes: a CPU model supplies them.
     model = build_full_model(hf_config, seed=0)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["model"], hf_config

@@ -205,7 +205,7 @@ def _export(model, hf_config, out_dir: Path, rank: int) -> None:
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                               cpu_offload=True))
     if rank == 0:
-        export_hf(sd, hf_config, out_dir)
+        export_hf(sd, hf_config, out_dir, replace=True)  # this run's own export
         log.info("exported Hugging Face model: %s", out_dir)
     dist.barrier()
 

@@ -25,7 +25,7 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     proc = train(run_dir, "trainer.max_steps=5", "hardware=cpu")
     check_ok(proc)
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "config.yaml", "logs", "metrics.jsonl", "run.json"]
+        "checkpoints", "config.yaml", "logs", "metrics.jsonl", "run.json"]
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
@@ -41,13 +41,17 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     assert "rank 1" not in proc.stderr  # only rank 0 talks to the console
 
 
-def test_an_existing_run_dir_is_never_overwritten(run_dir):
-    check_ok(train(run_dir, "trainer.max_steps=2", "hardware=cpu"))
-    before = (run_dir / "metrics.jsonl").read_bytes()
-    proc = train(run_dir, "trainer.max_steps=3", "hardware=cpu")
+@pytest.mark.parametrize("first,second", [
+    (("checkpoint=none",), ()),  # nothing to resume from
+    ((), ("resume=never",)),  # a checkpoint, but the user asked for a fresh run
+])
+def test_an_existing_run_dir_is_never_overwritten(run_dir, first, second):
+    check_ok(train(run_dir, "trainer.max_steps=2", "hardware=cpu", *first))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    proc = train(run_dir, "trainer.max_steps=3", "hardware=cpu", *second)
     assert proc.returncode == 2
     assert "already holds files" in proc.stderr and "hydra.run.dir" in proc.stderr
-    assert (run_dir / "metrics.jsonl").read_bytes() == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
