@@ -10,7 +10,6 @@ import logging
 import os
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

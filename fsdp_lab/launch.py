@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fsdp_lab.config import ConfigError, Config, HardwareKind, Topology, to_container, to_typed, validate
+from fsdp_lab.config import ConfigError, Config, Topology, to_container, to_typed, validate
 
 log = logging.getLogger("fsdp_lab")
 

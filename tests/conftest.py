@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,22 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
+    """The pid of a running rank of the local launcher whose run dir is ``run_dir``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc_dir in Path("/proc").iterdir():
+            if not proc_dir.name.isdigit():
+                continue
+            try:
+                cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
+                env = (proc_dir / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"fsdp_lab.rank_main" in cmd and str(run_dir).encode() in cmd \
+                    and f"RANK={rank}".encode() in env:
+                return int(proc_dir.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} found")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, check_ok, train
+from conftest import ROOT, check_ok, rank_pid, train
 from fsdp_lab import checkpoint as ckpt
 from fsdp_lab.loggers import read_metrics
 
@@ -184,21 +184,6 @@ def test_damaged_or_foreign_checkpoints_fail_before_training(base_run, tmp_path)
     assert "of another model" in error and "shape" in error
 
 
-def _pid_of_rank(run_dir: Path, rank: int) -> int:
-    for proc_dir in Path("/proc").iterdir():
-        if not proc_dir.name.isdigit():
-            continue
-        try:
-            cmd = (proc_dir / "cmdline").read_bytes()
-            env = (proc_dir / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"fsdp_lab.rank_main" in cmd and str(run_dir).encode() in cmd \
-                and f"RANK={rank}".encode() in env:
-            return int(proc_dir.name)
-    raise AssertionError(f"rank {rank} not running")
-
-
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "hardware=cpu",
            "trainer.progress_bar=false", *overrides]
@@ -257,7 +242,7 @@ def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path)
             time.sleep(0.002)
         else:
             raise AssertionError("never saw a save in progress")
-        os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)
+        os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()

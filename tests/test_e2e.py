@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, check_ok, train
+from conftest import ROOT, check_ok, rank_pid, train
 from fsdp_lab.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,7 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     facts = json.loads((run_dir / "run.json").read_text())
     assert facts["status"] == "completed" and facts["backend"] == "gloo"
     assert "max_steps: 5" in (run_dir / "config.yaml").read_text()
-    assert "done: 5 steps" in proc.stderr
+    assert "done: step 5/5" in proc.stderr
     assert "rank 1" not in proc.stderr  # only rank 0 talks to the console
 
 
@@ -120,31 +119,13 @@ def test_a_failing_worker_fails_the_run_and_is_reported_once(run_dir):
     assert facts["status"] == "failed" and "loss is nan" in facts["error"]
 
 
-def _worker_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc_dir in Path("/proc").iterdir():
-            if not proc_dir.name.isdigit():
-                continue
-            try:
-                cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
-                env = (proc_dir / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"fsdp_lab.rank_main" in cmd and str(run_dir).encode() in cmd \
-                    and f"RANK={rank}".encode() in env:
-                return int(proc_dir.name)
-        time.sleep(0.2)
-    raise AssertionError(f"no worker of rank {rank} found")
-
-
 def test_a_killed_rank_fails_the_run_fast_and_is_named(run_dir):
     cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "hardware=cpu",
            "trainer.progress_bar=false", "trainer.max_steps=100000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        pid = _worker_pid(run_dir, 1)
+        pid = rank_pid(run_dir, 1)
         while not (run_dir / "metrics.jsonl").is_file():  # wait for training to start
             time.sleep(0.2)
         killed_at = time.monotonic()

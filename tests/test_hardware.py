@@ -31,7 +31,7 @@ def test_auto_picks_gpu_only_when_cuda_is_there(fake_gpus):
 
 def test_gpu_backend_pinning_and_rank_counts(fake_gpus):
     fake_gpus(4)
-    assert hardware.backend(HardwareKind.gpu) == "nccl"
+    assert hardware.backend(HardwareKind.gpu) == "cuda:nccl,cpu:gloo"  # gloo for offloaded grads
     assert hardware.backend(HardwareKind.cpu) == "gloo"
     assert hardware.pin_memory(HardwareKind.gpu) and not hardware.pin_memory(HardwareKind.cpu)
     hardware.check_nproc(HardwareKind.gpu, 4)
