@@ -276,7 +276,7 @@ def _check_fields(cfg: Config) -> None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
-    _check_model(m, t)
+    _check_model(m)
     _check_checkpoint(cfg.checkpoint)
     _check_precision(cfg.precision)
     raf = cfg.sharding.reshard_after_forward
@@ -290,7 +290,7 @@ def _check_fields(cfg: Config) -> None:
         )
 
 
-def _check_model(m: ModelConfig, t: TrainerConfig) -> None:
+def _check_model(m: ModelConfig) -> None:
     if (m.arch is None) == (m.name_or_path is None):
         raise ConfigError(
             "model: set exactly one of model.arch (a preset) and model.name_or_path "
@@ -319,11 +319,6 @@ def _check_model(m: ModelConfig, t: TrainerConfig) -> None:
             raise ConfigError(
                 f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
                 "(rotary embeddings rotate pairs of dimensions)")
-    if t.seq_len > m.max_position_embeddings:
-        raise ConfigError(
-            f"trainer.seq_len={t.seq_len} exceeds model.max_position_embeddings="
-            f"{m.max_position_embeddings}; lower trainer.seq_len"
-        )
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:

@@ -229,9 +229,10 @@ def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path
 def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # A larger model makes each save long enough to be caught in the middle.
-    proc = _start(run_dir, "trainer.max_steps=400", "checkpoint.every_n_steps=3",
-                  "model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4",
-                  "model.vocab_size=8192", "trainer.seq_len=32", "trainer.micro_batch_size=1")
+    medium = ("checkpoint.every_n_steps=3", "model.hidden_size=256", "model.num_layers=4",
+              "model.intermediate_size=1024", "model.vocab_size=8192", "trainer.seq_len=32",
+              "trainer.micro_batch_size=1")
+    proc = _start(run_dir, "trainer.max_steps=400", *medium)
     root = run_dir / "checkpoints"
     try:
         deadline = time.monotonic() + 180
@@ -251,10 +252,7 @@ def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path)
     ckpt.verify(last_good)
     step = json.loads((last_good / ckpt.MARKER).read_text())["step"]
     # resume=auto in the same run dir continues from it (the .tmp leftovers are ignored).
-    proc2 = train(run_dir, "trainer.max_steps=" + str(step + 2), "checkpoint.every_n_steps=3",
-                  "hardware=cpu", "model.hidden_size=256", "model.intermediate_size=1024",
-                  "model.num_layers=4", "model.vocab_size=8192", "trainer.seq_len=32",
-                  "trainer.micro_batch_size=1")
+    proc2 = train(run_dir, f"trainer.max_steps={step + 2}", "hardware=cpu", *medium)
     check_ok(proc2)
     facts = json.loads((run_dir / "run.json").read_text())
     assert facts["start_step"] == step and facts["step"] == step + 2

@@ -80,7 +80,6 @@ def topo(world: int, nodes: int = 1) -> Topology:
     (["trainer.micro_batch_size=-1"], 2, "trainer.micro_batch_size"),
     (["trainer.max_steps=0"], 2, "trainer.max_steps"),
     (["hardware.nproc_per_node=0"], 2, "hardware.nproc_per_node"),
-    (["trainer.seq_len=1024"], 2, "max_position_embeddings"),
     (["model.num_heads=3"], 2, "model.num_heads"),
     (["precision.param_dtype=fp16"], 2, "grad_scaler_enabled"),
     (["sharding.reshard_after_forward=1"], 2, "reshard_after_forward"),

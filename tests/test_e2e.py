@@ -86,6 +86,7 @@ def test_torchrun_joins_its_group_with_one_run_dir(tmp_path):
     (["sharding=hybrid", "hardware.nproc_per_node=2"], "sharding=hybrid on 2 ranks"),
     (["hardware.nproc_per_node=0"], "hardware.nproc_per_node=0"),
     (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0"),
+    (["trainer.seq_len=1024"], "exceeds the model's 256 positions"),
     (["model=local", "model.name_or_path=/nonexistent"], "no config.json"),
     pytest.param(["hardware=gpu"], "CUDA is not available", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="this machine has CUDA")),
