@@ -20,3 +20,4 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/bench_overhead.py
+	$(PY) benchmarks/bench_checkpoint.py
