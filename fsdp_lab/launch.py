@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -154,10 +153,15 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
             "for -m)")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(timeout_s: int):
+    """The ranks' rendezvous store, hosted here on a port the OS assigns as it binds: unlike a
+    port picked in advance and bound seconds later by rank 0, no other process can take it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalForwarder) -> int:
@@ -170,7 +174,10 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalFo
     worker.save_run_config(cfg, run_dir)
     log_dir = run_dir / worker.LOG_DIR
     log_dir.mkdir(exist_ok=True)
-    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    store = _rendezvous_store(cfg.hardware.timeout_s)
+    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                # Every rank is a client of the launcher's store (torchrun's agent does the same).
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "WORLD_SIZE": str(topo.world_size), "LOCAL_WORLD_SIZE": str(topo.nproc_per_node),
                 "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
