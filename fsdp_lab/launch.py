@@ -146,11 +146,20 @@ def _local_topology(cfg: Config) -> Topology:
 def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
     """A run dir holds one run: write into one that has files only to continue its run."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if any(run_dir.iterdir()) and not continuing:
-        raise ConfigError(
-            f"run dir {run_dir} already holds files and no complete checkpoint to resume "
-            "(or resume is not auto); pick a new one with hydra.run.dir=... (hydra.sweep.dir=... "
-            "for -m)")
+    message = (f"run dir {run_dir} already holds files and no complete checkpoint to resume "
+               "(or resume is not auto); pick a new one with hydra.run.dir=... "
+               "(hydra.sweep.dir=... for -m)")
+    if continuing:
+        return
+    if any(run_dir.iterdir()):
+        raise ConfigError(message)
+    # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
+    try:
+        fd = os.open(run_dir / "run.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise ConfigError(message) from None
+    os.write(fd, json.dumps({"status": "starting"}).encode() + b"\n")
+    os.close(fd)
 
 
 def _rendezvous_store(timeout_s: int):
