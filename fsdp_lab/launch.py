@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from fsdp_lab import preempt
 from fsdp_lab.config import ConfigError, Config, Topology, to_container, to_typed, validate
 
 log = logging.getLogger("fsdp_lab")
@@ -27,7 +28,6 @@ log = logging.getLogger("fsdp_lab")
 # After the first rank fails, the others get this long to fail on their own (a broken
 # collective usually ends them at once) before they are terminated.
 GRACE_S = 5.0
-PREEMPTED = 75  # worker.PREEMPTED_EXIT_CODE, without importing torch here
 
 
 def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
@@ -62,7 +62,7 @@ class _SignalForwarder:
         self.seen: list[int] = []
         self.procs: list[subprocess.Popen] = []
         self._previous = {sig: signal.signal(sig, self._forward)
-                          for sig in (signal.SIGTERM, signal.SIGUSR1)}
+                          for sig in preempt.SIGNALS}
 
     def _forward(self, signum, frame) -> None:
         self.seen.append(signum)
@@ -84,7 +84,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
-    from fsdp_lab import checkpoint as ckpt, hardware, model as model_lib, wrap
+    from fsdp_lab import checkpoint as ckpt, hardware, model as model_lib, worker, wrap
 
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
@@ -109,7 +109,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     continuing = resume_path is not None and cfg.resume == "auto"
     _claim_run_dir(run_dir, continuing=continuing)
     if continuing:
-        _truncate_metrics(run_dir / "metrics.jsonl", step)
+        _truncate_metrics(run_dir / worker.METRICS_FILE, step)
         log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
     elif resume_path is not None:
         log.info("starting from %s (step %d)", resume_path, step)
@@ -145,17 +145,19 @@ def _local_topology(cfg: Config) -> Topology:
 
 def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
     """A run dir holds one run: write into one that has files only to continue its run."""
+    from fsdp_lab import worker
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    if continuing:
+        return
     message = (f"run dir {run_dir} already holds files and no complete checkpoint to resume "
                "(or resume is not auto); pick a new one with hydra.run.dir=... "
                "(hydra.sweep.dir=... for -m)")
-    if continuing:
-        return
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
     try:
-        fd = os.open(run_dir / "run.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(run_dir / worker.RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         raise ConfigError(message) from None
     os.write(fd, json.dumps({"status": "starting"}).encode() + b"\n")
@@ -177,7 +179,7 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalFo
     """Start one worker process per rank, wait, and report the first failure once.
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
-    ``forwarder``; they finish the step, checkpoint and exit with PREEMPTED."""
+    ``forwarder``; they finish the step, checkpoint and exit with preempt.EXIT_CODE."""
     from fsdp_lab import worker
 
     worker.save_run_config(cfg, run_dir)
@@ -213,9 +215,10 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalFo
         for out in outputs:
             if out is not None:
                 out.close()
-    if code == worker.PREEMPTED_EXIT_CODE:
+    if code == preempt.EXIT_CODE:
         facts = json.loads((run_dir / worker.RUN_FILE).read_text())
-        print(f"fsdp_lab: preempted (signal {forwarder.seen[0] if forwarder.seen else '?'}) after step "
+        sig = forwarder.seen[0] if forwarder.seen else "?"
+        print(f"fsdp_lab: preempted (signal {sig}) after step "
               f"{facts.get('step')}, checkpoint written; run the same command again with "
               f"hydra.run.dir={run_dir} to resume", file=sys.stderr)
     elif code != 0:
@@ -232,7 +235,7 @@ def _prepare_child() -> None:
     in place and unblocks them, so none is lost or fatal. And on Linux, die with the launcher:
     a launcher killed by SIGKILL or the OOM killer must not leave ranks training as orphans.
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    signal.pthread_sigmask(signal.SIG_BLOCK, preempt.SIGNALS)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -250,10 +253,11 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
             if rank not in exit_times and p.poll() is not None:
                 exit_times[rank] = time.time()
         codes = [p.returncode for p in procs]
-        # A preempted rank (PREEMPTED_EXIT_CODE) is not a failure: the others follow it.
-        first_bad = next((c for c in codes if c not in (None, 0, PREEMPTED)), 0)
+        # A preempted rank is not a failure: the others follow it.
+        first_bad = next((c for c in codes if c not in (None, 0, preempt.EXIT_CODE)), 0)
         if len(exit_times) == len(procs):
-            return first_bad or (PREEMPTED if PREEMPTED in codes else 0), exit_times
+            preempted = preempt.EXIT_CODE in codes
+            return first_bad or (preempt.EXIT_CODE if preempted else 0), exit_times
         if failed_at is None and first_bad:
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
@@ -292,7 +296,7 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
         if path.is_file():
             err = json.loads(path.read_text())
             errors.append((err["time"], rank, f"failed: {err['error']}"))
-        elif p.returncode not in (0, None, PREEMPTED) and rank in exit_times:
+        elif p.returncode not in (0, None, preempt.EXIT_CODE) and rank in exit_times:
             how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
             deaths.append((exit_times[rank], rank, f"died ({how}) without an error message"))
     if not deaths and not errors:

@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from fsdp_lab import preempt
+
 early_signals: list[int] = []
 
 
@@ -16,10 +18,10 @@ def _remember(signum, frame) -> None:
     early_signals.append(signum)
 
 
-for _sig in (signal.SIGTERM, signal.SIGUSR1):
+for _sig in preempt.SIGNALS:
     signal.signal(_sig, _remember)
 # The launcher starts ranks with these signals blocked; any that came meanwhile arrive now.
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
+signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.SIGNALS)
 
 if __name__ == "__main__":
     from fsdp_lab import worker

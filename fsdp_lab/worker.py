@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from fsdp_lab import hardware, model as model_lib, precision, sharding, wrap
+from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
 from fsdp_lab.config import Config, OffloadDevice, Topology, to_container, to_typed, validate
 from fsdp_lab.data import build_data
@@ -33,29 +33,6 @@ log = logging.getLogger("fsdp_lab")
 
 CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
 HF_EXPORT_DIR = "hf"
-# Exit code of a rank that stopped on SIGTERM/SIGUSR1 after checkpointing (EX_TEMPFAIL: "try
-# again"): a scheduler requeues the job and resume=auto continues it.
-PREEMPTED_EXIT_CODE = 75  # also launch.PREEMPTED
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Preempted(Exception):
-    """Every rank stopped early on a signal, with a checkpoint written if checkpointing is on."""
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGUSR1; the loop finishes its step, then every rank stops together."""
-
-    def __init__(self, early_signals: list[int] | None = None) -> None:
-        self.signal: int | None = early_signals[0] if early_signals else None
-        for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signum
-
-    def __call__(self) -> bool:
-        return self.signal is not None
 
 
 def topology_from_env(kind) -> Topology:
