@@ -17,13 +17,23 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def train(run_dir: Path, *overrides: str, timeout: int = 300,
-          extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _train_command(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
     """``python train.py`` with the run dir pinned and the progress bar off."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *extra_args, f"hydra.run.dir={run_dir}",
-           "trainer.progress_bar=false", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}",
+            "trainer.progress_bar=false", *overrides]
+
+
+def train(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run train.py to the end."""
+    return subprocess.run(_train_command(run_dir, overrides), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Start train.py in the background (to signal or kill it mid-run)."""
+    return subprocess.Popen(_train_command(run_dir, overrides), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, check_ok, rank_pid, train
+from conftest import ROOT, check_ok, rank_pid, start_train, train
 from fsdp_lab import checkpoint as ckpt
 from fsdp_lab.loggers import read_metrics
 
@@ -184,13 +184,6 @@ def test_damaged_or_foreign_checkpoints_fail_before_training(base_run, tmp_path)
     assert "of another model" in error and "shape" in error
 
 
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "hardware=cpu",
-           "trainer.progress_bar=false", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
 def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -207,7 +200,7 @@ def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path
     steps = 150
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     check_ok(train(straight, "hardware=cpu", f"trainer.max_steps={steps}"))
-    proc = _start(preempted, f"trainer.max_steps={steps}")
+    proc = start_train(preempted, "hardware=cpu", f"trainer.max_steps={steps}")
     _wait_for_steps(preempted, 5, proc)
     proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
@@ -232,7 +225,7 @@ def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path)
     medium = ("checkpoint.every_n_steps=3", "model.hidden_size=256", "model.num_layers=4",
               "model.intermediate_size=1024", "model.vocab_size=8192", "trainer.seq_len=32",
               "trainer.micro_batch_size=1")
-    proc = _start(run_dir, "trainer.max_steps=400", *medium)
+    proc = start_train(run_dir, "hardware=cpu", "trainer.max_steps=400", *medium)
     root = run_dir / "checkpoints"
     try:
         deadline = time.monotonic() + 180

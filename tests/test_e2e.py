@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, check_ok, rank_pid, train
+from conftest import ROOT, check_ok, rank_pid, start_train, train
 from fsdp_lab.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -121,10 +121,7 @@ def test_a_failing_worker_fails_the_run_and_is_reported_once(run_dir):
 
 
 def test_a_killed_rank_fails_the_run_fast_and_is_named(run_dir):
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "hardware=cpu",
-           "trainer.progress_bar=false", "trainer.max_steps=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = start_train(run_dir, "hardware=cpu", "trainer.max_steps=100000")
     try:
         pid = rank_pid(run_dir, 1)
         while not (run_dir / "metrics.jsonl").is_file():  # wait for training to start
