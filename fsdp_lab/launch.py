@@ -32,7 +32,7 @@ GRACE_S = 5.0
 
 def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
     """Entry from train.py. Exits non-zero, with one line on stderr, when the run fails."""
-    forwarder = _SignalForwarder() if "RANK" not in os.environ else None
+    forwarder = preempt.SignalForwarder() if "RANK" not in os.environ else None
     try:
         cfg = to_typed(dict_cfg)
         if "RANK" in os.environ:
@@ -52,32 +52,6 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> None:
         forwarder.restore()
     if code != 0:
         sys.exit(code)
-
-
-class _SignalForwarder:
-    """Preemption signals to the launcher go to every rank; one that arrives before the ranks
-    exist is kept and sent to them as soon as they start (they then stop after one step)."""
-
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-        self.procs: list[subprocess.Popen] = []
-        self._previous = {sig: signal.signal(sig, self._forward)
-                          for sig in preempt.SIGNALS}
-
-    def _forward(self, signum, frame) -> None:
-        self.seen.append(signum)
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    def add(self, proc: subprocess.Popen) -> None:
-        self.procs.append(proc)
-        for signum in self.seen:
-            proc.send_signal(signum)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
@@ -175,7 +149,8 @@ def _rendezvous_store(timeout_s: int):
                     timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def spawn_local(cfg: Config, topo: Topology, run_dir: Path, forwarder: _SignalForwarder) -> int:
+def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
+                forwarder: preempt.SignalForwarder) -> int:
     """Start one worker process per rank, wait, and report the first failure once.
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through

@@ -8,6 +8,7 @@ EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=au
 from __future__ import annotations
 
 import signal
+import subprocess
 
 SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
 EXIT_CODE = 75
@@ -30,3 +31,29 @@ class StopFlag:
 
     def __call__(self) -> bool:
         return self.signal is not None
+
+
+class SignalForwarder:
+    """Preemption signals to the launcher go to every rank; one that arrives before the ranks
+    exist is kept and sent to them as soon as they start (they then stop after one step)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.procs: list[subprocess.Popen] = []
+        self._previous = {sig: signal.signal(sig, self._forward)
+                          for sig in SIGNALS}
+
+    def _forward(self, signum, frame) -> None:
+        self.seen.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def add(self, proc: subprocess.Popen) -> None:
+        self.procs.append(proc)
+        for signum in self.seen:
+            proc.send_signal(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
