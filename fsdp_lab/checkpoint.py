@@ -5,7 +5,7 @@ Layout under the checkpoint root (default <run dir>/checkpoints):
     step_00000040/            a complete checkpoint: renamed into place only when whole
         .metadata, *.distcp   (sharded) model + optimizer, DCP format, any world size can load it
         model.pt, optim.pt    (full) consolidated state dicts written by rank 0
-        trainer.pt            step, tokens seen, LR scheduler, grad scaler, resolved config
+        trainer.pt            step, tokens seen, data position, LR scheduler, grad scaler, config
         rng/rank{r}.pt        each rank's RNG states
         COMPLETE.json         written last: step, format, world size, every file and its size
     step_00000050.tmp/        a save in progress (or one a crash cut short): never resumed from
@@ -51,6 +51,7 @@ class CheckpointError(ConfigError):
 class Restored:
     step: int
     tokens_seen: int
+    data_state: dict | None = None  # the loader's position (rows consumed, epoch, data id)
 
 
 def step_dir_name(step: int) -> str:
@@ -151,8 +152,8 @@ class Checkpointer:
     """Saves and restores one run's training state; every rank calls every method."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, *, model, optimizer, scheduler,
-                 scaler, config: dict, device: torch.device) -> None:
-        self.cfg, self.root = cfg, root
+                 scaler, config: dict, device: torch.device, data=None) -> None:
+        self.cfg, self.root, self.data = cfg, root, data
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.config, self.device = config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -228,6 +229,7 @@ class Checkpointer:
             torch.save({"step": step, "tokens_seen": tokens_seen,
                         "scheduler": self.scheduler.state_dict(),
                         "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                        "data": self.data.state(step) if self.data is not None else None,
                         "config": self.config}, tmp / TRAINER_FILE)
             files = {str(p.relative_to(tmp)): p.stat().st_size
                      for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -287,7 +289,8 @@ class Checkpointer:
             log.warning("checkpoint from %d ranks resumed on %d: RNG states are not restored",
                         marker["world_size"], self.world)
         log.info("resumed from %s (step %d)", path, trainer["step"])
-        return Restored(step=trainer["step"], tokens_seen=trainer["tokens_seen"])
+        return Restored(step=trainer["step"], tokens_seen=trainer["tokens_seen"],
+                        data_state=trainer.get("data"))
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -24,10 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         match args.command:
             case "export":
+                from fsdp_lab.corpus import load_tokenizer
                 from fsdp_lab.export import export_hf, load_checkpoint_weights
 
-                sd, hf_config = load_checkpoint_weights(args.checkpoint)
-                out = export_hf(sd, hf_config, args.out_dir, max_shard_size=args.max_shard_size)
+                sd, hf_config, cfg = load_checkpoint_weights(args.checkpoint)
+                try:
+                    tokenizer = load_tokenizer(cfg)
+                except ConfigError as e:  # the run's tokenizer dir moved: weights still export
+                    print(f"fsdp-lab: warning: exporting without a tokenizer: {e}",
+                          file=sys.stderr)
+                    tokenizer = None
+                out = export_hf(sd, hf_config, args.out_dir, max_shard_size=args.max_shard_size,
+                                task=cfg.model.task, tokenizer=tokenizer)
                 print(f"exported {args.checkpoint} -> {out}")
             case _:
                 raise ValueError(f"unknown command {args.command}")

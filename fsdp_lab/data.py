@@ -1,54 +1,215 @@
 """Training batches for each rank: a pure function of (seed, step, micro-step, rank).
 
-Being a function of the step makes the loader resumable by construction and makes every rank's
-share of the global batch explicit: rank r takes rows [r*B, (r+1)*B) of each global micro-batch,
-so an unsharded reference run on the whole global batch sees exactly the same tokens.
+Being a function of the step makes every loader resumable by construction: a run resumed at
+step k reads exactly the batches the uninterrupted run read after step k. It also makes each
+rank's share of the global batch explicit: rank r takes rows [r*B, (r+1)*B) of each global
+micro-batch, so an unsharded reference run on the whole global batch sees the same tokens, and
+the masking of a masked-LM batch is the same whatever the world size.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from fsdp_lab.config import DataConfig, DataKind
+from fsdp_lab.config import Config, DataKind, ModelTask
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # labels the loss skips (transformers' convention)
 
 
-class SyntheticData:
+def _generator(*key: int) -> torch.Generator:
+    state = np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & (2**63 - 1))
+
+
+@dataclass
+class Masking:
+    """BERT's masked-LM corruption: of the tokens chosen with ``probability``, 80% become the
+    mask token, 10% a random token, 10% stay; labels are IGNORE_INDEX everywhere else."""
+
+    mask_id: int
+    vocab_size: int
+    probability: float
+    special_ids: tuple[int, ...] = ()
+
+    def __call__(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        draw = torch.rand(ids.shape, generator=gen)
+        kind = torch.rand(ids.shape, generator=gen)
+        random_ids = torch.randint(0, self.vocab_size, ids.shape, generator=gen)
+        chosen = draw < self.probability
+        for special in self.special_ids:
+            chosen &= ids != special
+        chosen[:, 0] |= ~chosen.any(dim=1)  # every row predicts something: no empty loss
+        labels = torch.where(chosen, ids, IGNORE_INDEX)
+        inputs = torch.where(chosen & (kind < 0.8), self.mask_id, ids)
+        inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)
+        return inputs, labels
+
+
+class Loader:
+    """Rows of global micro-batches -> this rank's batches; subclasses say what row i holds."""
+
+    def __init__(self, *, seed: int, micro_batch_size: int, grad_accum_steps: int,
+                 dp_size: int, dp_rank: int, masking: Masking | None) -> None:
+        self.seed, self.micro_batch_size, self.grad_accum_steps = seed, micro_batch_size, grad_accum_steps
+        self.dp_size, self.dp_rank, self.masking = dp_size, dp_rank, masking
+        self.row_offset = self.start_step = 0  # moved by restore()
+        self.rows_per_micro = dp_size * micro_batch_size
+
+    def first_row(self, step: int, micro: int) -> int:
+        """Global index of the first row of micro-batch ``micro`` of step ``step``."""
+        return self.row_offset + (
+            (step - self.start_step) * self.grad_accum_steps + micro) * self.rows_per_micro
+
+    def global_rows(self, step: int, micro: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def val_rows(self, index: int) -> torch.Tensor:
+        """Validation micro-batch ``index`` (all ranks' rows); rows past the split are -1."""
+        raise NotImplementedError
+
+    def num_val_batches(self, limit: int) -> int:
+        raise NotImplementedError
+
+    def _to_batch(self, rows: torch.Tensor, gen_key: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        valid = (rows >= 0).all(dim=1, keepdim=True)
+        ids = rows.clamp(min=0).long()
+        if self.masking is not None:
+            inputs, labels = self.masking(ids, _generator(*gen_key))
+        else:
+            inputs, labels = ids, ids  # the model shifts labels for next-token prediction
+        labels = torch.where(valid, labels, IGNORE_INDEX)
+        lo = self.dp_rank * self.micro_batch_size
+        hi = lo + self.micro_batch_size
+        return {"input_ids": inputs[lo:hi], "labels": labels[lo:hi]}
+
+    def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        return self._to_batch(self.global_rows(step, micro), (self.seed, 0, step, micro))
+
+    def val_batch(self, index: int) -> dict[str, torch.Tensor]:
+        return self._to_batch(self.val_rows(index), (self.seed, 1, index))
+
+    def state(self, step: int) -> dict:
+        """Where the loader is after ``step`` optimizer steps (kept in checkpoints)."""
+        return {"kind": type(self).__name__, "rows_consumed": self.first_row(step, 0)}
+
+    def restore(self, state: dict | None, step: int) -> None:
+        """Continue after a checkpoint of step ``step`` whose loader state was ``state``."""
+
+
+class SyntheticData(Loader):
     """Random arithmetic progressions mod the vocabulary: token t of a row is (a + b*t) % V.
 
     Pure noise cannot be learned; these can (infer b in context), so the loss visibly falls and a
-    broken step (say, a wrong gradient reduction) shows up as a curve that does not.
+    broken step (say, a wrong gradient reduction) shows up as a curve that does not. A masked-LM
+    run keeps the last id for the mask token. Validation rows come from a stream of their own.
     """
 
     max_stride = 16
 
-    def __init__(self, *, seed: int, vocab_size: int, seq_len: int, micro_batch_size: int,
-                 dp_size: int, dp_rank: int) -> None:
-        self.seed, self.vocab_size, self.seq_len = seed, vocab_size, seq_len
-        self.micro_batch_size, self.dp_size, self.dp_rank = micro_batch_size, dp_size, dp_rank
+    def __init__(self, *, vocab_size: int, seq_len: int, **kw) -> None:
+        super().__init__(**kw)
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.modulus = vocab_size - 1 if self.masking is not None else vocab_size
+
+    def _rows(self, gen: torch.Generator) -> torch.Tensor:
+        rows = self.dp_size * self.micro_batch_size
+        start = torch.randint(0, self.modulus, (rows, 1), generator=gen)
+        stride = torch.randint(1, self.max_stride + 1, (rows, 1), generator=gen)
+        return (start + stride * torch.arange(self.seq_len)) % self.modulus
 
     def global_batch(self, step: int, micro: int) -> torch.Tensor:
-        """All ranks' rows of one micro-batch: [dp_size * micro_batch_size, seq_len] token ids."""
-        state = np.random.SeedSequence([self.seed, step, micro]).generate_state(1, np.uint64)[0]
-        gen = torch.Generator().manual_seed(int(state) & (2**63 - 1))
-        rows = self.dp_size * self.micro_batch_size
-        start = torch.randint(0, self.vocab_size, (rows, 1), generator=gen)
-        stride = torch.randint(1, self.max_stride + 1, (rows, 1), generator=gen)
-        return (start + stride * torch.arange(self.seq_len)) % self.vocab_size
+        """All ranks' rows of one micro-batch: [dp_size * micro_batch_size, seq_len] token ids.
+        Keyed by the step itself, so a resumed run continues the same stream."""
+        return self._rows(_generator(self.seed, step, micro))
 
-    def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        rows = self.global_batch(step, micro)
-        lo = self.dp_rank * self.micro_batch_size
-        ids = rows[lo:lo + self.micro_batch_size]
-        return {"input_ids": ids, "labels": ids}
+    global_rows = global_batch
+
+    def val_rows(self, index: int) -> torch.Tensor:
+        return self._rows(_generator(self.seed, 2**32 + index))
+
+    def num_val_batches(self, limit: int) -> int:
+        return limit
 
 
-def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, seq_len: int,
-               micro_batch_size: int, dp_size: int, dp_rank: int) -> SyntheticData:
-    match cfg.kind:
+class PackedData(Loader):
+    """Packed text blocks, reshuffled every epoch (a permutation seeded by (seed, epoch)).
+
+    Global row g of training is block perm_e[g mod n] of epoch e = g // n: the order depends only
+    on the seed and the number of blocks, never on the world size, and a resumed run continues
+    at row step * grad_accum * dp * B of the same order.
+    """
+
+    def __init__(self, *, train: np.ndarray, val: np.ndarray, fingerprint: str, **kw) -> None:
+        super().__init__(**kw)
+        self.train, self.val, self.fingerprint = train, val, fingerprint
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 7, epoch]))
+            self._perms[epoch] = rng.permutation(len(self.train))
+        return self._perms[epoch]
+
+    def global_rows(self, step: int, micro: int) -> torch.Tensor:
+        first, n = self.first_row(step, micro), len(self.train)
+        idx = [self._perm(g // n)[g % n] for g in range(first, first + self.rows_per_micro)]
+        return torch.from_numpy(self.train[np.asarray(idx)])  # fancy indexing copies
+
+    def val_rows(self, index: int) -> torch.Tensor:
+        per_micro = self.rows_per_micro
+        lo = index * per_micro
+        rows = torch.full((per_micro, self.val.shape[1]), -1, dtype=torch.int32)
+        chunk = np.array(self.val[lo:lo + per_micro])
+        rows[:len(chunk)] = torch.from_numpy(chunk)
+        return rows
+
+    def num_val_batches(self, limit: int) -> int:
+        return min(limit, -(-len(self.val) // self.rows_per_micro))
+
+    def state(self, step: int) -> dict:
+        rows = self.first_row(step, 0)
+        return {"kind": type(self).__name__, "rows_consumed": rows,
+                "epoch": rows // len(self.train), "position": rows % len(self.train),
+                "train_blocks": len(self.train), "fingerprint": self.fingerprint}
+
+    def restore(self, state: dict | None, step: int) -> None:
+        """Continue at the saved row (also when the world size or batch size changed since)."""
+        if state is None or state.get("fingerprint") != self.fingerprint:
+            log.warning("data: the checkpoint was trained on other data (or an older format); "
+                        "this data is read from its beginning")
+            state = {"rows_consumed": 0}
+        self.row_offset, self.start_step = state["rows_consumed"], step
+
+
+def build_data(cfg: Config, *, corpus, tokenizer, vocab_size: int, dp_size: int,
+               dp_rank: int) -> Loader:
+    t = cfg.trainer
+    masking = None
+    if cfg.model.task is ModelTask.masked_lm:
+        if tokenizer is None:
+            masking = Masking(mask_id=vocab_size - 1, vocab_size=vocab_size - 1,
+                              probability=cfg.data.mlm_probability)
+        else:
+            special = tuple(i for i in (tokenizer.eos_token_id, tokenizer.sep_token_id,
+                                        tokenizer.cls_token_id, tokenizer.pad_token_id)
+                            if i is not None)
+            masking = Masking(mask_id=tokenizer.mask_token_id, vocab_size=len(tokenizer),
+                              probability=cfg.data.mlm_probability, special_ids=special)
+    common = dict(seed=cfg.seed, micro_batch_size=t.micro_batch_size,
+                  grad_accum_steps=t.grad_accum_steps, dp_size=dp_size, dp_rank=dp_rank,
+                  masking=masking)
+    match cfg.data.kind:
         case DataKind.synthetic:
-            return SyntheticData(seed=seed, vocab_size=vocab_size, seq_len=seq_len,
-                                 micro_batch_size=micro_batch_size, dp_size=dp_size,
-                                 dp_rank=dp_rank)
+            return SyntheticData(vocab_size=vocab_size, seq_len=t.seq_len, **common)
+        case DataKind.text | DataKind.hub | DataKind.shakespeare:
+            return PackedData(train=corpus.train, val=corpus.val,
+                              fingerprint=corpus.fingerprint, **common)
         case _:
-            raise ValueError(f"unknown data.kind {cfg.kind}")
+            raise ValueError(f"unknown data.kind {cfg.data.kind}")

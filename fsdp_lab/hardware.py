@@ -106,8 +106,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Allocator peak on GPU; on CPU the process's peak RSS (it includes imports, ~360 MB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    return host_peak_rss_bytes()
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident set size on the host, whatever the device."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def check_compile(kind: HardwareKind) -> None:
+    """torch.compile's CPU backend (inductor) builds C++; without a compiler it fails late."""
+    import shutil
+
+    if kind is HardwareKind.cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
+                          "install one or set compile=false")
 
 
 def synchronize(device: torch.device) -> None:

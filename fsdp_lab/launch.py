@@ -58,7 +58,8 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
-    from fsdp_lab import checkpoint as ckpt, hardware, model as model_lib, worker, wrap
+    from fsdp_lab import checkpoint as ckpt, corpus as corpus_lib, hardware, model as model_lib
+    from fsdp_lab import worker, wrap
 
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
@@ -66,6 +67,11 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(p, name) is not None:
             hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+    if cfg.compile:
+        hardware.check_compile(topo.device)
+    # The tokenizer decides a preset's vocabulary size; the resolved size is what workers run.
+    tokenizer = corpus_lib.load_tokenizer(cfg)
+    cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     hf_config = model_lib.build_hf_config(cfg.model)
@@ -73,7 +79,21 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
     if positions is not None and cfg.trainer.seq_len > positions:
         raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds the model's "
                           f"{positions} positions; lower trainer.seq_len")
-    meta_model = model_lib.build_meta_model(hf_config)
+    if cfg.model.pretrained:
+        model_lib.check_weights(cfg.model.name_or_path)
+    if tokenizer is not None:
+        if len(tokenizer) > hf_config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
+                f"model.vocab_size>={len(tokenizer)}")
+        # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
+        # before any rank starts, and the ranks find the result in the cache.
+        corpus = corpus_lib.prepare(cfg, tokenizer)
+        if cfg.trainer.eval_every and len(corpus.val) == 0:
+            log.warning("data.validation_fraction=%s leaves no validation blocks: no evaluation",
+                        cfg.data.validation_fraction)
+    meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
     wrap.select_units(meta_model, cfg.wrap)
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
     resume_path = ckpt.resolve_resume(cfg.resume, root)

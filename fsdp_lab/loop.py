@@ -8,8 +8,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from fsdp_lab.data import IGNORE_INDEX
 
 from fsdp_lab.metrics import StepMetrics, StepTimer, gather_step_stats
 
@@ -86,3 +90,36 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
         if stop and step + 1 < max_steps:
             return last, True
     return last, False
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean over every predicted validation token of every rank
+    perplexity: float
+    tokens: int
+    time_s: float
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, *, num_batches: int, causal: bool,
+             device: torch.device) -> EvalResult:
+    """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
+    number: each forward is a collective). Sums of token losses and counts are all-reduced, so
+    the mean is over tokens, whatever rows a rank got or how many positions a mask chose."""
+    start = time.perf_counter()
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for index in range(num_batches):
+        batch = {k: v.to(device) for k, v in data.val_batch(index).items()}
+        logits = model(input_ids=batch["input_ids"]).logits.float()
+        labels = batch["labels"]
+        if causal:  # position t predicts token t+1
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum").double()
+        sums[1] += (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(sums)
+    model.train()
+    loss = (sums[0] / sums[1].clamp(min=1)).item()
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=int(sums[1]),
+                      time_s=time.perf_counter() - start)

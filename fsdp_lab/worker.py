@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from fsdp_lab import hardware, model as model_lib, precision, sharding, wrap
+from fsdp_lab import activations, corpus as corpus_lib, hardware, model as model_lib, precision
+from fsdp_lab import sharding, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import Config, OffloadDevice, Topology, to_container, to_typed, validate
+from fsdp_lab.config import (Config, ModelTask, OffloadDevice, Topology, to_container, to_typed,
+                             validate)
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
-from fsdp_lab.loop import train
+from fsdp_lab.loop import evaluate, train
 from fsdp_lab.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("fsdp_lab")
@@ -65,15 +67,21 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     torch.manual_seed(cfg.seed)
 
     # 2) The model's structure on meta: no memory is spent before sharding decides the layout.
+    task = cfg.model.task
     hf_config = model_lib.build_hf_config(cfg.model)
-    model = model_lib.build_meta_model(hf_config)
+    model = model_lib.build_meta_model(hf_config, task)
     total_params = sum(p.numel() for p in model.parameters())
     model_class = type(model).__name__  # before fully_shard renames it FSDP<name>
+    tied = model_lib.tied_groups(model)
 
-    # 3) FSDP units, then 4) fully_shard them on the strategy's mesh with the dtype and
-    # offload policies. Sharding comes before materialising so no rank holds the full model.
+    # 3) FSDP units; activation checkpointing and compile per unit; then 4) fully_shard them on
+    # the strategy's mesh with the dtype and offload policies. Sharding comes before
+    # materialising so no rank holds the full model.
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
+    if cfg.compile:
+        activations.compile_units(units)
     mesh = sharding.build_mesh(cfg.sharding, topo, device_type=device.type)
     sharding.apply_fsdp(
         model, units, mesh=mesh,
@@ -82,31 +90,47 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         offload_policy=sharding.build_offload_policy(
             cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)),
     )
+    model_lib.check_tied(model, tied)
 
-    # 5) Storage and initial weights (made on rank 0, broadcast into every rank's shards).
-    model_lib.materialize(model, device=device, seed=cfg.seed, hf_config=hf_config)
+    # 5) Storage and initial weights: rank 0 builds the full model (seeded random init, or the
+    # pretrained weights) and broadcasts it into every rank's shards.
+    if cfg.model.pretrained:
+        def source():
+            return model_lib.load_pretrained(cfg.model.name_or_path, task)
+    else:
+        def source():
+            return model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
+    model_lib.materialize(model, device=device, source=source)
+    model_lib.check_tied(model, tied)
+    load_rss = [None] * topo.world_size
+    dist.all_gather_object(load_rss, hardware.host_peak_rss_bytes())
 
-    # 6) Optimizer over the sharded params (its state is sharded with them), schedule, scaler.
+    # 6) This rank's share of every global batch (all ranks are data-parallel ranks). The
+    # launcher tokenised and cached the corpus; here it is memory-mapped from the cache.
     t = cfg.trainer
+    tokenizer = corpus_lib.load_tokenizer(cfg)
+    corpus = corpus_lib.prepare(cfg, tokenizer) if tokenizer is not None else None
+    data = build_data(cfg, corpus=corpus, tokenizer=tokenizer, vocab_size=hf_config.vocab_size,
+                      dp_size=topo.world_size, dp_rank=rank)
+    tokens_per_step = topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len
+    eval_batches = data.num_val_batches(t.eval_batches) if t.eval_every else 0
+
+    # 7) Optimizer over the sharded params (its state is sharded with them), schedule, scaler.
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     scaler = precision.build_grad_scaler(cfg.precision, device)
 
-    # 7) Resume: the launcher resolved cfg.resume to a checkpoint path or "never".
+    # 8) Resume: the launcher resolved cfg.resume to a checkpoint path or "never".
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg.checkpoint, run_dir),
                                 model=model, optimizer=optimizer, scheduler=scheduler,
-                                scaler=scaler, config=to_container(cfg), device=device)
+                                scaler=scaler, config=to_container(cfg), device=device,
+                                data=data)
     assert cfg.resume != "auto", "the launcher resolves resume=auto before workers start"
     start_step = tokens_seen = 0
     if cfg.resume != "never":
         restored = checkpointer.load(Path(cfg.resume))
         start_step, tokens_seen = restored.step, restored.tokens_seen
-
-    # 8) This rank's share of every global batch (all ranks are data-parallel ranks).
-    data = build_data(cfg.data, seed=cfg.seed, vocab_size=hf_config.vocab_size,
-                      seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-                      dp_size=topo.world_size, dp_rank=rank)
-    tokens_per_step = topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len
+        data.restore(restored.data_state, start_step)
 
     numels = [None] * topo.world_size
     dist.all_gather_object(numels, local_numel(model))
@@ -118,6 +142,15 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         "fsdp_units": units_desc, "num_fsdp_units": len(units) + 1,
         "model_class": model_class, "total_params": total_params,
         "local_params_per_rank": numels, "tokens_per_step": tokens_per_step,
+        "task": task.name, "pretrained": cfg.model.pretrained,
+        "load_peak_rss_bytes_per_rank": load_rss,
+        "activation_checkpointing": activations.checkpointed_indices(
+            cfg.activation_checkpointing, len(units)),
+        "compiled": cfg.compile,
+        "data": ({"train_blocks": len(corpus.train), "val_blocks": len(corpus.val),
+                  "tokens": corpus.num_tokens, "documents": corpus.num_documents,
+                  "fingerprint": corpus.fingerprint, "tokenizer": type(tokenizer).__name__}
+                 if corpus is not None else {"kind": cfg.data.kind.name}),
         "resumed_from": None if cfg.resume == "never" else cfg.resume, "start_step": start_step,
         "torch": torch.__version__,
     }
@@ -134,8 +167,17 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     def on_step(m) -> None:
         nonlocal saved_step
         if rank == 0:
-            writer.write(m.as_record())
+            writer.write({"split": "train", **m.as_record()})
             progress.update(m.as_record())
+        if eval_batches and (m.step % t.eval_every == 0 or m.step == t.max_steps):
+            result = evaluate(model, data, num_batches=eval_batches,
+                              causal=task is ModelTask.causal_lm, device=device)
+            if rank == 0:
+                writer.write({"split": "val", "step": m.step, "val_loss": result.loss,
+                              "val_ppl": result.perplexity, "val_tokens": result.tokens,
+                              "eval_time_s": result.time_s})
+                log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
+                         m.step, result.loss, result.perplexity, result.tokens)
         checkpointer.poll()
         if checkpointer.should_save(m.step):
             checkpointer.save(m.step, tokens_seen + (m.step - start_step) * tokens_per_step)
@@ -163,7 +205,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             log.info("stopped by signal %s after step %d", stop.signal, end_step)
         raise Preempted(f"stopped after step {end_step}")
     if cfg.checkpoint.export_hf:
-        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank)
+        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank, task=task, tokenizer=tokenizer)
     if rank == 0:
         final_loss = last.loss if last is not None else None
         write_run_file(run_dir, {**facts, "status": "completed", "step": end_step,
@@ -173,7 +215,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
                  f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
 
 
-def _export(model, hf_config, out_dir: Path, rank: int) -> None:
+def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer) -> None:
     """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -182,7 +224,8 @@ def _export(model, hf_config, out_dir: Path, rank: int) -> None:
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                               cpu_offload=True))
     if rank == 0:
-        export_hf(sd, hf_config, out_dir, replace=True)  # this run's own export
+        export_hf(sd, hf_config, out_dir, replace=True, task=task,  # this run's own export
+                  tokenizer=tokenizer)
         log.info("exported Hugging Face model: %s", out_dir)
     dist.barrier()
 

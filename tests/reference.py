@@ -26,7 +26,9 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     data = SyntheticData(seed=cfg.seed, vocab_size=hf_config.vocab_size, seq_len=t.seq_len,
-                         micro_batch_size=t.micro_batch_size, dp_size=world_size, dp_rank=0)
+                         micro_batch_size=t.micro_batch_size,
+                         grad_accum_steps=t.grad_accum_steps, dp_size=world_size, dp_rank=0,
+                         masking=None)
     losses, norms = [], []
     for step in range(t.max_steps):
         total = 0.0

@@ -152,8 +152,8 @@ def test_async_save_writes_what_sync_writes(tmp_path):
         assert files(a) == files(b)
     from fsdp_lab.export import load_checkpoint_weights
 
-    sd_a, _ = load_checkpoint_weights(ckpt_dir(sync, 6))
-    sd_b, _ = load_checkpoint_weights(ckpt_dir(background, 6))
+    sd_a, _, _ = load_checkpoint_weights(ckpt_dir(sync, 6))
+    sd_b, _, _ = load_checkpoint_weights(ckpt_dir(background, 6))
     assert sd_a.keys() == sd_b.keys()
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
@@ -269,7 +269,7 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
                          cwd=ROOT, timeout=120)
     assert cli.returncode == 0, cli.stderr
     # The trained weights as the ranks left them: the final sharded checkpoint, read back.
-    sd, hf_config = load_checkpoint_weights(run_dir)
+    sd, hf_config, _ = load_checkpoint_weights(run_dir)
     trained = build_full_model(hf_config, seed=1)
     trained.load_state_dict(sd)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 # Options that need a value the user must supply (marked ??? in their YAML).
-REQUIRED = {("model", "local"): ["model.name_or_path={tiny_model_dir}"]}
+REQUIRED = {("model", "local"): ["model.name_or_path={tiny_model_dir}"],
+            ("data", "text"): ["data.files=[corpus.txt]"],
+            ("data", "hub"): ["data.name=roneneldan/TinyStories"]}
 
 register_schema()
 
@@ -30,7 +32,7 @@ def compose_cfg(*overrides: str):
 
 def test_groups_are_the_documented_ones():
     assert {"sharding", "precision", "wrap", "offload", "hardware", "model", "data", "optim",
-            "trainer"} <= set(GROUPS)
+            "trainer", "checkpoint", "activation_checkpointing"} <= set(GROUPS)
     assert {o for g, o in OPTIONS if g == "sharding"} == {s.value for s in ShardingStrategy}
 
 

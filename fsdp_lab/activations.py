@@ -1,0 +1,76 @@
+"""What happens to each FSDP unit before it is sharded: activation checkpointing, then compile.
+
+The order is torchtitan's: checkpoint-wrap a block, compile it, then ``fully_shard`` it, so the
+compiled region is the block's own computation and FSDP's all-gathers stay outside it.
+Checkpointing wraps a unit in a module whose parameter names gain ``_checkpoint_wrapped_module.``;
+torch.distributed's state-dict helpers drop that part, so checkpoints with and without
+activation checkpointing hold the same keys and load into each other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from fsdp_lab.config import ActivationCheckpointingConfig, ActivationCheckpointingMode
+
+log = logging.getLogger(__name__)
+
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def clean_name(name: str) -> str:
+    """A parameter or buffer name as it is without activation-checkpoint wrappers."""
+    return name.replace(WRAPPER_PREFIX, "")
+
+
+def checkpointed_indices(cfg: ActivationCheckpointingConfig, num_units: int) -> list[int]:
+    match cfg.mode:
+        case ActivationCheckpointingMode.none:
+            return []
+        case ActivationCheckpointingMode.full:
+            return list(range(num_units))
+        case ActivationCheckpointingMode.selective:
+            return list(range(0, num_units, cfg.every))
+        case _:
+            raise ValueError(f"unknown activation_checkpointing.mode {cfg.mode}")
+
+
+def _parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    out = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            out[id(child)] = (parent, name)
+    return out
+
+
+def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module],
+                                   cfg: ActivationCheckpointingConfig) -> list[nn.Module]:
+    """Replace the chosen units in their parents by checkpoint wrappers; returns the new units
+    list (wrappers where wrapped), which is what gets compiled and sharded."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    chosen = set(checkpointed_indices(cfg, len(units)))
+    if not chosen:
+        return list(units)
+    parents = _parents(model)
+    out = []
+    for i, unit in enumerate(units):
+        if i not in chosen:
+            out.append(unit)
+            continue
+        parent, name = parents[id(unit)]
+        # Non-reentrant: works with keyword arguments, FSDP2 hooks and torch.compile; the RNG
+        # state is restored for the recomputation, so dropout masks match.
+        wrapped = checkpoint_wrapper(unit, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        parent.register_module(name, wrapped)
+        out.append(wrapped)
+    return out
+
+
+def compile_units(units: list[nn.Module]) -> None:
+    """torch.compile each unit in place (its parameter names do not change)."""
+    for unit in units:
+        unit.compile()
