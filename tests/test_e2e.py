@@ -91,6 +91,14 @@ def test_torchrun_joins_its_group_with_one_run_dir(tmp_path):
     pytest.param(["hardware=gpu"], "CUDA is not available", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="this machine has CUDA")),
     (["wrap.classes=[Block]"], "its module classes are"),
+    (["data=text", "data.files=[/nonexistent/*.jsonl]"], "matches no file"),
+    (["data=shakespeare", "data.text_column=body"], "data.text_column='body' is not a column"),
+    (["data=shakespeare", "trainer.seq_len=512"], "exceeds the model's 256 positions"),
+    (["data=shakespeare", "model.vocab_size=256"], "the tokenizer has 259 tokens"),
+    (["data=hub", "data.name=roneneldan/TinyStories"], "the hub is unreachable offline"),
+    (["model=local", "model.name_or_path=HuggingFaceTB/SmolLM2-135M"], "not a local directory"),
+    (["model=llama_tiny", "model.pretrained=true"], "needs model.name_or_path"),
+    (["model=bert_tiny", "model.task=causal_lm"], "model.task=causal_lm does not fit"),
 ])
 def test_bad_input_fails_in_the_parent_with_one_line(run_dir, overrides, fragment):
     proc = train(run_dir, *overrides, timeout=120)
