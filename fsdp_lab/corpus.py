@@ -55,17 +55,18 @@ def default_cache_dir() -> Path:
 def load_tokenizer(cfg: Config):
     """The run's tokenizer: data.tokenizer, else the model directory's, else byte-level (ByT5).
 
-    None for synthetic data (its tokens are ids already). A masked_lm run gets a mask token added
-    where the tokenizer has none (byte-level)."""
+    Synthetic data needs none (its tokens are ids already): None unless the model directory has
+    one, which then goes into the export. A masked_lm run gets a mask token added where the
+    tokenizer has none (byte-level)."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
-    if cfg.data.kind is DataKind.synthetic:
-        return None
     source, setting = cfg.data.tokenizer, "data.tokenizer"
     if source is None and cfg.model.name_or_path is not None:
         path = Path(cfg.model.name_or_path).expanduser()
         if not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
+    if source is None and cfg.data.kind is DataKind.synthetic:
+        return None
     if source is None:
         tok = ByT5Tokenizer(extra_ids=0)
     else:

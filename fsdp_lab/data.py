@@ -193,7 +193,7 @@ def build_data(cfg: Config, *, corpus, tokenizer, vocab_size: int, dp_size: int,
     t = cfg.trainer
     masking = None
     if cfg.model.task is ModelTask.masked_lm:
-        if tokenizer is None:
+        if cfg.data.kind is DataKind.synthetic:  # ids, not text: the last id is [MASK]
             masking = Masking(mask_id=vocab_size - 1, vocab_size=vocab_size - 1,
                               probability=cfg.data.mlm_probability)
         else:

@@ -21,7 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from fsdp_lab import preempt
-from fsdp_lab.config import ConfigError, Config, Topology, to_container, to_typed, validate
+from fsdp_lab.config import (ConfigError, Config, DataKind, Topology, to_container, to_typed,
+                             validate)
 
 log = logging.getLogger("fsdp_lab")
 
@@ -87,6 +88,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                 f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
                 f"model.vocab_size>={len(tokenizer)}")
+    if cfg.data.kind is not DataKind.synthetic:
         # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
         # before any rank starts, and the ranks find the result in the cache.
         corpus = corpus_lib.prepare(cfg, tokenizer)

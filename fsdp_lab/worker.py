@@ -24,7 +24,7 @@ from fsdp_lab import activations, corpus as corpus_lib, hardware, model as model
 from fsdp_lab import sharding, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import (Config, ModelTask, OffloadDevice, Topology, to_container, to_typed,
+from fsdp_lab.config import (Config, DataKind, ModelTask, OffloadDevice, Topology, to_container, to_typed,
                              validate)
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
@@ -109,7 +109,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     # launcher tokenised and cached the corpus; here it is memory-mapped from the cache.
     t = cfg.trainer
     tokenizer = corpus_lib.load_tokenizer(cfg)
-    corpus = corpus_lib.prepare(cfg, tokenizer) if tokenizer is not None else None
+    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
     data = build_data(cfg, corpus=corpus, tokenizer=tokenizer, vocab_size=hf_config.vocab_size,
                       dp_size=topo.world_size, dp_rank=rank)
     tokens_per_step = topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len
