@@ -1,7 +1,10 @@
 """An unsharded single-process run of the same model, data and optimizer as a sharded run.
 
-Built from the same pieces (seeded init, the global batch of each step, AdamW, the schedule),
-with no FSDP: what every strategy must reproduce in fp32.
+Built from the same pieces (seeded init, each rank's batches of each step, AdamW, the
+schedule), with no FSDP: what every strategy must reproduce in fp32. The loss of a micro-batch is
+the mean of the ranks' mean losses, as data-parallel gradient averaging makes it (for packed
+causal LM every rank has the same token count, so this is the global mean; for masked LM the
+ranks' masked counts differ and it is not).
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ import math
 
 import torch
 
-from fsdp_lab.config import Config
-from fsdp_lab.data import SyntheticData
+from fsdp_lab import corpus as corpus_lib
+from fsdp_lab.config import Config, DataKind
+from fsdp_lab.data import build_data
 from fsdp_lab.model import build_full_model, build_hf_config
 from fsdp_lab.optim import build_optimizer, build_scheduler
 
@@ -21,20 +25,20 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     torch.set_num_threads(1)
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)
-    model = build_full_model(hf_config, seed=cfg.seed)
+    model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
-    data = SyntheticData(seed=cfg.seed, vocab_size=hf_config.vocab_size, seq_len=t.seq_len,
-                         micro_batch_size=t.micro_batch_size,
-                         grad_accum_steps=t.grad_accum_steps, dp_size=world_size, dp_rank=0,
-                         masking=None)
+    tokenizer = corpus_lib.load_tokenizer(cfg)
+    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
+    ranks = [build_data(cfg, corpus=corpus, tokenizer=tokenizer, vocab_size=hf_config.vocab_size,
+                        dp_size=world_size, dp_rank=r) for r in range(world_size)]
     losses, norms = [], []
     for step in range(t.max_steps):
         total = 0.0
         for micro in range(t.grad_accum_steps):
-            ids = data.global_batch(step, micro)
-            loss = model(input_ids=ids, labels=ids).loss / t.grad_accum_steps
+            per_rank = [model(**data.batch(step, micro)).loss for data in ranks]
+            loss = torch.stack(per_rank).mean() / t.grad_accum_steps
             loss.backward()
             total += loss.item()
         clip = cfg.optim.grad_clip

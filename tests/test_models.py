@@ -108,41 +108,37 @@ def test_tied_embeddings_stay_tied_through_training_checkpoint_and_export(
     assert "root" in facts(run)["fsdp_units"]
 
 
-def test_masked_lm_encoder_trains_and_exports(tmp_path):
-    from transformers import AutoModelForMaskedLM
+def test_masked_lm_encoder_trains_on_text_and_exports(tmp_path):
+    """Parity of the masked-LM path is in test_parity; here it learns and round-trips."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     run = tmp_path / "run"
-    check_ok(train(run, "model=bert_tiny", "trainer.max_steps=60", "trainer.eval_every=30",
-                   "checkpoint.export_hf=true"))
+    check_ok(train(run, "model=bert_tiny", "data=shakespeare", "trainer.seq_len=128",
+                   "trainer.max_steps=40", "trainer.eval_every=20", "checkpoint.export_hf=true"))
     got = losses(run)
-    assert got[-1] < 0.6 * got[0], got  # learns the progressions from both sides
+    assert got[-1] < 0.7 * got[0], got  # 5.6 (uniform over 260 ids) -> byte statistics
     val = read_metrics(run / "metrics.jsonl", split="val")
-    assert [r["step"] for r in val] == [30, 60] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert [r["step"] for r in val] == [20, 40] and val[1]["val_loss"] < 0.7 * got[0]
     f = facts(run)
     assert f["task"] == "masked_lm" and f["fsdp_units"].startswith("BertLayer x2")
+    assert f["data"]["tokenizer"] == "ByT5Tokenizer"
+    assert "vocab_size: 260" in (run / "config.yaml").read_text()  # 259 bytes+specials, [MASK]
     model = AutoModelForMaskedLM.from_pretrained(run / "hf")
     assert type(model).__name__ == "BertForMaskedLM"
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tok = AutoTokenizer.from_pretrained(run / "hf")
+    ids = tok("To be, or not to <mask> be", return_tensors="pt")["input_ids"]
+    assert ids.max() < model.config.vocab_size and tok.mask_token_id == 259
 
 
-def test_masked_lm_on_text_with_a_byte_tokenizer(tmp_path):
-    run = tmp_path / "run"
-    check_ok(train(run, "model=bert_tiny", "data=shakespeare", "trainer.max_steps=30",
-                   "trainer.eval_every=30", "trainer.seq_len=128"))
-    assert losses(run)[-1] < losses(run)[0]
-    assert facts(run)["data"]["tokenizer"] == "ByT5Tokenizer"
-    assert "vocab_size: 260" in (run / "config.yaml").read_text()  # 259 bytes+specials, [MASK]
-
-
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_leaves_the_loss_unchanged(tmp_path, mode):
-    common = ("trainer.max_steps=5", "model.num_layers=4", "hardware=cpu")
+def test_activation_checkpointing_leaves_the_loss_unchanged(tmp_path):
+    common = ("trainer.max_steps=5", "model.num_layers=4", "hardware=cpu", "checkpoint=none")
     check_ok(train(tmp_path / "none", *common))
-    check_ok(train(tmp_path / mode, *common, f"activation_checkpointing={mode}",
-                   "activation_checkpointing.every=3"))
-    assert losses(tmp_path / mode) == losses(tmp_path / "none")
-    assert facts(tmp_path / mode)["activation_checkpointing"] == (
-        [0, 1, 2, 3] if mode == "full" else [0, 3])
+    for mode, chosen in [("full", [0, 1, 2, 3]), ("selective", [0, 3])]:
+        check_ok(train(tmp_path / mode, *common, f"activation_checkpointing={mode}",
+                       "activation_checkpointing.every=3"))
+        assert losses(tmp_path / mode) == losses(tmp_path / "none"), mode
+        assert facts(tmp_path / mode)["activation_checkpointing"] == chosen
 
 
 def test_activation_checkpointed_run_resumes_from_a_plain_checkpoint(tmp_path):
@@ -174,5 +170,6 @@ def test_text_data_resumes_on_exactly_the_batches_of_an_uninterrupted_run(tmp_pa
     check_ok(train(resumed, *common,
                    f"resume={straight / 'checkpoints' / 'step_00000004'}"))
     assert losses(resumed) == losses(straight)[4:]
-    want = read_metrics(straight / "metrics.jsonl", split="val")
-    assert read_metrics(resumed / "metrics.jsonl", split="val") == want[1:]
+    def val(run):
+        return [(r["step"], r["val_loss"]) for r in read_metrics(run / "metrics.jsonl", "val")]
+    assert val(resumed) == val(straight)[1:]
