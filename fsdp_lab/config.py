@@ -238,7 +238,8 @@ class TrainerConfig:
     seq_len: int = 64
     """Tokens per sequence (text data is packed into blocks of this length)."""
     eval_every: int = 50
-    """Evaluate validation loss and perplexity every N steps and after the last; 0: never."""
+    """Evaluate validation loss and perplexity before the first step, every N steps and after
+    the last; 0: never."""
     eval_batches: int = 4
     """Micro-batches per rank per evaluation (fewer when the validation split is smaller)."""
     progress_bar: bool = True

