@@ -23,3 +23,5 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_loading.py
+	$(PY) benchmarks/bench_activation_checkpointing.py
