@@ -154,7 +154,8 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, root: Path, *, model, optimizer, scheduler,
                  scaler, config: dict, device: torch.device, data=None) -> None:
         self.cfg, self.root, self.data = cfg, root, data
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
         self.config, self.device = config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._pending: tuple | None = None  # (future, tmp dir, step, tokens) of an async save

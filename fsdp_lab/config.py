@@ -367,7 +367,8 @@ def _check_model(m: ModelConfig) -> None:
                           "with weights); presets have no weights")
     if m.name_or_path is not None:
         path = Path(m.name_or_path).expanduser()
-        if (path.exists() or not is_hub_id(m.name_or_path)) and not (path / "config.json").is_file():
+        local = path.exists() or not is_hub_id(m.name_or_path)
+        if local and not (path / "config.json").is_file():
             raise ConfigError(
                 f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
                 "Hugging Face model directory (one that save_pretrained wrote) or a hub id"

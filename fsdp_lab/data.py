@@ -37,7 +37,8 @@ class Masking:
     probability: float
     special_ids: tuple[int, ...] = ()
 
-    def __call__(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: torch.Tensor,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         draw = torch.rand(ids.shape, generator=gen)
         kind = torch.rand(ids.shape, generator=gen)
         random_ids = torch.randint(0, self.vocab_size, ids.shape, generator=gen)
@@ -56,7 +57,8 @@ class Loader:
 
     def __init__(self, *, seed: int, micro_batch_size: int, grad_accum_steps: int,
                  dp_size: int, dp_rank: int, masking: Masking | None) -> None:
-        self.seed, self.micro_batch_size, self.grad_accum_steps = seed, micro_batch_size, grad_accum_steps
+        self.seed, self.micro_batch_size = seed, micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
         self.dp_size, self.dp_rank, self.masking = dp_size, dp_rank, masking
         self.row_offset = self.start_step = 0  # moved by restore()
         self.rows_per_micro = dp_size * micro_batch_size
