@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
                     tokenizer = None
                 out = export_hf(sd, hf_config, args.out_dir, max_shard_size=args.max_shard_size,
-                                task=cfg.model.task, tokenizer=tokenizer)
+                                task=cfg.model.task, tokenizer=tokenizer,
+                                preset=cfg.model.arch is not None)
                 print(f"exported {args.checkpoint} -> {out}")
             case _:
                 raise ValueError(f"unknown command {args.command}")

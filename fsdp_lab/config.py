@@ -175,7 +175,7 @@ class DataConfig:
     split: str = "train"
     """hub: the split to read (a validation split is carved out of it)."""
     text_column: str = "text"
-    """The column holding the text (.txt files and shakespeare: `text`, one row per line)."""
+    """The column holding the text (.txt/.md files and shakespeare: `text`, one row per file)."""
     tokenizer: Optional[str] = None
     """A tokenizer directory. None: the model directory's tokenizer, else byte-level (ByT5)."""
     validation_fraction: float = 0.05

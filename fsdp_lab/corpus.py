@@ -3,11 +3,13 @@
 ``prepare`` runs first in the launcher (so a missing file, an empty dataset or a wrong column is
 one line before any rank starts) and then in every rank, where it finds the cache. The cache is
 keyed by everything the blocks depend on: the files (path, size, mtime), the hub dataset, the
-column, the tokenizer's vocabulary, the block length and the validation share. Blocks are
-``int32`` arrays of ``seq_len`` tokens: documents joined with EOS after each, cut into blocks
-(the last partial block dropped); the last ``validation_fraction`` of the blocks is the
-validation split. Documents are shuffled once with a fixed seed before packing, so the
-validation split samples the whole corpus rather than its last files.
+column, the tokenizer (vocabulary and normalisation), the block length and the validation share.
+Blocks are ``int32`` arrays of ``seq_len`` tokens: documents joined with EOS after each, cut into
+blocks (the last partial block dropped). Documents are shuffled once with a fixed seed; whole
+documents from the end of that order, holding at least ``validation_fraction`` of the tokens, are
+the validation split, packed apart from the training split, so no document is in both (a corpus
+of one document is split at a block boundary instead). The blocks' content hash identifies the
+data in checkpoints: a copy of the same corpus elsewhere is the same data.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +31,7 @@ from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLIT_SEED = 1234  # the document order (and so the validation split) is the same for every seed
 EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
               ".parquet": "parquet", ".csv": "csv"}
@@ -41,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 class Corpus:
     train: np.ndarray  # [n, seq_len] int32, memory-mapped from the cache
     val: np.ndarray  # [m, seq_len] int32 (m may be 0)
-    fingerprint: str
+    fingerprint: str  # hash of the blocks' content: the same data wherever it was read from
     num_tokens: int
     num_documents: int
 
@@ -67,15 +70,24 @@ def load_tokenizer(cfg: Config):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
     if source is None and cfg.data.kind is DataKind.synthetic:
         return None
+    if source is None and cfg.model.pretrained:
+        raise ConfigError(
+            f"model.pretrained=true but {cfg.model.name_or_path} has no tokenizer, and its "
+            "embeddings expect its own token ids; set data.tokenizer=<its tokenizer directory>, "
+            "or model.pretrained=false to train from scratch on bytes")
     if source is None:
         tok = ByT5Tokenizer(extra_ids=0)
     else:
         try:
             tok = AutoTokenizer.from_pretrained(os.path.expanduser(source))
-        except (OSError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - OSError, ImportError, tokenizers' bare Exception
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"{setting}={source}: no tokenizer can be loaded from it ({first}); "
-                              "point data.tokenizer at a tokenizer directory") from e
+            message = (f"{setting}={source}: no tokenizer can be loaded from it ({first[:200]}); "
+                       "point data.tokenizer at a tokenizer directory")
+            if cfg.data.kind is DataKind.synthetic and setting == "model.name_or_path":
+                log.warning("%s; synthetic data needs none, the export will have none", message)
+                return None
+            raise ConfigError(message) from e
     if cfg.model.task is ModelTask.masked_lm and tok.mask_token_id is None:
         tok.add_special_tokens({"mask_token": "<mask>"})
     if eos_id(tok) is None:
@@ -84,14 +96,36 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
+def absolute_paths(cfg: Config) -> Config:
+    """Local paths made absolute, so that a checkpoint's config still finds them from another
+    working directory (a later `fsdp-lab export`, a resumed run started elsewhere)."""
+    import dataclasses
+
+    def absolute(path: str | None) -> str | None:
+        if path is None or not os.path.exists(os.path.expanduser(path)):
+            return path  # a hub id, or missing (reported where it is needed)
+        return str(Path(path).expanduser().resolve())
+
+    d = cfg.data
+    data = dataclasses.replace(
+        d, tokenizer=absolute(d.tokenizer), cache_dir=absolute(d.cache_dir),
+        files=[str(Path(os.path.expanduser(f)).absolute()) for f in d.files])
+    model = dataclasses.replace(cfg.model, name_or_path=absolute(cfg.model.name_or_path))
+    return dataclasses.replace(cfg, data=data, model=model)
+
+
 def eos_id(tok) -> int | None:
     return tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
 
 
 def _tokenizer_key(tok) -> str:
-    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
+    """Everything that decides the ids: vocabulary, and normaliser/pre-tokeniser (fast
+    tokenizers' whole definition) or the init arguments (lower-casing, prefix spaces)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    spec = backend.to_str() if backend is not None else json.dumps(
+        [sorted(tok.get_vocab().items()), tok.init_kwargs], ensure_ascii=False, default=str)
     return f"{type(tok).__name__}:{len(tok)}:{eos_id(tok)}:" + hashlib.sha256(
-        vocab.encode()).hexdigest()
+        spec.encode()).hexdigest()
 
 
 def _encode(tok, texts: list[str]) -> list[list[int]]:
@@ -206,6 +240,27 @@ def split_blocks(blocks: np.ndarray, fraction: float) -> tuple[np.ndarray, np.nd
     return blocks[:len(blocks) - n_val], blocks[len(blocks) - n_val:]
 
 
+def split_documents(docs: list[list[int]], fraction: float) -> tuple[list, list]:
+    """(train, validation) documents: whole documents from the end, at least ``fraction`` of the
+    tokens. ([], []) when that would take every document (a corpus of one or a few huge ones)."""
+    if fraction <= 0:
+        return docs, []
+    want, taken, k = fraction * sum(len(d) + 1 for d in docs), 0, len(docs)
+    while k > 0 and taken < want:
+        k -= 1
+        taken += len(docs[k]) + 1
+    return (docs[:k], docs[k:]) if k > 0 else ([], [])
+
+
+def _pack_and_split(docs: list[list[int]], *, eos: int, seq_len: int,
+                    fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    train_docs, val_docs = split_documents(docs, fraction)
+    if train_docs:
+        return (pack(train_docs, eos=eos, seq_len=seq_len),
+                pack(val_docs, eos=eos, seq_len=seq_len).reshape(-1, seq_len))
+    return split_blocks(pack(docs, eos=eos, seq_len=seq_len), fraction)
+
+
 def prepare(cfg: Config, tok) -> Corpus:
     """The run's packed train/validation blocks, from the cache when they were made before."""
     d, seq_len = cfg.data, cfg.trainer.seq_len
@@ -220,11 +275,11 @@ def prepare(cfg: Config, tok) -> Corpus:
         _build(cfg, tok, key, files, root, entry)
     meta = json.loads((entry / "meta.json").read_text())
     corpus = Corpus(train=np.load(entry / "train.npy", mmap_mode="r"),
-                    val=np.load(entry / "val.npy", mmap_mode="r"), fingerprint=fingerprint,
+                    val=np.load(entry / "val.npy", mmap_mode="r"), fingerprint=meta["content"],
                     num_tokens=meta["num_tokens"], num_documents=meta["num_documents"])
     if len(corpus.train) == 0:
         raise ConfigError(
-            f"data: {meta['num_tokens']} tokens make {meta['num_blocks']} blocks of "
+            f"data: {meta['num_tokens']} tokens make {meta['train_blocks']} training blocks of "
             f"trainer.seq_len={seq_len}, too few for a training split; lower trainer.seq_len, "
             "lower data.validation_fraction or add text")
     return corpus
@@ -234,17 +289,23 @@ def _build(cfg: Config, tok, key: dict, files: list[Path], root: Path, entry: Pa
     texts = _load_texts(cfg, key["source"], files, root / "hf_datasets")
     order = np.random.default_rng(SPLIT_SEED).permutation(len(texts))
     docs = _encode(tok, [texts[i] for i in order])
-    blocks = pack(docs, eos=eos_id(tok), seq_len=cfg.trainer.seq_len)
-    train, val = split_blocks(blocks, cfg.data.validation_fraction)
-    tmp = root / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "train.npy", train)
-    np.save(tmp / "val.npy", val)
-    meta = {"key": key, "num_documents": len(docs), "num_tokens": int(sum(map(len, docs))),
-            "num_blocks": int(len(blocks)), "train_blocks": int(len(train)),
+    train, val = _pack_and_split(docs, eos=eos_id(tok), seq_len=cfg.trainer.seq_len,
+                                 fraction=cfg.data.validation_fraction)
+    content = hashlib.sha256(train.tobytes() + b"|" + val.tobytes()).hexdigest()[:20]
+    meta = {"key": key, "content": content, "num_documents": len(docs),
+            "num_tokens": int(sum(map(len, docs))), "train_blocks": int(len(train)),
             "val_blocks": int(len(val))}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    tmp = root / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.save(tmp / "train.npy", train)
+        np.save(tmp / "val.npy", val)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"data.cache_dir={root}: cannot write the tokenised data there ({e}); "
+                          "set data.cache_dir to a writable directory with space") from e
     try:
         tmp.rename(entry)  # complete or invisible; a concurrent builder may have won the race
     except OSError:

@@ -1,7 +1,8 @@
 """Training batches for each rank: a pure function of (seed, step, micro-step, rank).
 
 Being a function of the step makes every loader resumable by construction: a run resumed at
-step k reads exactly the batches the uninterrupted run read after step k. It also makes each
+step k reads exactly the batches the uninterrupted run read after step k (packed text: the rows
+that follow the rows consumed, also when the world size changed). It also makes each
 rank's share of the global batch explicit: rank r takes rows [r*B, (r+1)*B) of each global
 micro-batch, so an unsharded reference run on the whole global batch sees the same tokens, and
 the masking of a masked-LM batch is the same whatever the world size.
@@ -42,10 +43,14 @@ class Masking:
         draw = torch.rand(ids.shape, generator=gen)
         kind = torch.rand(ids.shape, generator=gen)
         random_ids = torch.randint(0, self.vocab_size, ids.shape, generator=gen)
-        chosen = draw < self.probability
+        eligible = torch.ones_like(ids, dtype=torch.bool)
         for special in self.special_ids:
-            chosen &= ids != special
-        chosen[:, 0] |= ~chosen.any(dim=1)  # every row predicts something: no empty loss
+            eligible &= ids != special
+        chosen = (draw < self.probability) & eligible
+        # Every row predicts something (no empty loss): its first eligible position if none.
+        empty = ~chosen.any(dim=1) & eligible.any(dim=1)
+        first = eligible.int().argmax(dim=1)
+        chosen[empty, first[empty]] = True
         labels = torch.where(chosen, ids, IGNORE_INDEX)
         inputs = torch.where(chosen & (kind < 0.8), self.mask_id, ids)
         inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, inputs)

@@ -14,12 +14,14 @@ import torch
 
 from fsdp_lab import checkpoint as ckpt
 from fsdp_lab.config import Config, ConfigError, ModelTask, to_typed
-from fsdp_lab.model import build_full_model, build_hf_config, build_meta_model
+from fsdp_lab.model import (align_special_tokens, build_full_model, build_hf_config,
+                            build_meta_model)
 
 
 def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
               max_shard_size: str = "2GB", replace: bool = False,
-              task: ModelTask = ModelTask.causal_lm, tokenizer=None) -> Path:
+              task: ModelTask = ModelTask.causal_lm, tokenizer=None,
+              preset: bool = False) -> Path:
     """Save ``model_sd`` as a from_pretrained-able directory; complete or invisible.
 
     The weights are assigned into a meta-built model (no second copy), and tied parameters are
@@ -32,6 +34,8 @@ def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not replace:
         raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
+    if preset and tokenizer is not None:
+        align_special_tokens(hf_config, tokenizer)
     model = build_meta_model(hf_config, task)
     missing, unexpected = model.load_state_dict(model_sd, strict=False, assign=True)
     missing = [k for k in missing if k not in _tied_keys(model)]

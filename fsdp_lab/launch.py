@@ -70,8 +70,9 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
             hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     if cfg.compile:
         hardware.check_compile(topo.device)
+    cfg = corpus_lib.absolute_paths(cfg)
     if cfg.model.name_or_path is not None:  # an unreadable or unreachable model is named first
-        model_lib.build_hf_config(cfg.model)
+        model_lib.check_task(model_lib.build_hf_config(cfg.model), cfg.model.task)
     # The tokenizer decides a preset's vocabulary size; the resolved size is what workers run.
     tokenizer = corpus_lib.load_tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))

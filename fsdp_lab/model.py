@@ -106,6 +106,27 @@ def check_weights(name_or_path: str) -> None:
             f"({' or '.join(WEIGHT_FILES[::2])}); set model.pretrained=false for random init")
 
 
+def check_task(hf_config, task: ModelTask) -> None:
+    """An encoder (BERT, RoBERTa...) trained as a causal LM sees the tokens it predicts (its
+    attention is bidirectional): the loss collapses and nothing says why. Refuse it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if (task is ModelTask.causal_lm and hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(hf_config, "is_decoder", False)):
+        raise ConfigError(
+            f"model: {hf_config.model_type} is an encoder (bidirectional attention); train it with "
+            "model.task=masked_lm")
+
+
+def align_special_tokens(hf_config, tokenizer) -> None:
+    """A preset's config names bos/eos ids 0 and 1 (the byte-level tokenizer's); an export with
+    another tokenizer must name that tokenizer's, or `generate` would not stop at its EOS."""
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None and hasattr(hf_config, name):
+            setattr(hf_config, name, value)
+
+
 def max_positions(hf_config) -> int | None:
     """The longest sequence the model takes (None where the config does not say)."""
     for name in ("max_position_embeddings", "n_positions"):
@@ -155,7 +176,7 @@ def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
     source = str(local) if local.exists() else name_or_path
     try:
         return _auto_class(task).from_pretrained(source, dtype=torch.float32)
-    except OSError as e:  # no weights file, or the hub is unreachable
+    except Exception as e:  # noqa: BLE001 - no weights, hub unreachable, corrupt safetensors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"model.pretrained=true but no weights can be read from model.name_or_path="

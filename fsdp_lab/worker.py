@@ -211,7 +211,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             log.info("stopped by signal %s after step %d", stop.signal, end_step)
         raise Preempted(f"stopped after step {end_step}")
     if cfg.checkpoint.export_hf:
-        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank, task=task, tokenizer=tokenizer)
+        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank, task=task, tokenizer=tokenizer,
+                preset=cfg.model.arch is not None)
     if rank == 0:
         final_loss = last.loss if last is not None else None
         write_run_file(run_dir, {**facts, "status": "completed", "step": end_step,
@@ -221,7 +222,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
                  f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
 
 
-def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer) -> None:
+def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer,
+            preset: bool) -> None:
     """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -231,7 +233,7 @@ def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, toke
                                                               cpu_offload=True))
     if rank == 0:
         export_hf(sd, hf_config, out_dir, replace=True, task=task,  # this run's own export
-                  tokenizer=tokenizer)
+                  tokenizer=tokenizer, preset=preset)
         log.info("exported Hugging Face model: %s", out_dir)
     dist.barrier()
 

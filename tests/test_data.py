@@ -40,6 +40,18 @@ def test_split_holds_out_the_last_fraction():
     assert (len(train), len(val)) == (7, 3) and val[0, 0] == 14
 
 
+def test_validation_takes_whole_documents_so_none_is_in_both_splits():
+    docs = [[i] * 9 for i in range(10)]  # ten documents of 10 tokens with their EOS
+    train, val = corpus_lib.split_documents(docs, 0.25)
+    assert (len(train), len(val)) == (7, 3)  # 30 tokens >= 25% of 100
+    assert corpus_lib.split_documents(docs, 0.0) == (docs, [])
+    assert corpus_lib.split_documents([[1] * 50], 0.1) == ([], [])  # one document: no split
+    train_blocks, val_blocks = corpus_lib._pack_and_split(docs, eos=99, seq_len=5, fraction=0.25)
+    assert not set(np.unique(train_blocks)) & set(np.unique(val_blocks)) - {99}
+    one_doc = corpus_lib._pack_and_split([[1] * 49], eos=99, seq_len=5, fraction=0.2)
+    assert (len(one_doc[0]), len(one_doc[1])) == (8, 2)  # a block-level split instead
+
+
 def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypatch):
     cfg = make_cfg(tmp_path, files=[str(jsonl)], validation_fraction=0.1)
     tok = corpus_lib.load_tokenizer(cfg)
@@ -48,7 +60,9 @@ def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypat
     total = sum(len(json.loads(line)["text"].encode()) + 1 for line in jsonl.read_text().split("\n")
                 if line)
     assert first.num_tokens + first.num_documents == total and first.num_documents == 60
-    assert len(first.train) + len(first.val) == total // 16 and len(first.val) >= 1
+    # train and validation are packed apart: each may drop a partial block
+    assert total // 16 - 1 <= len(first.train) + len(first.val) <= total // 16
+    assert len(first.val) >= 1
     assert first.train.dtype == np.int32 and first.train.shape[1] == 16
     decoded = tok.decode(np.concatenate(list(first.train)).tolist())
     assert "lorem ipsum" in decoded and "</s>" in decoded  # EOS between documents
@@ -179,6 +193,11 @@ def test_masking_follows_bert_and_never_masks_special_tokens():
     assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1) < 0.03
     again = masking(ids, torch.Generator().manual_seed(0))
     assert torch.equal(again[0], inputs)  # a pure function of the generator's seed
+    # A row the draw left empty still predicts one token: its first non-special one.
+    rare = Masking(mask_id=103, vocab_size=100, probability=1e-9, special_ids=(1,))
+    row = torch.tensor([[1, 1, 7, 8]])
+    _, labels = rare(row, torch.Generator().manual_seed(0))
+    assert labels.tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 7, IGNORE_INDEX]]
 
 
 def test_synthetic_masked_lm_reserves_the_last_id_for_mask():
@@ -211,3 +230,36 @@ def test_the_model_directory_tokenizer_is_used(tmp_path):
     ByT5Tokenizer(extra_ids=5).save_pretrained(model_dir)
     cfg = to_typed({"model": {"name_or_path": str(model_dir)}, "data": {"kind": "shakespeare"}})
     assert len(corpus_lib.load_tokenizer(cfg)) == 259 + 5
+    # Pretrained weights without their tokenizer would be fed the wrong ids: refused.
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            f.unlink()
+    pretrained = to_typed({"model": {"name_or_path": str(model_dir), "pretrained": True},
+                           "data": {"kind": "shakespeare"}})
+    with pytest.raises(ConfigError, match="has no tokenizer.*data.tokenizer="):
+        corpus_lib.load_tokenizer(pretrained)
+
+
+def test_paths_are_made_absolute_for_later_use(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    cfg = to_typed({"model": {"name_or_path": "model"},
+                    "data": {"kind": "text", "files": ["docs/*.txt"], "tokenizer": "model"}})
+    out = corpus_lib.absolute_paths(cfg)
+    assert out.model.name_or_path == str(tmp_path / "model") == out.data.tokenizer
+    assert out.data.files == [str(tmp_path / "docs" / "*.txt")]
+    hub = to_typed({"model": {"name_or_path": "HuggingFaceTB/SmolLM2-135M"}})
+    assert corpus_lib.absolute_paths(hub).model.name_or_path == "HuggingFaceTB/SmolLM2-135M"
+
+
+def test_an_encoder_is_not_trained_as_a_causal_lm():
+    from transformers import BertConfig, LlamaConfig
+
+    from fsdp_lab.model import check_task
+
+    with pytest.raises(ConfigError, match="encoder.*model.task=masked_lm"):
+        check_task(BertConfig(), ModelTask.causal_lm)
+    check_task(BertConfig(), ModelTask.masked_lm)
+    check_task(BertConfig(is_decoder=True), ModelTask.causal_lm)
+    check_task(LlamaConfig(), ModelTask.causal_lm)
