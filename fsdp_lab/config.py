@@ -1,8 +1,8 @@
-"""The typed schema of every config group, and every cross-field rule, checked once before launch.
+"""The typed schema of every config group: enums, dataclasses, ConfigStore registration.
 
 YAML under ``conf/`` holds the values; these dataclasses hold the types, so a typo or a wrong type
-fails at compose. ``__post_init__`` only runs in ``OmegaConf.to_object`` (see ``to_typed``), which
-is where single-field rules live; rules that need the world size live in ``validate``.
+fails at compose. ``to_typed`` turns a composed config into them and applies the single-field
+rules of ``fsdp_lab.rules``; the rules that need the world size are ``rules.validate``.
 This module imports no torch: the parent checks a config in well under a second.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -289,203 +288,12 @@ def to_typed(cfg: DictConfig | dict) -> Config:
     except OmegaConfBaseException as e:
         raise ConfigError(str(e).splitlines()[0]) from e
     assert isinstance(typed, Config)
-    _check_fields(typed)
+    from fsdp_lab.rules import check_fields  # the rules import this schema
+
+    check_fields(typed)
     return typed
 
 
 def to_container(cfg: Config) -> dict:
     """The typed config as plain YAML-able data (enums as their names)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-
-
-def _positive(value: int | float, name: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
-
-
-def _check_fields(cfg: Config) -> None:
-    t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
-    for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
-        _positive(getattr(t, name), f"trainer.{name}")
-    if cfg.seed < 0:
-        raise ConfigError(f"seed={cfg.seed} must be >= 0")
-    if t.seq_len < 2:
-        raise ConfigError(f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs "
-                          "two tokens)")
-    _positive(o.lr, "optim.lr")
-    _positive(o.eps, "optim.eps")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(o, name) < 1:
-            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1)")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
-    if o.grad_clip is not None:
-        _positive(o.grad_clip, "optim.grad_clip")
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    if h.nproc_per_node is not None and h.nproc_per_node < 1:
-        raise ConfigError(
-            f"hardware.nproc_per_node={h.nproc_per_node} must be >= 1; set it to the ranks per node"
-        )
-    _positive(h.num_nodes, "hardware.num_nodes")
-    _positive(h.timeout_s, "hardware.timeout_s")
-    if h.threads_per_rank is not None:
-        _positive(h.threads_per_rank, "hardware.threads_per_rank")
-    if cfg.wrap.policy is WrapPolicy.size:
-        _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
-    _check_model(m)
-    _check_data(cfg.data)
-    if t.eval_every < 0:
-        raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
-    _positive(t.eval_batches, "trainer.eval_batches")
-    if cfg.activation_checkpointing.every < 1:
-        raise ConfigError(f"activation_checkpointing.every={cfg.activation_checkpointing.every} "
-                          "must be >= 1")
-    _check_checkpoint(cfg.checkpoint)
-    _check_precision(cfg.precision)
-    raf = cfg.sharding.reshard_after_forward
-    if raf is not None and not isinstance(raf, (bool, int)):
-        raise ConfigError(
-            f"sharding.reshard_after_forward={raf!r} must be true, false, an int or null"
-        )
-    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
-        raise ConfigError(
-            f"sharding.reshard_after_forward={raf} as an int must be >= 2 (use true or false)"
-        )
-
-
-def _check_model(m: ModelConfig) -> None:
-    if (m.arch is None) == (m.name_or_path is None):
-        raise ConfigError(
-            "model: set exactly one of model.arch (a preset) and model.name_or_path "
-            f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
-        )
-    if m.pretrained and m.name_or_path is None:
-        raise ConfigError("model.pretrained=true needs model.name_or_path (a directory or hub id "
-                          "with weights); presets have no weights")
-    if m.name_or_path is not None:
-        path = Path(m.name_or_path).expanduser()
-        local = path.exists() or not is_hub_id(m.name_or_path)
-        if local and not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
-                "Hugging Face model directory (one that save_pretrained wrote) or a hub id"
-            )
-        return
-    if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
-        raise ConfigError(
-            f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
-            "masked_lm, the decoder presets are causal_lm; set model.task accordingly")
-    if m.vocab_size is not None:
-        _positive(m.vocab_size, "model.vocab_size")
-    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "max_position_embeddings"):
-        _positive(getattr(m, name), f"model.{name}")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
-        )
-    if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
-        if m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by "
-                              f"model.num_kv_heads={m.num_kv_heads}")
-        if (m.hidden_size // m.num_heads) % 2:
-            raise ConfigError(
-                f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
-                "(rotary embeddings rotate pairs of dimensions)")
-
-
-def is_hub_id(name: str) -> bool:
-    """`org/name` or `name` with no path syntax: what the hub accepts and a path rarely is."""
-    parts = name.split("/")
-    return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
-            and all(c.isalnum() or c in "-_." for part in parts for c in part))
-
-
-def _check_data(d: DataConfig) -> None:
-    if d.kind is DataKind.text and not d.files:
-        raise ConfigError("data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
-                          ".parquet or .csv files)")
-    if d.kind is DataKind.hub and not d.name:
-        raise ConfigError("data=hub needs data.name=<hub dataset name>")
-    if not 0 <= d.validation_fraction < 1:
-        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
-    if not 0 < d.mlm_probability < 1:
-        raise ConfigError(f"data.mlm_probability={d.mlm_probability} must be in (0, 1)")
-
-
-def _check_checkpoint(c: CheckpointConfig) -> None:
-    if c.every_n_steps < 0:
-        raise ConfigError(f"checkpoint.every_n_steps={c.every_n_steps} must be >= 0 (0: at the end)")
-    if c.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
-    if c.async_enabled and c.format is not CheckpointFormat.sharded:
-        raise ConfigError(
-            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})")
-
-
-def _check_precision(p: PrecisionConfig) -> None:
-    if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
-        raise ConfigError(
-            "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "
-            "(fp16 gradients underflow without loss scaling); or use precision=fp16"
-        )
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Who runs where, decided once in the parent (or from the launcher's environment)."""
-
-    world_size: int
-    nproc_per_node: int
-    num_nodes: int
-    device: HardwareKind  # cpu or gpu, never auto
-
-
-def resolve_replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
-    """Ranks along the replicate axis: 1 for 1D strategies, world size for no_shard."""
-    match cfg.strategy:
-        case ShardingStrategy.full | ShardingStrategy.grad_op:
-            return 1
-        case ShardingStrategy.no_shard:
-            return topo.world_size
-        case ShardingStrategy.hybrid | ShardingStrategy.hybrid_zero2:
-            if cfg.replicate_size is not None:
-                return cfg.replicate_size
-            return topo.num_nodes if topo.num_nodes > 1 else 2
-        case _:
-            raise ValueError(f"unknown sharding.strategy {cfg.strategy}")
-
-
-def validate(cfg: Config, topo: Topology) -> None:
-    """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
-    s = cfg.sharding
-    hybrid = s.strategy in (ShardingStrategy.hybrid, ShardingStrategy.hybrid_zero2)
-    if s.replicate_size is not None and not hybrid:
-        raise ConfigError(
-            f"sharding.replicate_size={s.replicate_size} applies only to sharding=hybrid or "
-            f"hybrid_zero2 (got sharding={s.strategy.name}); remove it"
-        )
-    replicate = resolve_replicate_size(s, topo)
-    if hybrid:
-        if replicate < 1 or topo.world_size % replicate:
-            raise ConfigError(
-                f"sharding.replicate_size={replicate} does not divide the world size "
-                f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
-            )
-        if topo.world_size // replicate < 2:
-            raise ConfigError(
-                f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
-                f"{replicate} leaves shard groups of 1 rank; use 4+ ranks "
-                "(hardware.nproc_per_node=4), a smaller sharding.replicate_size, or sharding=full"
-            )
-    raf = s.reshard_after_forward
-    if isinstance(raf, int) and not isinstance(raf, bool):
-        shard_size = topo.world_size // replicate
-        if shard_size % raf or raf >= shard_size:
-            raise ConfigError(
-                f"sharding.reshard_after_forward={raf} must be a proper divisor of the shard "
-                f"axis size {shard_size}; use true, false or a divisor"
-            )

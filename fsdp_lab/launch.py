@@ -21,8 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from fsdp_lab import preempt
-from fsdp_lab.config import (ConfigError, Config, DataKind, Topology, to_container, to_typed,
-                             validate)
+from fsdp_lab.config import ConfigError, Config, DataKind, to_container, to_typed
+from fsdp_lab.rules import Topology, validate
 
 log = logging.getLogger("fsdp_lab")
 

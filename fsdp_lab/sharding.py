@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdp_lab.config import ShardingConfig, ShardingStrategy, Topology, resolve_replicate_size
+from fsdp_lab.config import ShardingConfig, ShardingStrategy
+from fsdp_lab.rules import Topology, resolve_replicate_size
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
 

@@ -24,8 +24,9 @@ from fsdp_lab import activations, corpus as corpus_lib, hardware, model as model
 from fsdp_lab import sharding, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import (Config, DataKind, ModelTask, OffloadDevice, Topology, to_container,
-                             to_typed, validate)
+from fsdp_lab.config import (Config, DataKind, ModelTask, OffloadDevice, to_container,
+                             to_typed)
+from fsdp_lab.rules import Topology, validate
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
 from fsdp_lab.loop import evaluate, train

@@ -10,8 +10,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_lab import precision, sharding, wrap
 from fsdp_lab.config import (
     Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, ShardingConfig,
-    ShardingStrategy as S, Topology, WrapConfig,
+    ShardingStrategy as S, WrapConfig,
 )
+from fsdp_lab.rules import Topology
 from fsdp_lab.model import build_hf_config, build_meta_model
 
 
