@@ -92,6 +92,23 @@ def init_process_group(kind: HardwareKind, device: torch.device, timeout_s: int)
     )
 
 
+# Rank 0 can work alone for longer than the collective timeout (which is there to catch dead
+# ranks): reading a large pretrained model, tokenising a corpus. The other ranks wait for it on
+# the rendezvous store, whose wait takes a timeout of its own, instead of inside a collective.
+SOLO_WORK_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def after_rank0(name: str) -> None:
+    """Rank 0 calls this when its solo work ``name`` is done; the others block here until then
+    (a failed rank 0 ends them anyway: the launcher or torchrun stops the group)."""
+    key = f"fsdp_lab/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set(key, "done")
+    else:
+        store.wait([key], SOLO_WORK_TIMEOUT)
+
+
 def pin_memory(kind: HardwareKind) -> bool:
     """CPUOffloadPolicy pins host memory for fast H2D copies; pinning needs a GPU."""
     return kind is HardwareKind.gpu

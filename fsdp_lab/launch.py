@@ -336,6 +336,7 @@ def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
             payload = [{"error": str(e)}]
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
             payload = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
+    hardware.after_rank0("prepared")  # tokenising a corpus may outlast hardware.timeout_s
     dist.broadcast_object_list(payload, src=0)
     shared = payload[0]
     if "error" in shared:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from fsdp_lab import hardware
 from fsdp_lab.activations import clean_name
 from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask
 
@@ -226,6 +227,7 @@ def materialize(model: nn.Module, *, device: torch.device, source) -> None:
         full_sd = full.state_dict()
         buffers = _non_persistent_buffers(full)
         del full  # the state dict keeps the tensors alive, not a second copy
+    hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
     set_model_state_dict(
         model, full_sd,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
