@@ -1,11 +1,13 @@
 """The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
 
     fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
+    fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="a checkpoint dir, or a run dir / checkpoint root (its latest)")
     exp.add_argument("out_dir", type=Path, help="new or empty output directory")
     exp.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (2GB)")
+    acc = sub.add_parser("from-accelerate",
+                         help="print the train.py overrides of an accelerate FSDP config")
+    acc.add_argument("config", type=Path, help="the YAML `accelerate config` wrote")
     args = parser.parse_args(argv)
     try:
         match args.command:
@@ -38,6 +43,18 @@ def main(argv: list[str] | None = None) -> int:
                                 task=cfg.model.task, tokenizer=tokenizer,
                                 preset=cfg.model.arch is not None)
                 print(f"exported {args.checkpoint} -> {out}")
+            case "from-accelerate":
+                from fsdp_lab.from_accelerate import from_file
+
+                result = from_file(args.config)
+                for note in result.notes:
+                    print(f"fsdp-lab: note: {note}", file=sys.stderr)
+                for warning in result.warnings:
+                    print(f"fsdp-lab: warning: {warning}", file=sys.stderr)
+                launcher = "python train.py"
+                if any(o.startswith("hardware.num_nodes=") for o in result.overrides):
+                    launcher = "torchrun --nnodes=... --nproc_per_node=... train.py"
+                print(" ".join([launcher, *map(shlex.quote, result.overrides)]))
             case _:
                 raise ValueError(f"unknown command {args.command}")
     except ConfigError as e:
