@@ -2,7 +2,8 @@
 
     python train.py                                          # tiny Llama, 2 CPU ranks (or all GPUs)
     python train.py sharding=hybrid precision=bf16 hardware.nproc_per_node=4
-    python train.py -m sharding=full,grad_op precision=fp32,bf16      # a local sweep
+    python train.py -m sharding=full,grad_op precision=fp32,bf16      # a local sweep (a failed
+                                                                       # job is recorded, the rest run)
     torchrun --nproc_per_node=2 train.py sharding=grad_op              # join torchrun's group
     python train.py --cfg job                                # print the composed config
 
@@ -10,6 +11,7 @@ Groups: sharding, precision, wrap, offload, hardware, model, data, optim, traine
 Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log.
 """
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -25,8 +27,10 @@ config.register_schema()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    launch.main(cfg, run_dir=Path(hc.runtime.output_dir), multirun=hc.mode == RunMode.MULTIRUN)
+    launch.main(cfg, run_dir=Path(hc.runtime.output_dir), multirun=hc.mode == RunMode.MULTIRUN,
+                job=" ".join(hc.overrides.task))
 
 
 if __name__ == "__main__":
     main()
+    sys.exit(launch.sweep_exit_code())  # a sweep whose jobs failed (each recorded) exits 1

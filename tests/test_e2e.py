@@ -143,3 +143,24 @@ def test_a_killed_rank_fails_the_run_fast_and_is_named(run_dir):
     assert time.monotonic() - killed_at < 30  # not the 300 s collective timeout
     errors = [line for line in stderr.splitlines() if line.startswith("fsdp_lab: error:")]
     assert len(errors) == 1 and "rank 1 died (signal 9)" in errors[0], stderr
+
+
+def test_a_failed_sweep_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "sharding=hybrid,full", "optim.lr=3e-3,1e30",
+         "trainer.max_steps=3", "hardware=cpu", "trainer.progress_bar=false",
+         "checkpoint=none", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    status = {job: json.loads((sweep / job / "run.json").read_text()) for job in "0123"}
+    # hybrid on 2 ranks is refused before launch (both lrs); lr=1e30 diverges at step 2.
+    assert status["0"]["status"] == status["1"]["status"] == "failed"
+    assert "sharding=hybrid on 2 ranks" in status["0"]["error"]
+    assert status["2"]["status"] == "completed"
+    assert len(read_metrics(sweep / "2" / "metrics.jsonl")) == 3
+    assert status["3"]["status"] == "failed" and "loss is" in status["3"]["error"]
+    assert "3 sweep job(s) failed" in proc.stderr
+    failed_lines = [line for line in proc.stderr.splitlines() if line.startswith("  ")]
+    assert len(failed_lines) == 3
+    assert "sharding=full optim.lr=1e+30" in failed_lines[2] and "loss is" in failed_lines[2]
