@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_lab import config, launch
+from fsdp_lab import config, sweep
 
 config.register_schema()
 
@@ -27,10 +27,10 @@ config.register_schema()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    launch.main(cfg, run_dir=Path(hc.runtime.output_dir), multirun=hc.mode == RunMode.MULTIRUN,
-                job=" ".join(hc.overrides.task))
+    sweep.run_job(cfg, run_dir=Path(hc.runtime.output_dir),
+                  multirun=hc.mode == RunMode.MULTIRUN, job=" ".join(hc.overrides.task))
 
 
 if __name__ == "__main__":
     main()
-    sys.exit(launch.sweep_exit_code())  # a sweep whose jobs failed (each recorded) exits 1
+    sys.exit(sweep.exit_code())  # a sweep whose jobs failed (each recorded) exits 1

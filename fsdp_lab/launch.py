@@ -31,56 +31,9 @@ log = logging.getLogger("fsdp_lab")
 GRACE_S = 5.0
 
 
-# Sweep jobs that failed ("<overrides>: <reason>"): a failed job is recorded, the sweep goes on,
-# and train.py exits non-zero at its end (sweep_exit_code).
-_SWEEP_FAILURES: list[str] = []
-
-
-def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: str = "") -> None:
-    """Entry from train.py. Exits non-zero, with one line on stderr, when the run fails; in a
-    sweep (``multirun``) a failed job ``job`` is recorded and the sweep goes on instead."""
-    code, error = _run(dict_cfg, run_dir=run_dir, multirun=multirun)
-    if code == 0:
-        return
-    # A preemption signal or Ctrl-C stops the whole sweep; any other failure only its job.
-    if not multirun or code in (preempt.EXIT_CODE, 130):
-        sys.exit(code)
-    reason = _record_sweep_failure(run_dir, code, error)
-    _SWEEP_FAILURES.append(f"{job or run_dir}: {reason}")
-    print(f"fsdp_lab: sweep job {job or run_dir} failed (exit {code}); the sweep goes on",
-          file=sys.stderr)
-
-
-def sweep_exit_code() -> int:
-    """After a sweep: list the failed jobs; 1 if any failed, else 0."""
-    if _SWEEP_FAILURES:
-        print(f"fsdp_lab: {len(_SWEEP_FAILURES)} sweep job(s) failed:", file=sys.stderr)
-        for line in _SWEEP_FAILURES:
-            print(f"  {line}", file=sys.stderr)
-    return 1 if _SWEEP_FAILURES else 0
-
-
-def _record_sweep_failure(run_dir: Path, code: int, config_error: str | None) -> str:
-    """The failed job's reason. A run that started has it in its run.json already (the launcher
-    wrote it); a config error is written to a new run.json, never over another run's."""
-    from fsdp_lab import worker
-
-    path = run_dir / worker.RUN_FILE
-    if config_error is None:
-        facts = json.loads(path.read_text()) if path.is_file() else {}
-        return facts.get("error") or f"exit {code}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return config_error
-    os.write(fd, json.dumps({"status": "failed", "error": config_error}).encode() + b"\n")
-    os.close(fd)
-    return config_error
-
-
-def _run(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> tuple[int, str | None]:
-    """(exit code, the one-line config error if the config was refused)."""
+def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> tuple[int, str | None]:
+    """One run (a sweep's job) from its composed config: (exit code, the one-line error if the
+    config was refused before launch). Failures have been reported on stderr once."""
     forwarder = preempt.SignalForwarder() if "RANK" not in os.environ else None
     try:
         cfg = to_typed(dict_cfg)
