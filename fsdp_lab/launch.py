@@ -156,12 +156,8 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
-    try:
-        fd = os.open(run_dir / worker.RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        raise ConfigError(message) from None
-    os.write(fd, json.dumps({"status": "starting"}).encode() + b"\n")
-    os.close(fd)
+    if not worker.create_run_file(run_dir, {"status": "starting"}):
+        raise ConfigError(message)
 
 
 def _rendezvous_store(timeout_s: int):

@@ -8,7 +8,6 @@ and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -50,10 +49,5 @@ def _record_failure(run_dir: Path, code: int, config_error: str | None) -> str:
         facts = json.loads(path.read_text()) if path.is_file() else {}
         return facts.get("error") or f"exit {code}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return config_error
-    os.write(fd, json.dumps({"status": "failed", "error": config_error}).encode() + b"\n")
-    os.close(fd)
+    worker.create_run_file(run_dir, {"status": "failed", "error": config_error})
     return config_error

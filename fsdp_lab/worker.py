@@ -239,6 +239,18 @@ def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, toke
     dist.barrier()
 
 
+def create_run_file(run_dir: Path, facts: dict) -> bool:
+    """Write run.json only if there is none (O_EXCL: of two writers, one wins); False if one
+    exists. Claims a fresh run dir, and records a failure without touching another run's."""
+    try:
+        fd = os.open(run_dir / RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, json.dumps(facts).encode() + b"\n")
+    os.close(fd)
+    return True
+
+
 def write_run_file(run_dir: Path, facts: dict) -> None:
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps(facts, indent=2) + "\n")
