@@ -8,7 +8,8 @@
     python train.py --cfg job                                # print the composed config
 
 Groups: sharding, precision, wrap, offload, hardware, model, data, optim, trainer (see conf/).
-Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log.
+Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log,
+wandb/ (offline W&B files); a sweep also writes report.md and plots in its multirun dir.
 """
 
 import sys
@@ -28,7 +29,7 @@ config.register_schema()
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     sweep.run_job(cfg, run_dir=Path(hc.runtime.output_dir),
-                  multirun=hc.mode == RunMode.MULTIRUN, job=" ".join(hc.overrides.task))
+                  multirun=hc.mode == RunMode.MULTIRUN, job=sweep.job_info(hc))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,18 @@ class ActivationCheckpointingMode(enum.Enum):
     selective = "selective"  # every k-th unit only
 
 
+class LoggerKind(enum.Enum):
+    wandb = "wandb"  # Weights & Biases (rank 0), besides metrics.jsonl
+    none = "none"  # metrics.jsonl only
+
+
+class WandbMode(enum.Enum):
+    auto = "auto"  # WANDB_MODE if set, else online with W&B credentials, else offline
+    online = "online"
+    offline = "offline"  # run files in <run dir>/wandb, `wandb sync` them later
+    disabled = "disabled"
+
+
 class CheckpointFormat(enum.Enum):
     sharded = "sharded"  # torch.distributed.checkpoint: every rank writes its own shards
     full = "full"  # one consolidated state dict written by rank 0
@@ -134,6 +146,9 @@ class HardwareConfig:
     """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
     threads_per_rank: Optional[int] = None
     """CPU threads per rank. None: the node's cores divided among its ranks."""
+    peak_tflops: Optional[float] = None
+    """One device's peak TFLOP/s at the compute dtype, for MFU. None: known GPUs from a table
+    (A100, H100, H200, B200, L4, L40S, A10); CPUs and other devices report no MFU."""
 
 
 @dataclass
@@ -192,6 +207,27 @@ class ActivationCheckpointingConfig:
     `every`-th unit. Trades compute (about one extra forward) for activation memory."""
     every: int = 2
     """selective: checkpoint units 0, k, 2k, ... (k = every)."""
+
+
+@dataclass
+class LoggerConfig:
+    kind: LoggerKind = LoggerKind.wandb
+    """wandb: also log to Weights & Biases (rank 0 only); none: metrics.jsonl only."""
+    mode: WandbMode = WandbMode.auto
+    """auto: WANDB_MODE when set, else online when W&B credentials are configured (WANDB_API_KEY
+    or `wandb login`), else offline; the run's log says which. An online run that cannot reach
+    W&B goes on offline with a warning."""
+    project: str = "fsdp_lab"
+    entity: Optional[str] = None
+    """W&B team or user; None: the account's default."""
+    group: Optional[str] = None
+    """None: a sweep's jobs share one group named after its multirun dir; single runs none."""
+    name: Optional[str] = None
+    """None: the job's overrides (e.g. `sharding=hybrid,precision=bf16`), else the run dir's name."""
+    tags: List[str] = field(default_factory=list)
+    """Added to the automatic tags (the chosen option of every config group)."""
+    init_timeout_s: int = 60
+    """How long an online start may take before the run logs offline instead."""
 
 
 @dataclass
@@ -257,6 +293,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
     compile: bool = False

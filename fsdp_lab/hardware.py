@@ -115,21 +115,49 @@ def pin_memory(kind: HardwareKind) -> bool:
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the allocator's on GPU; on Linux CPUs the process's RSS high-water mark
+    (VmHWM), reset through /proc/self/clear_refs, so a step's peak is not the load's."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not permitted: the peak stays the process's lifetime peak
+        pass
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Allocator peak on GPU; on CPU the process's peak RSS (it includes imports, ~360 MB)."""
+    """Allocator peak on GPU; on CPU the process's RSS high-water mark since the last reset (it
+    includes the interpreter, imports and libraries, about 400 MB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return host_peak_rss_bytes()
+    return _proc_status_bytes("VmHWM") or host_peak_rss_bytes()
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Allocated bytes on GPU; on CPU the process's resident set size now."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS") or host_peak_rss_bytes()
 
 
 def host_peak_rss_bytes() -> int:
-    """This process's peak resident set size on the host, whatever the device."""
+    """This process's lifetime peak resident set size on the host, whatever the device."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A kB field of /proc/self/status (Linux), in bytes; None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def check_compile(kind: HardwareKind) -> None:
@@ -139,6 +167,32 @@ def check_compile(kind: HardwareKind) -> None:
     if kind is HardwareKind.cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ConfigError("compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
                           "install one or set compile=false")
+
+
+# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): (bf16/fp16 tensor
+# cores, fp32 without TF32, which is torch's default for fp32 matmuls). Matched in order against
+# torch.cuda.get_device_name, so the more specific names come first.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0, 51.0), ("H100 NVL", 835.0, 60.0), ("H100", 989.0, 67.0),
+    ("H200", 989.0, 67.0), ("H800", 989.0, 67.0), ("B200", 2250.0, 80.0),
+    ("A100", 312.0, 19.5), ("A800", 312.0, 19.5), ("L40S", 362.0, 91.6), ("L4", 121.0, 30.3),
+    ("A10G", 70.0, 31.2), ("A10", 125.0, 31.2),
+)
+
+
+def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype) -> float | None:
+    """Peak FLOP/s of one device for MFU: ``hardware.peak_tflops`` when set, else the table
+    above for a known GPU; None (MFU not reported) for CPUs and unknown GPUs."""
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops * 1e12
+    if kind is not HardwareKind.gpu:
+        return None
+    name = torch.cuda.get_device_name(0)
+    for key, low_precision, fp32 in PEAK_TFLOPS:
+        if key in name:
+            return (fp32 if compute is Dtype.fp32 else low_precision) * 1e12
+    log.info("no peak FLOP/s known for %s: MFU not reported (set hardware.peak_tflops)", name)
+    return None
 
 
 def synchronize(device: torch.device) -> None:

@@ -31,9 +31,11 @@ log = logging.getLogger("fsdp_lab")
 GRACE_S = 5.0
 
 
-def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> tuple[int, str | None]:
+def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
+         job: dict | None = None) -> tuple[int, str | None]:
     """One run (a sweep's job) from its composed config: (exit code, the one-line error if the
-    config was refused before launch). Failures have been reported on stderr once."""
+    config was refused before launch). Failures have been reported on stderr once. ``job``
+    (its overrides and group choices, see ``sweep.job_info``) goes into run.json."""
     forwarder = preempt.SignalForwarder() if "RANK" not in os.environ else None
     try:
         cfg = to_typed(dict_cfg)
@@ -42,9 +44,9 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> tuple[int, s
                 raise ConfigError(
                     "-m/--multirun under torchrun would run the whole sweep on every rank; "
                     "run `python train.py -m ...` (it starts each job's ranks itself)")
-            _join_existing_group(cfg, run_dir)  # never returns
+            _join_existing_group(cfg, run_dir, job)  # never returns
         topo = _local_topology(cfg)
-        cfg = prepare_run(cfg, topo, run_dir)
+        cfg = prepare_run(cfg, topo, run_dir, job)
     except ConfigError as e:
         if forwarder is not None:
             forwarder.restore()
@@ -56,7 +58,7 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool) -> tuple[int, s
         forwarder.restore()
 
 
-def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
+def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = None) -> Config:
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
@@ -107,25 +109,31 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path) -> Config:
         step = ckpt.verify(resume_path)["step"]
         ckpt.check_compatible(resume_path, meta_model)
     continuing = resume_path is not None and cfg.resume == "auto"
-    _claim_run_dir(run_dir, continuing=continuing)
+    _claim_run_dir(run_dir, continuing=continuing, job=job)
     if continuing:
-        _truncate_metrics(run_dir / worker.METRICS_FILE, step)
+        logged = _truncate_metrics(run_dir / worker.METRICS_FILE, step)
+        # W&B keeps what it logged past the checkpoint; the worker logs only after it, so a
+        # resumed W&B run has every step once.
+        _update_run_file(run_dir, logged_through_step=max(logged, step))
         log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
     elif resume_path is not None:
         log.info("starting from %s (step %d)", resume_path, step)
     return dataclasses.replace(cfg, resume=str(resume_path) if resume_path else "never")
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint: they are about to be run again."""
+def _truncate_metrics(path: Path, step: int) -> int:
+    """Drop records of steps after the checkpoint: they are about to be run again. Returns the
+    last step the file had (0 if none)."""
     if not path.is_file():
-        return
+        return 0
     lines = path.read_text().splitlines(keepends=True)
+    steps = [json.loads(line)["step"] for line in lines if line.strip()]
     kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
+    return max(steps, default=0)
 
 
 def _local_topology(cfg: Config) -> Topology:
@@ -143,7 +151,7 @@ def _local_topology(cfg: Config) -> Topology:
     return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
 
 
-def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
+def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None:
     """A run dir holds one run: write into one that has files only to continue its run."""
     from fsdp_lab import worker
 
@@ -156,7 +164,7 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool) -> None:
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
-    if not worker.create_run_file(run_dir, {"status": "starting"}):
+    if not worker.create_run_file(run_dir, {"status": "starting", "job": job}):
         raise ConfigError(message)
 
 
@@ -304,14 +312,18 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
 
 def _mark_failed(run_dir: Path, reason: str) -> None:
     """Record the failure in run.json, so reports list the run as failed with its reason."""
+    _update_run_file(run_dir, status="failed", error=reason)
+
+
+def _update_run_file(run_dir: Path, **changes) -> None:
     from fsdp_lab import worker
 
     path = run_dir / worker.RUN_FILE
     facts = json.loads(path.read_text()) if path.is_file() else {}
-    worker.write_run_file(run_dir, {**facts, "status": "failed", "error": reason})
+    worker.write_run_file(run_dir, {**facts, **changes})
 
 
-def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
+def _join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> None:
     """Under torchrun: join the group, adopt rank 0's config and run dir, run this rank."""
     import torch.distributed as dist
 
@@ -326,7 +338,7 @@ def _join_existing_group(cfg: Config, hydra_run_dir: Path) -> None:
     if rank == 0:
         try:
             topo = worker.topology_from_env(kind)
-            cfg = prepare_run(cfg, topo, hydra_run_dir)
+            cfg = prepare_run(cfg, topo, hydra_run_dir, job)
             worker.save_run_config(cfg, hydra_run_dir)
             payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
         except ConfigError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import logging
 import sys
 from pathlib import Path
@@ -74,3 +75,31 @@ def read_metrics(path: Path, split: str = "train") -> list[dict]:
     with path.open(encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r for r in records if r.get("split", "train") == split]
+
+
+class RunSummary:
+    """A run's final and best values from its metric records: run.json and W&B's summary."""
+
+    def __init__(self) -> None:
+        self._train: list[dict] = []
+        self._val: list[dict] = []
+
+    def add(self, record: dict) -> None:
+        (self._val if record["split"] == "val" else self._train).append(record)
+
+    def as_dict(self) -> dict:
+        """Steady-state figures are medians over this attempt's steps after its first (which
+        includes warm-up: allocator growth, compile, first all-gathers)."""
+        steady = self._train[1:] or self._train
+        summary = {
+            "final_loss": self._train[-1]["loss"] if self._train else None,
+            "best_loss": min((r["loss"] for r in self._train), default=None),
+            "final_val_loss": self._val[-1]["val_loss"] if self._val else None,
+            "best_val_loss": min((r["val_loss"] for r in self._val), default=None),
+            "final_val_ppl": self._val[-1]["val_ppl"] if self._val else None,
+        }
+        for key in ("tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "mfu"):
+            values = [r[key] for r in steady if r.get(key) is not None]
+            summary[f"median_{key}"] = statistics.median(values) if values else None
+        summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in self._train), default=None)
+        return summary

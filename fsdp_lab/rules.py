@@ -52,6 +52,9 @@ def check_fields(cfg: Config) -> None:
     _positive(h.timeout_s, "hardware.timeout_s")
     if h.threads_per_rank is not None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
+    if h.peak_tflops is not None:
+        _positive(h.peak_tflops, "hardware.peak_tflops")
+    _positive(cfg.logger.init_timeout_s, "logger.init_timeout_s")
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
     _check_model(m)

@@ -7,10 +7,13 @@ and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fsdp_lab import launch, preempt
@@ -19,14 +22,31 @@ from fsdp_lab import launch, preempt
 _FAILURES: list[str] = []
 
 
-def run_job(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: str = "") -> None:
-    code, config_error = launch.main(dict_cfg, run_dir=run_dir, multirun=multirun)
+def job_info(hydra_cfg) -> dict:
+    """What run.json, W&B and reports say of a job: its command-line overrides, the chosen
+    option of every config group, and in a sweep its multirun dir and number."""
+    from hydra.types import RunMode
+
+    from fsdp_lab.config import Config
+
+    groups = {f.name for f in dataclasses.fields(Config)}
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    return {"overrides": list(hydra_cfg.overrides.task),
+            "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
+            "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
+            "num": hydra_cfg.job.num if multirun else None}
+
+
+def run_job(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
+            job: dict | None = None) -> None:
+    code, config_error = launch.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
     if code == 0:
         return
     if not multirun or code in (preempt.EXIT_CODE, 130):
         sys.exit(code)
-    _FAILURES.append(f"{job or run_dir}: {_record_failure(run_dir, code, config_error)}")
-    print(f"fsdp_lab: sweep job {job or run_dir} failed (exit {code}); the sweep goes on",
+    name = " ".join(job["overrides"]) if job else str(run_dir)
+    _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
+    print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on",
           file=sys.stderr)
 
 
@@ -39,7 +59,8 @@ def exit_code() -> int:
     return 1 if _FAILURES else 0
 
 
-def _record_failure(run_dir: Path, code: int, config_error: str | None) -> str:
+def _record_failure(run_dir: Path, code: int, config_error: str | None,
+                    job: dict | None) -> str:
     """The failed job's reason. A run that started has it in its run.json already (the launcher
     wrote it); a config error is written to a new run.json, never over another run's."""
     from fsdp_lab import worker
@@ -49,5 +70,22 @@ def _record_failure(run_dir: Path, code: int, config_error: str | None) -> str:
         facts = json.loads(path.read_text()) if path.is_file() else {}
         return facts.get("error") or f"exit {code}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    worker.create_run_file(run_dir, {"status": "failed", "error": config_error})
+    worker.create_run_file(run_dir, {"status": "failed", "error": config_error, "job": job})
     return config_error
+
+
+class ReportCallback(Callback):
+    """Hydra calls this once after the last job of ``-m``: the sweep's report.md and plots
+    (``fsdp-lab report`` on the multirun dir). A failing report never fails the sweep."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from fsdp_lab.report import write_report
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            paths = write_report(sweep_dir)
+        except Exception as e:  # noqa: BLE001 - the jobs' results are already safe on disk
+            logging.getLogger("fsdp_lab").warning("no sweep report: %s", e)
+            print(f"fsdp_lab: warning: no sweep report for {sweep_dir}: {e}", file=sys.stderr)
+            return
+        print(f"fsdp_lab: sweep report: {paths[0]}", file=sys.stderr)

@@ -18,19 +18,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from omegaconf import OmegaConf
 
-from fsdp_lab import activations, corpus as corpus_lib, hardware, model as model_lib, precision
-from fsdp_lab import sharding, wrap
+from fsdp_lab import activations, corpus as corpus_lib, hardware, metrics, model as model_lib
+from fsdp_lab import precision, sharding, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
 from fsdp_lab.config import (Config, DataKind, ModelTask, OffloadDevice, to_container,
                              to_typed)
 from fsdp_lab.rules import Topology, validate
 from fsdp_lab.data import build_data
-from fsdp_lab.loggers import MetricsWriter, Progress, setup_rank_logging
+from fsdp_lab.loggers import MetricsWriter, Progress, RunSummary, setup_rank_logging
 from fsdp_lab.loop import evaluate, train
 from fsdp_lab.optim import build_optimizer, build_scheduler
+from fsdp_lab.wandb_logger import WandbLogger
 
 log = logging.getLogger("fsdp_lab")
 
@@ -73,6 +75,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     model = model_lib.build_meta_model(hf_config, task)
     total_params = sum(p.numel() for p in model.parameters())
     model_class = type(model).__name__  # before fully_shard renames it FSDP<name>
+    flops_per_token = metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len)
+    peak_flops = hardware.peak_flops(cfg.hardware, kind, cfg.precision.param_dtype)
     tied = model_lib.tied_groups(model)
 
     # 3) FSDP units; activation checkpointing and compile per unit; then 4) fully_shard them on
@@ -155,31 +159,64 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         "resumed_from": None if cfg.resume == "never" else cfg.resume, "start_step": start_step,
         "torch": torch.__version__,
     }
-    writer = progress = None
+    facts["flops_per_token"], facts["peak_flops"] = flops_per_token, peak_flops
+    facts["transformers"] = transformers.__version__
+    hardware.reset_peak_memory(device)  # the steps' peak memory is theirs, not the load's
+    before = [None] * topo.world_size
+    dist.all_gather_object(before, hardware.current_memory_bytes(device))
+    facts["memory_before_train_bytes_per_rank"] = before
+    writer = progress = tracker = None
+    summary = RunSummary()
+    logged_through = -1  # W&B already has the steps up to here (a resumed run's)
     if rank == 0:
         log.info("%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
                  facts["hardware"], topo.world_size, facts["mesh_axes"], facts["mesh_shape"],
                  facts["fsdp_units"], f"{total_params:,}", [f"{n:,}" for n in numels])
+        claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's W&B id
+        continuing = cfg.resume != "never" and "wandb" in claimed
+        logged_through = claimed.get("logged_through_step", -1) if continuing else -1
+        facts["job"] = claimed.get("job")
+        tracker = WandbLogger.start(cfg, run_dir, facts=facts, job=facts["job"],
+                                    resume_id=claimed["wandb"]["id"] if continuing else None)
+        if tracker is not None:
+            facts["wandb"] = tracker.info
         write_run_file(run_dir, {**facts, "status": "running"})
         writer = MetricsWriter(run_dir / METRICS_FILE)
         progress = Progress(t.max_steps, enabled=t.progress_bar, initial=start_step)
     saved_step = start_step if cfg.resume != "never" else -1
 
+    def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
+        state = [None] * topo.world_size
+        dist.all_gather_object(state, metrics.state_bytes(model, optimizer))
+        facts["state_bytes_per_rank"] = state
+        state_hook.remove()
+    state_hook = optimizer.register_step_post_hook(measure_state)
+
     def run_eval(step: int) -> None:
         result = evaluate(model, data, num_batches=eval_batches,
                           causal=task is ModelTask.causal_lm, device=device)
         if rank == 0:
-            writer.write({"split": "val", "step": step, "val_loss": result.loss,
-                          "val_ppl": result.perplexity, "val_tokens": result.tokens,
-                          "eval_time_s": result.time_s})
+            record = {"split": "val", "step": step, "val_loss": result.loss,
+                      "val_ppl": result.perplexity, "val_tokens": result.tokens,
+                      "eval_time_s": result.time_s}
+            writer.write(record)
+            summary.add(record)
+            if tracker is not None and step > logged_through:
+                tracker.log_val(record)
             log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
                      step, result.loss, result.perplexity, result.tokens)
 
     def on_step(m) -> None:
         nonlocal saved_step
         if rank == 0:
-            writer.write({"split": "train", **m.as_record()})
-            progress.update(m.as_record())
+            record = {"split": "train", **m.as_record(), **metrics.throughput(
+                m, world_size=topo.world_size, flops_per_token=flops_per_token,
+                peak_flops=peak_flops)}
+            writer.write(record)
+            summary.add(record)
+            progress.update(record)
+            if tracker is not None and m.step > logged_through:
+                tracker.log_train(record)
         if eval_batches and (m.step % t.eval_every == 0 or m.step == t.max_steps):
             run_eval(m.step)
         checkpointer.poll()
@@ -189,38 +226,57 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
 
     # 9) The loop; a preemption signal ends it after the current step on every rank. A fresh
     # run is evaluated first: the starting point (a pretrained model's) is a number too.
-    if eval_batches and start_step == 0:
-        run_eval(0)
-    last, preempted = train(
-        model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,
-        grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step, device=device,
-        on_step=on_step, stop_requested=stop)
-    end_step = last.step if last is not None else start_step
-    if rank == 0:
-        progress.close()
-        writer.close()
-
-    # 10) The final (or preemption) checkpoint, then the Hugging Face export.
-    if checkpointer.enabled and saved_step != end_step:
-        checkpointer.save(end_step, tokens_seen + (end_step - start_step) * tokens_per_step,
-                          blocking=True)
-    checkpointer.wait()
-    if preempted:
+    try:
+        if eval_batches and start_step == 0:
+            run_eval(0)
+        last, preempted = train(
+            model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,
+            grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step, device=device,
+            on_step=on_step, stop_requested=stop)
+        end_step = last.step if last is not None else start_step
         if rank == 0:
-            write_run_file(run_dir, {**facts, "status": "preempted", "step": end_step})
-            log.info("stopped by signal %s after step %d", stop.signal, end_step)
+            progress.close()
+            writer.close()
+        _finish(cfg, run_dir, rank, model=model, checkpointer=checkpointer, facts=facts,
+                summary=summary, tracker=tracker, preempted=preempted, saved_step=saved_step,
+                end_step=end_step,
+                tokens_seen=tokens_seen + (end_step - start_step) * tokens_per_step,
+                stop=stop, export=lambda: _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank,
+                                                  task=task, tokenizer=tokenizer,
+                                                  preset=cfg.model.arch is not None),
+                t0=t0)
+    except BaseException:
+        if tracker is not None:
+            tracker.finish(status="failed", summary=summary.as_dict())
+        raise
+
+
+def _finish(cfg: Config, run_dir: Path, rank: int, *, model, checkpointer, facts, summary,
+            tracker, preempted: bool, saved_step: int, end_step: int, tokens_seen: int, stop,
+            export, t0: float) -> None:
+    """10) The final (or preemption) checkpoint, the Hugging Face export, run.json and W&B's
+    summary."""
+    if checkpointer.enabled and saved_step != end_step:
+        checkpointer.save(end_step, tokens_seen, blocking=True)
+    checkpointer.wait()
+    if not preempted and cfg.checkpoint.export_hf:
+        export()
+    if rank != 0:
+        if preempted:
+            raise Preempted(f"stopped after step {end_step}")
+        return
+    status = "preempted" if preempted else "completed"
+    results = {**summary.as_dict(), "total_time_s": time.perf_counter() - t0}
+    write_run_file(run_dir, {**facts, "status": status, "step": end_step, **results})
+    if tracker is not None:
+        tracker.finish(status=status, summary={**results, "step": end_step})
+    if preempted:
+        log.info("stopped by signal %s after step %d", stop.signal, end_step)
         raise Preempted(f"stopped after step {end_step}")
-    if cfg.checkpoint.export_hf:
-        _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank, task=task, tokenizer=tokenizer,
-                preset=cfg.model.arch is not None)
-    if rank == 0:
-        final_loss = last.loss if last is not None else None
-        write_run_file(run_dir, {**facts, "status": "completed", "step": end_step,
-                                 "final_loss": final_loss,
-                                 "total_time_s": time.perf_counter() - t0})
-        log.info("done: step %d/%d, final loss %s, run dir %s", end_step, t.max_steps,
-                 f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
+    final_loss = results["final_loss"]
+    log.info("done: step %d/%d, final loss %s, run dir %s", end_step, cfg.trainer.max_steps,
+             f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
 
 
 def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer,
@@ -249,6 +305,11 @@ def create_run_file(run_dir: Path, facts: dict) -> bool:
     os.write(fd, json.dumps(facts).encode() + b"\n")
     os.close(fd)
     return True
+
+
+def read_run_file(run_dir: Path) -> dict:
+    path = run_dir / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_run_file(run_dir: Path, facts: dict) -> None:

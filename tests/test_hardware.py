@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,6 +62,18 @@ def test_cpu_threads_are_split_among_ranks():
 
 def test_peak_memory_on_cpu_is_the_process_rss():
     assert hardware.peak_memory_bytes(torch.device("cpu")) > 50 * 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
+def test_cpu_peak_memory_resets_so_a_step_peak_is_not_an_earlier_one():
+    cpu = torch.device("cpu")
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    high = hardware.peak_memory_bytes(cpu)
+    del big
+    hardware.reset_peak_memory(cpu)
+    after_reset = hardware.peak_memory_bytes(cpu)
+    assert after_reset < high - 32 * 2**20
+    assert abs(after_reset - hardware.current_memory_bytes(cpu)) < 8 * 2**20
 
 
 def _solo_work_rank(rank: int, port: int, result_dir: str) -> None:

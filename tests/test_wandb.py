@@ -1,0 +1,157 @@
+"""W&B logging, read back from the offline run files: every step, the config, groups, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check_ok, train
+from fsdp_lab.config import Config, LoggerConfig, WandbMode
+from fsdp_lab.loggers import read_metrics
+from fsdp_lab.wandb_logger import flatten, resolve_mode, run_identity
+from wandb_files import offline_runs
+
+OFFLINE = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=3", "checkpoint=none")
+
+
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+
+
+def test_auto_mode_is_offline_without_credentials_and_says_why(no_credentials, monkeypatch):
+    assert resolve_mode(WandbMode.auto) == (
+        "offline", "no W&B credentials (WANDB_API_KEY or `wandb login`)")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode(WandbMode.auto) == ("online", "W&B credentials are configured")
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch is honoured by auto
+    assert resolve_mode(WandbMode.auto) == ("disabled", "WANDB_MODE=disabled")
+    assert resolve_mode(WandbMode.offline) == ("offline", "logger.mode=offline")
+
+
+def test_auto_mode_finds_a_wandb_login_netrc(no_credentials, tmp_path):
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " +
+                                     "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert resolve_mode(WandbMode.auto)[0] == "online"
+
+
+def test_config_is_flattened_and_a_sweep_job_is_named_grouped_and_tagged(tmp_path):
+    assert flatten({"sharding": {"strategy": "full"}, "seed": 0}) == {
+        "sharding.strategy": "full", "seed": 0}
+    job = {"overrides": ["hydra.sweep.dir=/x", "sharding=hybrid", "precision=bf16"],
+           "choices": {"sharding": "hybrid", "precision": "bf16"},
+           "sweep_dir": "/home/u/multirun/2026-11-22/06-00-00", "num": 3}
+    ident = run_identity(Config(), tmp_path / "3", job)
+    assert ident == {"name": "sharding=hybrid,precision=bf16", "group": "2026-11-22/06-00-00",
+                     "job_type": "sweep", "tags": ["precision=bf16", "sharding=hybrid"]}
+    single = run_identity(Config(logger=LoggerConfig(group="mine", tags=["x"])),
+                          tmp_path / "run", {"overrides": [], "choices": {}})
+    assert single == {"name": "run", "group": "mine", "job_type": "train", "tags": ["x"]}
+
+
+@pytest.mark.slow
+def test_an_offline_run_logs_every_step_its_config_and_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    check_ok(train(run_dir, *OFFLINE, "trainer.max_steps=6", "sharding=grad_op"))
+    facts = json.loads((run_dir / "run.json").read_text())
+    [run] = offline_runs(run_dir)  # the W&B files live in the run dir
+    assert run.run_id == facts["wandb"]["id"] and facts["wandb"]["mode"] == "offline"
+    assert (run.project, run.job_type, run.group) == ("fsdp_lab", "train", "")
+    assert run.name == "trainer.progress_bar=false,hardware=cpu,logger.mode=offline," \
+                       "trainer.eval_every=3,checkpoint=none,trainer.max_steps=6,sharding=grad_op"
+    assert "sharding=grad_op" in run.tags and "model=llama_tiny" in run.tags
+    # The fully resolved config, flat, with the chosen options and the system's facts.
+    assert run.config["sharding.strategy"] == "grad_op"
+    assert run.config["options.sharding"] == "grad_op"
+    assert run.config["trainer.max_steps"] == 6 and run.config["optim.lr"] == 0.003
+    assert run.config["system.world_size"] == 2 and run.config["system.mesh_shape"] == [2]
+    assert run.config["system.torch"] == facts["torch"]
+    assert run.config["system.transformers"] == facts["transformers"]
+    # Every step, as metrics.jsonl has it; validation at 0, 3 and 6.
+    train_rows = {h["_step"]: h for h in run.history if "train/loss" in h}
+    want = read_metrics(run_dir / "metrics.jsonl")
+    assert sorted(train_rows) == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
+    for record in want:
+        row = train_rows[record["step"]]
+        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank",
+                    "step_time_s", "tflops_per_s_per_rank"):
+            assert row[f"train/{key}"] == record[key], key
+        assert row["train/peak_mem_gib"] == max(record["peak_mem_bytes_per_rank"]) / 2**30
+        assert "train/mfu" not in row  # no known peak FLOP/s for a CPU
+    val = {h["_step"]: h["val/loss"] for h in run.history if "val/loss" in h}
+    assert val == {r["step"]: r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl",
+                                                                  "val")}
+    assert sorted(val) == [0, 3, 6]
+    s = run.summary
+    assert s["status"] == "completed" and s["final_loss"] == want[-1]["loss"]
+    assert s["best_val_loss"] == min(val.values()) and s["total_time_s"] > 0
+    assert s["train/loss"] == {"min": min(r["loss"] for r in want), "last": want[-1]["loss"]}
+    assert run.exit_code == 0
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run_without_repeating_steps(tmp_path):
+    run_dir = tmp_path / "run"
+    common = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=0",
+              "checkpoint.every_n_steps=2")
+    check_ok(train(run_dir, *common, "trainer.max_steps=6"))
+    first_id = json.loads((run_dir / "run.json").read_text())["wandb"]["id"]
+    # A crash after step 6 whose last complete checkpoint is step 4: steps 5 and 6 run again,
+    # but W&B already has them.
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
+    check_ok(train(run_dir, *common, "trainer.max_steps=8"))
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["wandb"]["id"] == first_id and facts["start_step"] == 4
+    runs = offline_runs(run_dir)
+    assert [r.run_id for r in runs] == [first_id, first_id]
+    steps = [h["_step"] for r in runs for h in r.history if "train/loss" in h]
+    assert steps == list(range(1, 9))  # every step once
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_wandb_group_with_a_run_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3",
+         "trainer.progress_bar=false", *OFFLINE, "sharding=full,no_shard"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    runs = [offline_runs(sweep / str(n))[0] for n in (0, 1)]
+    assert runs[0].group == runs[1].group == "/".join(sweep.parts[-2:])
+    assert {r.job_type for r in runs} == {"sweep"}
+    assert [r.config["options.sharding"] for r in runs] == ["full", "no_shard"]
+    assert runs[0].run_id != runs[1].run_id
+    job = json.loads((sweep / "1" / "run.json").read_text())["job"]
+    assert job["num"] == 1 and job["choices"]["sharding"] == "no_shard"
+    assert job["sweep_dir"] == str(sweep)
+
+
+@pytest.mark.slow
+def test_an_unreachable_wandb_server_turns_into_offline_logging(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+         "hardware=cpu", "trainer.max_steps=3", "checkpoint=none", "logger.mode=online",
+         "logger.init_timeout_s=5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    check_ok(proc)
+    assert "W&B online start failed" in proc.stderr and "logging offline instead" in proc.stderr
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "completed" and facts["wandb"]["mode"] == "offline"
+    [run] = offline_runs(run_dir)
+    assert run.run_id == facts["wandb"]["id"]
+    assert [h["_step"] for h in run.history if "train/loss" in h] == [1, 2, 3]
+    assert "k" * 40 not in "".join(p.read_text(errors="ignore")
+                                   for p in Path(run_dir).rglob("*") if p.is_file())
