@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fsdp_lab import preempt
+from fsdp_lab import preempt, rundir
 from fsdp_lab.config import ConfigError, Config, DataKind, to_container, to_typed
 from fsdp_lab.rules import Topology, validate
 
@@ -63,7 +63,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
     from fsdp_lab import checkpoint as ckpt, corpus as corpus_lib, hardware, model as model_lib
-    from fsdp_lab import worker, wrap
+    from fsdp_lab import wrap
 
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
@@ -111,7 +111,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     continuing = resume_path is not None and cfg.resume == "auto"
     _claim_run_dir(run_dir, continuing=continuing, job=job)
     if continuing:
-        logged = _truncate_metrics(run_dir / worker.METRICS_FILE, step)
+        logged = _truncate_metrics(run_dir / rundir.METRICS_FILE, step)
         # W&B keeps what it logged past the checkpoint; the worker logs only after it, so a
         # resumed W&B run has every step once.
         _update_run_file(run_dir, logged_through_step=max(logged, step))
@@ -153,7 +153,6 @@ def _local_topology(cfg: Config) -> Topology:
 
 def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None:
     """A run dir holds one run: write into one that has files only to continue its run."""
-    from fsdp_lab import worker
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if continuing:
@@ -164,7 +163,7 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
-    if not worker.create_run_file(run_dir, {"status": "starting", "job": job}):
+    if not rundir.create_run_file(run_dir, {"status": "starting", "job": job}):
         raise ConfigError(message)
 
 
@@ -185,10 +184,9 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
     ``forwarder``; they finish the step, checkpoint and exit with preempt.EXIT_CODE."""
-    from fsdp_lab import worker
 
-    worker.save_run_config(cfg, run_dir)
-    log_dir = run_dir / worker.LOG_DIR
+    rundir.save_run_config(cfg, run_dir)
+    log_dir = run_dir / rundir.LOG_DIR
     log_dir.mkdir(exist_ok=True)
     store = _rendezvous_store(cfg.hardware.timeout_s)
     base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
@@ -221,7 +219,7 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
             if out is not None:
                 out.close()
     if code == preempt.EXIT_CODE:
-        facts = json.loads((run_dir / worker.RUN_FILE).read_text())
+        facts = json.loads((run_dir / rundir.RUN_FILE).read_text())
         sig = forwarder.seen[0] if forwarder.seen else "?"
         print(f"fsdp_lab: preempted (signal {sig}) after step "
               f"{facts.get('step')}, checkpoint written; run the same command again with "
@@ -293,11 +291,10 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
     peer") are effects, and they often reach the disk before the launcher's poll sees the
     death. Otherwise the earliest error written wins.
     """
-    from fsdp_lab import worker
 
     deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
-        path = worker.error_file(run_dir, rank)
+        path = rundir.error_file(run_dir, rank)
         if path.is_file():
             err = json.loads(path.read_text())
             errors.append((err["time"], rank, f"failed: {err['error']}"))
@@ -307,7 +304,7 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
     if not deaths and not errors:
         return "a rank failed without an error message"
     _, rank, message = min(deaths or errors)
-    return f"rank {rank} {message} (full log: {run_dir / worker.LOG_DIR / f'rank{rank}.log'})"
+    return f"rank {rank} {message} (full log: {run_dir / rundir.LOG_DIR / f'rank{rank}.log'})"
 
 
 def _mark_failed(run_dir: Path, reason: str) -> None:
@@ -316,11 +313,10 @@ def _mark_failed(run_dir: Path, reason: str) -> None:
 
 
 def _update_run_file(run_dir: Path, **changes) -> None:
-    from fsdp_lab import worker
 
-    path = run_dir / worker.RUN_FILE
+    path = run_dir / rundir.RUN_FILE
     facts = json.loads(path.read_text()) if path.is_file() else {}
-    worker.write_run_file(run_dir, {**facts, **changes})
+    rundir.write_run_file(run_dir, {**facts, **changes})
 
 
 def _join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> None:
@@ -339,7 +335,7 @@ def _join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> 
         try:
             topo = worker.topology_from_env(kind)
             cfg = prepare_run(cfg, topo, hydra_run_dir, job)
-            worker.save_run_config(cfg, hydra_run_dir)
+            rundir.save_run_config(cfg, hydra_run_dir)
             payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
         except ConfigError as e:
             payload = [{"error": str(e)}]

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fsdp_lab import preempt
+from fsdp_lab import preempt, rundir
 
 early_signals: list[int] = []
 
@@ -27,4 +27,4 @@ if __name__ == "__main__":
     from fsdp_lab import worker
 
     run_dir = Path(sys.argv[1])
-    worker.run_and_exit(worker.load_run_config(run_dir), run_dir, early_signals=early_signals)
+    worker.run_and_exit(rundir.load_run_config(run_dir), run_dir, early_signals=early_signals)

@@ -8,7 +8,6 @@ and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from fsdp_lab import launch, preempt
+from fsdp_lab import launch, preempt, rundir
 
 # Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
 _FAILURES: list[str] = []
@@ -63,14 +62,10 @@ def _record_failure(run_dir: Path, code: int, config_error: str | None,
                     job: dict | None) -> str:
     """The failed job's reason. A run that started has it in its run.json already (the launcher
     wrote it); a config error is written to a new run.json, never over another run's."""
-    from fsdp_lab import worker
-
-    path = run_dir / worker.RUN_FILE
     if config_error is None:
-        facts = json.loads(path.read_text()) if path.is_file() else {}
-        return facts.get("error") or f"exit {code}"
+        return rundir.read_run_file(run_dir).get("error") or f"exit {code}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    worker.create_run_file(run_dir, {"status": "failed", "error": config_error, "job": job})
+    rundir.create_run_file(run_dir, {"status": "failed", "error": config_error, "job": job})
     return config_error
 
 

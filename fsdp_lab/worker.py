@@ -19,25 +19,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from omegaconf import OmegaConf
 
 from fsdp_lab import activations, corpus as corpus_lib, hardware, metrics, model as model_lib
 from fsdp_lab import precision, sharding, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import (Config, DataKind, ModelTask, OffloadDevice, to_container,
-                             to_typed)
+from fsdp_lab.config import Config, DataKind, ModelTask, OffloadDevice, to_container
 from fsdp_lab.rules import Topology, validate
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, RunSummary, setup_rank_logging
 from fsdp_lab.loop import evaluate, train
 from fsdp_lab.optim import build_optimizer, build_scheduler
+from fsdp_lab.rundir import (HF_EXPORT_DIR, LOG_DIR, METRICS_FILE, RUN_FILE, error_file,
+                             read_run_file, write_run_file)
 from fsdp_lab.wandb_logger import WandbLogger
 
 log = logging.getLogger("fsdp_lab")
 
-CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
-HF_EXPORT_DIR = "hf"
 
 
 def topology_from_env(kind) -> Topology:
@@ -295,33 +293,6 @@ def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, toke
     dist.barrier()
 
 
-def create_run_file(run_dir: Path, facts: dict) -> bool:
-    """Write run.json only if there is none (O_EXCL: of two writers, one wins); False if one
-    exists. Claims a fresh run dir, and records a failure without touching another run's."""
-    try:
-        fd = os.open(run_dir / RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, json.dumps(facts).encode() + b"\n")
-    os.close(fd)
-    return True
-
-
-def read_run_file(run_dir: Path) -> dict:
-    path = run_dir / RUN_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def write_run_file(run_dir: Path, facts: dict) -> None:
-    tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps(facts, indent=2) + "\n")
-    tmp.replace(run_dir / RUN_FILE)
-
-
-def error_file(run_dir: Path, rank: int) -> Path:
-    return run_dir / LOG_DIR / f"rank{rank}.error.json"
-
-
 def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns."""
     code = 0
@@ -351,11 +322,3 @@ def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def load_run_config(run_dir: Path) -> Config:
-    return to_typed(OmegaConf.load(run_dir / CONFIG_FILE))
-
-
-def save_run_config(cfg: Config, run_dir: Path) -> None:
-    OmegaConf.save(OmegaConf.create(to_container(cfg)), run_dir / CONFIG_FILE)

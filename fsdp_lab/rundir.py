@@ -1,0 +1,50 @@
+"""The files of a run dir, and who may write them: config.yaml (the resolved config the ranks
+run), run.json (facts and status), metrics.jsonl, logs/, checkpoints/, hf/, wandb/."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from fsdp_lab.config import Config, to_container, to_typed
+
+CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
+HF_EXPORT_DIR = "hf"
+
+
+def create_run_file(run_dir: Path, facts: dict) -> bool:
+    """Write run.json only if there is none (O_EXCL: of two writers, one wins); False if one
+    exists. Claims a fresh run dir, and records a failure without touching another run's."""
+    try:
+        fd = os.open(run_dir / RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, json.dumps(facts).encode() + b"\n")
+    os.close(fd)
+    return True
+
+
+def read_run_file(run_dir: Path) -> dict:
+    path = run_dir / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_run_file(run_dir: Path, facts: dict) -> None:
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(facts, indent=2) + "\n")
+    tmp.replace(run_dir / RUN_FILE)
+
+
+def error_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / LOG_DIR / f"rank{rank}.error.json"
+
+
+def load_run_config(run_dir: Path) -> Config:
+    return to_typed(OmegaConf.load(run_dir / CONFIG_FILE))
+
+
+def save_run_config(cfg: Config, run_dir: Path) -> None:
+    OmegaConf.save(OmegaConf.create(to_container(cfg)), run_dir / CONFIG_FILE)
