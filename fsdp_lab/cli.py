@@ -2,6 +2,8 @@
 
     fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
     fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
+    fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
+    fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     acc = sub.add_parser("from-accelerate",
                          help="print the train.py overrides of an accelerate FSDP config")
     acc.add_argument("config", type=Path, help="the YAML `accelerate config` wrote")
+    pln = sub.add_parser("plan", help="the mesh, FSDP units and per-rank memory of a run, "
+                                      "computed on the meta device (no weights, no device)")
+    pln.add_argument("overrides", nargs="*", help="the same overrides as train.py")
+    pln.add_argument("--json", action="store_true", help="print the figures as JSON")
+    rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
+    rep.add_argument("sweep_dir", type=Path, help="a multirun dir (its job dirs hold run.json)")
     args = parser.parse_args(argv)
     try:
         match args.command:
@@ -55,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                 if any(o.startswith("hardware.num_nodes=") for o in result.overrides):
                     launcher = "torchrun --nnodes=... --nproc_per_node=... train.py"
                 print(" ".join([launcher, *map(shlex.quote, result.overrides)]))
+            case "plan":
+                from fsdp_lab.plan import print_plan
+
+                print_plan(args.overrides, as_json=args.json)
+            case "report":
+                from fsdp_lab.report import write_report
+
+                for path in write_report(args.sweep_dir):
+                    print(path)
             case _:
                 raise ValueError(f"unknown command {args.command}")
     except ConfigError as e:

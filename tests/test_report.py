@@ -1,0 +1,291 @@
+"""`fsdp-lab report`: a sweep's table and plots, from hand-built run dirs and from a real sweep."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check_ok
+from fsdp_lab.config import ConfigError
+from fsdp_lab.loggers import read_metrics
+from fsdp_lab.report import write_report
+
+MIB = 2**20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHOICES = {"sharding": "full", "precision": "fp32", "model": "llama_tiny"}
+
+
+# What Hydra's basic sweeper saves of `-m sharding=full,grad_op precision=fp32,bf16 ...`.
+MULTIRUN_YAML = """\
+hydra:
+  sweeper:
+    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper
+    params: null
+  overrides:
+    task: ['sharding=full,grad_op', 'precision=fp32,bf16', 'trainer.max_steps=2']
+  runtime:
+    choices: {sharding: full, precision: fp32, model: llama_tiny, hydra/launcher: basic}
+"""
+
+
+def write_job(sweep: Path, num: int, *, status: str = "completed", error: str | None = None,
+              overrides: tuple[str, ...] = (), steps: int = 0, val_steps: tuple[int, ...] = (),
+              peaks: tuple[int, ...] = (400 * MIB, 410 * MIB), extra: dict | None = None,
+              **facts) -> Path:
+    """A job dir as a sweep leaves it: run.json (with the "job" record), and metrics.jsonl
+    when the job trained (loss 5 - step/10, tokens/s 1000 * step, peaks growing by 1 MiB)."""
+    job_dir = sweep / str(num)
+    job_dir.mkdir(parents=True)
+    choices = {**CHOICES, **{o.split("=")[0]: o.split("=")[1] for o in overrides
+                             if o.split("=")[0] in CHOICES}}
+    record = {"overrides": list(overrides), "choices": choices, "num": num}
+    run = {"status": status, "job": record, **facts}
+    if error is not None:
+        run["error"] = error
+    (job_dir / "run.json").write_text(json.dumps(run))
+    lines = [{"split": "train", "step": s, "loss": 5 - s / 10, "tokens_per_s": 1000.0 * s,
+              "step_time_s": 1 / s, "peak_mem_bytes_per_rank": [p + s * MIB for p in peaks],
+              "peak_mem_bytes": max(peaks) + s * MIB, **(extra or {})}
+             for s in range(1, steps + 1)]
+    lines += [{"split": "val", "step": s, "val_loss": 6 - s / 10} for s in val_steps]
+    if lines:
+        (job_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return job_dir
+
+
+def read_table(report: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """(header, one {column: cell} per row) of the Markdown table in report.md."""
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
+    split = [[c.strip() for c in row.strip("| ").split(" | ")] for row in rows]
+    header = split[0]
+    return header, [dict(zip(header, cells)) for cells in split[2:]]
+
+
+def fixed_line(report: Path) -> str:
+    return next(line for line in report.read_text().splitlines() if line.startswith("fixed: "))
+
+
+def assert_png(path: Path) -> None:
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    height, width, _ = imread(path).shape  # decodes: a whole, valid PNG
+    assert height > 100 and width > 100
+
+
+@pytest.fixture
+def small_sweep(tmp_path: Path) -> Path:
+    """Three jobs over sharding: two trained, one refused before launch (only run.json)."""
+    sweep = tmp_path / "sweep"
+    common = ("trainer.max_steps=4",)
+    write_job(sweep, 0, overrides=("sharding=full", *common), steps=4, val_steps=(0, 4),
+              hardware="cpu: 2 cores", world_size=2, final_loss=4.6)
+    write_job(sweep, 1, overrides=("sharding=grad_op", *common), steps=4, val_steps=(0, 4),
+              hardware="cpu: 2 cores", world_size=2, final_loss=4.6)
+    write_job(sweep, 2, overrides=("sharding=hybrid", *common), status="failed",
+              error="sharding=hybrid on 2 ranks leaves shard groups of 1 | set replicate_size")
+    return sweep
+
+
+def test_the_table_has_a_row_per_job_and_a_column_per_varying_option(small_sweep):
+    paths = write_report(small_sweep)
+    assert [p.name for p in paths] == ["report.md", "throughput_vs_memory.png",
+                                       "loss_curves.png"]
+    header, rows = read_table(paths[0])
+    assert header[:3] == ["job", "sharding", "status"]
+    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["sharding"] for r in rows] == ["full", "grad_op", "hybrid"]
+    fixed = fixed_line(paths[0])
+    assert "trainer.max_steps=4" in fixed and "model=llama_tiny" in fixed
+    assert "sharding" not in fixed
+    # Steps 2..4 are steady state: median tokens/s 3000, step time 1/3 s; peaks at step 4.
+    assert rows[0]["tokens/s"] == "3,000" and rows[0]["step time (ms)"] == "333.3"
+    assert rows[0]["peak MiB (max rank)"] == "414" and rows[0]["peak MiB per rank"] == "404 / 414"
+    assert rows[0]["final loss"] == "4.6000" and rows[0]["val loss"] == "5.6000"
+    assert "MFU" not in header  # no job recorded one
+
+
+def test_a_failed_job_shows_its_error_and_no_figures(small_sweep):
+    _, rows = read_table(write_report(small_sweep)[0])
+    failed = rows[2]
+    assert failed["status"].startswith("failed: sharding=hybrid on 2 ranks")
+    assert "\\| set replicate_size" in failed["status"]  # a | in an error cannot split the row
+    assert failed["tokens/s"] == failed["final loss"] == failed["peak MiB per rank"] == "-"
+    assert "hardware: cpu: 2 cores, 2 ranks" in (small_sweep / "report.md").read_text()
+
+
+def test_a_sweep_whose_every_job_was_refused_still_gets_a_report(tmp_path):
+    for num in range(2):
+        write_job(tmp_path, num, overrides=(f"sharding=hybrid_{num}",), status="failed",
+                  error="sharding=hybrid on 2 ranks")
+    paths = write_report(tmp_path)
+    _, rows = read_table(paths[0])
+    assert [r["status"] for r in rows] == ["failed: sharding=hybrid on 2 ranks"] * 2
+    for png in paths[1:]:
+        assert_png(png)  # axes saying no job has metrics
+
+
+def test_a_long_error_is_shortened(tmp_path):
+    write_job(tmp_path, 0, status="failed", error="RuntimeError: " + "x" * 500)
+    _, rows = read_table(write_report(tmp_path)[0])
+    assert rows[0]["status"].endswith("…") and len(rows[0]["status"]) < 110
+
+
+def test_preempted_running_and_diverged_jobs(tmp_path):
+    write_job(tmp_path, 0, overrides=("optim.lr=1",), status="preempted", steps=3, step=3)
+    write_job(tmp_path, 1, overrides=("optim.lr=2",), status="running", steps=2)
+    diverged = write_job(tmp_path, 2, overrides=("optim.lr=1e30",), status="failed",
+                         error="FloatingPointError: loss is nan", steps=2)
+    with (diverged / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"split": "train", "step": 3, "loss": float("nan")}) + "\n")
+        f.write('{"split": "train", "step": 4, "lo')  # a line cut by a killed run
+    _, rows = read_table(write_report(tmp_path)[0])
+    assert [r["status"] for r in rows] == ["preempted at step 3", "running",
+                                           "failed: FloatingPointError: loss is nan"]
+    assert [r["optim.lr"] for r in rows] == ["1", "2", "1e30"]
+    assert rows[2]["final loss"] == "nan" and rows[2]["steps"] == "3"
+
+
+def test_mfu_gets_a_column_when_recorded(tmp_path):
+    write_job(tmp_path, 0, steps=3, extra={"mfu": 0.25})
+    write_job(tmp_path, 1, steps=3, extra={"mfu": None})  # a device without peak FLOPs
+    _, rows = read_table(write_report(tmp_path)[0])
+    assert [r["MFU"] for r in rows] == ["25.0%", "-"]
+
+
+def test_an_old_sweep_without_job_records_reads_multirun_yaml(tmp_path):
+    for num in range(4):
+        job_dir = write_job(tmp_path, num, steps=2)
+        run = json.loads((job_dir / "run.json").read_text())
+        del run["job"]
+        (job_dir / "run.json").write_text(json.dumps(run))
+    (tmp_path / "multirun.yaml").write_text(MULTIRUN_YAML)
+    report = write_report(tmp_path)[0]
+    header, rows = read_table(report)
+    assert header[1:3] == ["sharding", "precision"]
+    # Hydra's basic sweeper runs the product with the last override varying fastest.
+    assert [(r["sharding"], r["precision"]) for r in rows] == [
+        ("full", "fp32"), ("full", "bf16"), ("grad_op", "fp32"), ("grad_op", "bf16")]
+    assert fixed_line(report) == "fixed: trainer.max_steps=2, model=llama_tiny"
+
+
+def test_a_sweep_still_running_lists_the_jobs_to_come(tmp_path):
+    write_job(tmp_path, 0, overrides=("sharding=full", "precision=fp32"), steps=2)
+    write_job(tmp_path, 1, overrides=("sharding=full", "precision=bf16"), status="running")
+    (tmp_path / "multirun.yaml").write_text(MULTIRUN_YAML)
+    header, rows = read_table(write_report(tmp_path)[0])
+    assert header[1:3] == ["sharding", "precision"]  # not "fixed: sharding=full"
+    assert [(r["job"], r["sharding"], r["status"]) for r in rows] == [
+        ("0", "full", "completed"), ("1", "full", "running"),
+        ("2", "grad_op", "not started"), ("3", "grad_op", "not started")]
+
+
+def test_options_unknown_without_job_record_or_multirun_yaml(tmp_path):
+    job_dir = write_job(tmp_path, 0, steps=2)
+    (job_dir / "run.json").write_text(json.dumps({"status": "completed"}))
+    header, rows = read_table(write_report(tmp_path)[0])
+    assert header[:2] == ["job", "status"] and rows[0]["status"] == "completed"
+
+
+def test_rerunning_replaces_the_report(small_sweep):
+    paths = write_report(small_sweep)
+    first = paths[0].read_text()
+    for path in paths:
+        path.write_bytes(b"stale")
+    assert write_report(small_sweep) == paths
+    assert paths[0].read_text() == first
+    for png in paths[1:]:
+        assert_png(png)
+    assert not list(small_sweep.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda d: None, "is not a directory"),
+    (lambda d: d.mkdir(), "holds no job dir with a run.json"),
+    (lambda d: (d / "0").mkdir(parents=True), "holds no job dir with a run.json"),
+    (lambda d: d.mkdir() or (d / "run.json").write_text("{}"), "is a single run's dir"),
+])
+def test_a_dir_that_is_not_a_sweep_is_a_config_error(tmp_path, make, fragment):
+    target = tmp_path / "target"
+    make(target)
+    with pytest.raises(ConfigError, match=fragment) as info:
+        write_report(target)
+    assert "multirun/" in str(info.value) and "\n" not in str(info.value)
+
+
+def cli_report(sweep: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_lab.cli", "report", str(sweep)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
+    proc = cli_report(small_sweep)
+    check_ok(proc)
+    assert proc.stdout.split() == [str(small_sweep / name) for name in (
+        "report.md", "throughput_vs_memory.png", "loss_curves.png")]
+    proc = cli_report(tmp_path / "nowhere")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("fsdp-lab: error:") and len(proc.stderr.splitlines()) == 1
+
+
+# ---- one real sweep, run as a user runs it ----
+
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory) -> Path:
+    sweep = tmp_path_factory.mktemp("report") / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "sharding=full,grad_op",
+         "precision=fp32,bf16", "trainer.max_steps=6", "trainer.progress_bar=false",
+         "trainer.eval_every=3", "checkpoint=none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    return sweep
+
+
+@pytest.mark.slow
+def test_real_sweep_table_matches_the_metrics(real_sweep):
+    report = write_report(real_sweep)[0]
+    header, rows = read_table(report)
+    assert header[:4] == ["job", "sharding", "precision", "status"]
+    assert [(r["job"], r["sharding"], r["precision"], r["status"]) for r in rows] == [
+        ("0", "full", "fp32", "completed"), ("1", "full", "bf16", "completed"),
+        ("2", "grad_op", "fp32", "completed"), ("3", "grad_op", "bf16", "completed")]
+    fixed = fixed_line(report)
+    assert "trainer.max_steps=6" in fixed and "checkpoint=none" in fixed
+    assert "model=llama_tiny" in fixed and "sharding" not in fixed and "precision" not in fixed
+    for row in rows:
+        job_dir = real_sweep / row["job"]
+        train = read_metrics(job_dir / "metrics.jsonl")
+        val = read_metrics(job_dir / "metrics.jsonl", "val")
+        steady = train[1:]  # step 1 is warm-up
+        assert row["steps"] == "6"
+        assert row["tokens/s"] == f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}"
+        step_ms = statistics.median(r["step_time_s"] for r in steady) * 1000
+        assert row["step time (ms)"] == f"{step_ms:.1f}"
+        peaks = [max(r["peak_mem_bytes_per_rank"][rank] for r in train) / MIB
+                 for rank in range(2)]
+        assert row["peak MiB per rank"] == " / ".join(f"{p:.0f}" for p in peaks)
+        assert row["peak MiB (max rank)"] == f"{max(peaks):.0f}"
+        final_loss = json.loads((job_dir / "run.json").read_text())["final_loss"]
+        assert row["final loss"] == f"{train[-1]['loss']:.4f}" == f"{final_loss:.4f}"
+        assert row["val loss"] == f"{val[-1]['val_loss']:.4f}" and val[-1]["step"] == 6
+
+
+@pytest.mark.slow
+def test_real_sweep_plots_and_rerun(real_sweep):
+    paths = write_report(real_sweep)
+    for path in paths[1:]:
+        assert_png(path)
+        path.write_bytes(b"stale")
+    text = paths[0].read_text()
+    proc = cli_report(real_sweep)  # as a user runs it, over the earlier report
+    check_ok(proc)
+    assert proc.stdout.split() == [str(p) for p in paths]
+    assert paths[0].read_text() == text
+    for path in paths[1:]:
+        assert_png(path)
