@@ -135,6 +135,9 @@ def test_a_sweep_is_one_wandb_group_with_a_run_per_job(tmp_path):
     job = json.loads((sweep / "1" / "run.json").read_text())["job"]
     assert job["num"] == 1 and job["choices"]["sharding"] == "no_shard"
     assert job["sweep_dir"] == str(sweep)
+    # The sweep's report is written when the last job ends.
+    assert f"sweep report: {sweep / 'report.md'}" in proc.stderr
+    assert "| 1 | no_shard | completed |" in (sweep / "report.md").read_text()
 
 
 @pytest.mark.slow
