@@ -35,7 +35,8 @@ def run_fsdp_lab(tmp: Path, round_: int, a) -> float:
            f"trainer.seq_len={a.seq}", f"trainer.micro_batch_size={a.batch}",
            "model.hidden_size={hidden}", "model.num_layers={layers}", "model.num_heads={heads}",
            "model.num_kv_heads={kv_heads}", "model.intermediate_size={ffn}",
-           "model.vocab_size={vocab}", f"model.max_position_embeddings={a.seq}"]
+           "model.vocab_size={vocab}", f"model.max_position_embeddings={a.seq}",
+           f"logger.mode={a.wandb}"]
     cmd = [c.format(**MODEL) for c in cmd]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     elapsed = [r["elapsed_s"] for r in read_metrics(run_dir / "metrics.jsonl")]
@@ -56,6 +57,8 @@ def run_minimal(a) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--wandb", default="offline", choices=["offline", "disabled"],
+                   help="fsdp_lab's W&B logging during the timed steps (offline: as by default)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)

@@ -45,6 +45,7 @@ def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
             f"unexpected {unexpected[:3]})")
     if getattr(hf_config, "tie_word_embeddings", False):
         model.tie_weights()
+    model.config.use_cache = True  # trained without a KV cache; generation wants one
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)

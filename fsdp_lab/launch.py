@@ -82,10 +82,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     hf_config = model_lib.build_hf_config(cfg.model)
-    positions = model_lib.max_positions(hf_config)
-    if positions is not None and cfg.trainer.seq_len > positions:
-        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds the model's "
-                          f"{positions} positions; lower trainer.seq_len")
+    model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     if cfg.model.pretrained:
         model_lib.check_weights(cfg.model.name_or_path)
     if tokenizer is not None:

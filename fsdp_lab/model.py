@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 
 def build_hf_config(cfg: ModelConfig):
     """The transformers config of a preset, with every hyperparameter spelled out, or of a
-    directory or hub id."""
+    directory or hub id; set up for training: no KV cache (HF fills one in every forward when
+    use_cache is on; activation checkpointing then keeps it alive and each recomputation grows
+    it, +43% peak measured on a 4-layer Llama). An export turns it back on."""
+    hf_config = _hf_config(cfg)
+    hf_config.use_cache = False
+    return hf_config
+
+
+def _hf_config(cfg: ModelConfig):
     from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
     if cfg.name_or_path is not None:
@@ -135,6 +143,13 @@ def max_positions(hf_config) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def check_seq_len(hf_config, seq_len: int) -> None:
+    positions = max_positions(hf_config)
+    if positions is not None and seq_len > positions:
+        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} "
+                          "positions; lower trainer.seq_len")
 
 
 def _auto_class(task: ModelTask):

@@ -1,0 +1,347 @@
+"""fsdp-lab plan: ZeRO figures by hand, FSDP2's exact shards on a fake process group, activations
+against what autograd saves, and the estimate against measured CPU runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import check_ok, train
+from fsdp_lab import activations, cli, corpus, memory, metrics, model as model_lib, plan
+from fsdp_lab import precision, sharding, wrap
+from fsdp_lab.config import (ActivationCheckpointingConfig, ActivationCheckpointingMode, ModelArch,
+                             ModelConfig, ModelTask)
+from fsdp_lab.optim import build_optimizer
+
+MEDIUM = ["hardware=cpu", "model.hidden_size=256", "model.intermediate_size=1024",
+          "model.num_layers=4", "trainer.seq_len=256", "trainer.micro_batch_size=8"]
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, figure 1: 7.5B parameters, N=64, K=12."""
+    psi = 7_500_000_000
+    figures = [memory.zero_paper(psi, stage=s, dp_size=64).total for s in (0, 1, 2, 3)]
+    assert [round(f / 1e9, 1) for f in figures] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_zero_paper_by_hand():
+    # Psi=1000, N=8: stage 2 = 2Psi + 2Psi/N + 12Psi/N; stage 3 = 16Psi/N.
+    z2 = memory.zero_paper(1000, stage=2, dp_size=8)
+    assert (z2.params, z2.grads, z2.optimizer) == (2000, 250, 1500)
+    z3 = memory.zero_paper(1000, stage=3, dp_size=8)
+    assert (z3.params, z3.grads, z3.optimizer, z3.total) == (250, 250, 1500, 2000)
+
+
+@pytest.mark.parametrize("dim0", [1, 2, 5, 7, 64, 100, 127, 256])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 48, 128])
+def test_chunk_rows_is_fsdp2_chunking(dim0, n):
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    chunks = _chunk_with_empty(torch.empty(dim0, device="meta"), n, dim=0)
+    assert [memory.chunk_rows(dim0, n, r) for r in range(n)] == [c.shape[0] for c in chunks]
+
+
+def test_fsdp2_state_is_the_papers_16_bytes_regrouped():
+    """Default llama_tiny on 2 ranks, every dim 0 even: fp32 shard 4 + grad 4 + Adam 8 bytes per
+    parameter over N, plus a 4-byte step per tensor; the paper's stage 3 is 16 Psi / N."""
+    p = plan.build_plan(["hardware=cpu"])
+    psi, tensors = p["num_params"], 21  # 9 per layer x 2, norm, embedding, head
+    full, grad_op, no_shard = (p["strategies"][s] for s in ("full", "grad_op", "no_shard"))
+    assert full["per_rank"] == [{"params": 2 * psi, "grads": 2 * psi,
+                                 "optimizer": 4 * psi + 4 * tensors, "padding": 0}] * 2
+    assert full["zero_paper"]["total"] == 8 * psi
+    assert full["rank0"]["params"] + full["rank0"]["grads"] + full["rank0"]["optimizer"] == (
+        full["zero_paper"]["total"] + 4 * tensors)
+    # FSDP2's grad_op holds full's state at rest; its gathered params are the transient.
+    assert grad_op["per_rank"] == full["per_rank"]
+    assert grad_op["transient"]["kept_params"] == 4 * psi > full["transient"]["kept_params"]
+    assert no_shard["rank0"] == {"params": 4 * psi, "grads": 4 * psi,
+                                 "optimizer": 8 * psi + 4 * tensors, "padding": 0}
+    assert not p["strategies"]["hybrid"]["available"]
+    assert "4+ ranks" in p["strategies"]["hybrid"]["reason"]
+
+
+def test_128_ranks_planned_on_a_laptop():
+    p = plan.build_plan(["hardware=gpu", "hardware.num_nodes=16", "hardware.nproc_per_node=8",
+                         "sharding=hybrid", "precision=bf16"])
+    assert (p["world_size"], p["device"]) == (128, "gpu")
+    s = p["strategies"]
+    assert (s["hybrid"]["mesh"], s["full"]["mesh"], s["no_shard"]["mesh"]) == (
+        [16, 8], [128], [128, 1])
+    assert len(s["hybrid"]["per_rank"]) == 128
+    assert all(s["hybrid"]["per_rank"][r] == s["hybrid"]["per_rank"][r % 8] for r in range(128))
+    # Dims of 64 over 128 ranks: the last ranks hold empty shards but padded storage.
+    last, first = s["full"]["per_rank"][127], s["full"]["per_rank"][0]
+    assert last["params"] < first["params"] and last["padding"] > 0 == first["padding"]
+    assert [(s[k]["zero_paper"]["stage"], s[k]["zero_paper"]["dp_size"]) for k in s] == [
+        (3, 128), (2, 128), (0, 1), (3, 8), (2, 8)]
+    assert not any("assumed" in a and "per node" in a for a in p["assumptions"])
+    assumed = plan.build_plan(["hardware=gpu"])["assumptions"]
+    if not torch.cuda.is_available():
+        assert any("assumed 8 per node" in a for a in assumed)
+
+
+def test_cli_text_and_json(capsys):
+    assert cli.main(["plan", "sharding=grad_op", "hardware.nproc_per_node=4"]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line[2:].split(" ")[0] in
+            {"full", "grad_op", "no_shard", "hybrid", "hybrid_zero2"}]
+    assert len(rows) == 5 and rows[1].startswith("* grad_op") and "(4,)" in rows[1]
+    assert "ZeRO paper" in text and "not counted:" in text
+    assert cli.main(["plan", "--json", "sharding=hybrid", "hardware.nproc_per_node=4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"] == "hybrid" and data["strategies"]["hybrid"]["mesh"] == [2, 2]
+    assert set(data["strategies"]["hybrid"]["per_rank"][3]) == {"params", "grads", "optimizer",
+                                                                "padding"}
+    assert data["not_counted"] and data["units"]["count"] == 3
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["sharding=nope"], "sharding"),
+    (["hardware=cpu", "sharding=hybrid"], "4+ ranks"),
+    (["trainer.no_such_key=1"], "no_such_key"),
+    (["trainer.seq_len=4096"], "trainer.seq_len"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, overrides, words):
+    assert cli.main(["plan", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fsdp-lab: error:") and words in err and err.count("\n") == 1
+
+
+# --- exact per-rank state on a fake process group (any world size, one process) ------------
+
+@pytest.fixture
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    yield lambda rank, world: dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                                                      world_size=world)
+    dist.destroy_process_group()
+
+
+def sharded_rank(overrides: list[str]):
+    """The worker's recipe (steps 2-4 and 7) on the current fake group, weights random."""
+    cfg = plan.compose(overrides)
+    topo, _ = plan.topology(cfg)
+    hf = model_lib.build_hf_config(model_lib.resolve_vocab_size(cfg.model,
+                                                                corpus.load_tokenizer(cfg)))
+    model = model_lib.build_meta_model(hf, cfg.model.task)
+    units = activations.apply_activation_checkpointing(
+        model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing)
+    sharding.apply_fsdp(model, units, mesh=sharding.build_mesh(cfg.sharding, topo,
+                                                               device_type="cpu"),
+                        reshard_after_forward=sharding.reshard_after_forward(cfg.sharding),
+                        mp_policy=precision.build_mp_policy(cfg.precision), offload_policy=None)
+    model.to_empty(device="cpu")
+    buffers = dict(model_lib.build_full_model(hf, seed=0, task=cfg.model.task).named_buffers())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+        for name, b in model.named_buffers():  # rotary inv_freq, BERT's position ids
+            b.copy_(buffers[activations.clean_name(name)])
+    ids = torch.randint(0, hf.vocab_size - 1, (cfg.trainer.micro_batch_size, cfg.trainer.seq_len))
+    return model, build_optimizer(model, cfg.optim), dict(input_ids=ids, labels=ids), cfg
+
+
+def storage_bytes(tensors) -> int:
+    seen = {t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage().nbytes()
+            for t in tensors}
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("overrides,rank", [
+    (["hardware=cpu", "hardware.nproc_per_node=3"], 2),  # uneven shards: 64 rows over 3
+    (["model=bert_tiny", "hardware.nproc_per_node=7", "precision=bf16"], 6),  # empty shards
+    (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=5"], 4),
+    (["sharding=hybrid_zero2", "hardware.nproc_per_node=6", "precision=bf16_pure"], 5),
+    (["hardware=cpu", "model=qwen2_tiny", "sharding=no_shard"], 1),
+])
+def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
+    expected = plan.build_plan(overrides)
+    expected = expected["strategies"][expected["chosen"]]["per_rank"][rank]
+    fake_group(rank, plan.topology(plan.compose(overrides))[0].world_size)
+    model, optimizer, batch, _ = sharded_rank(overrides)
+    model(**batch).loss.backward()
+    optimizer.step()
+    assert metrics.state_bytes(model, optimizer) == {
+        k: expected[k] for k in ("params", "grads", "optimizer")}
+    params = list(model.parameters())
+    # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
+    assert storage_bytes(params) == expected["params"] + expected["padding"] // 2
+    assert storage_bytes([p.grad for p in params]) == expected["grads"] + expected["padding"] // 2
+
+
+# Live tensor bytes (the profiler's count of every allocation) over two steps of the project's
+# train_step, against the plan's peak less the state already there: measured 0.99-1.06 here and
+# 0.94-1.06 over 7 more configs (the 1.06s: BERT's recomputation; Llama's selective
+# checkpointing, where HF's KV cache grows as layers are recomputed). The tolerance: 8%.
+PEAK_TOLERANCE = 0.08
+
+
+@pytest.mark.parametrize("overrides,rank", [
+    (["sharding=full"], 0),
+    (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=3"], 2),
+    (["model=bert_tiny", "precision=bf16", "activation_checkpointing=full"], 0),
+    (["model=qwen2_tiny", "trainer.grad_accum_steps=2", "precision=bf16_pure"], 0),
+])
+def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank):
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_lab.loop import train_step
+
+    expected = plan.build_plan(MEDIUM + overrides)
+    s = expected["strategies"][expected["chosen"]]
+    fake_group(rank, expected["world_size"])
+    model, optimizer, batch, cfg = sharded_rank(MEDIUM + overrides)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(2):
+            train_step(model, [batch] * cfg.trainer.grad_accum_steps, optimizer=optimizer,
+                       scaler=None, grad_clip=1.0)
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    estimate = peak_less_params(s, rank)
+    assert abs(peak / estimate - 1) <= PEAK_TOLERANCE, (peak, estimate)
+
+
+def peak_less_params(s: dict, rank: int) -> int:
+    """The plan's peak for ``rank`` less what was there before the first step (its params)."""
+    mine = memory.StateBytes(**s["per_rank"][rank])
+    return (memory.peak(mine, activations=s["activations"], transient_bytes=s["transient"]["total"])
+            - mine.params - mine.padding // 2)
+
+
+# --- activations against what autograd saves ------------------------------------------------
+
+def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
+    """A preset on CPU with params in ``dtype`` (as FSDP2's param_dtype casts them; buffers stay
+    fp32), its layers checkpointed as fsdp_lab does, and the plan's layer shape."""
+    task = ModelTask.masked_lm if arch is ModelArch.bert else ModelTask.causal_lm
+    cfg = ModelConfig(arch=arch, task=task, vocab_size=256, hidden_size=128,
+                      intermediate_size=384, num_layers=3, num_heads=8, num_kv_heads=2,
+                      tie_word_embeddings=arch is not ModelArch.llama)
+    hf = model_lib.build_hf_config(cfg)
+    model = model_lib.build_full_model(hf, seed=0, task=task)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    ac_cfg = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode[ac])
+    activations.apply_activation_checkpointing(model, plan.decoder_layers(model, 3), ac_cfg)
+    return model, memory.layer_shape(hf, task)[0], len(activations.checkpointed_indices(ac_cfg, 3))
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes autograd saves for backward in one forward, each storage once, weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    return sum(seen.values())
+
+
+class _Storages(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.made.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes(), s.data_ptr()))
+        return out
+
+
+def live_bytes_after_forward(model, batch) -> int:
+    """Bytes made in forward and still alive when backward starts, weights and loss excluded:
+    what checkpointing keeps too (its inputs, which saved-tensor hooks inside it never see)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with _Storages() as mode:
+        loss = model(**batch).loss
+    live = sum(n for ref, n, ptr in mode.made.values() if not ref.expired() and ptr not in weights)
+    loss.backward()
+    return live - loss.untyped_storage().nbytes()
+
+
+# Measured here (3 layers, hidden 128, 8 heads / 2 KV heads, 3 x 96 tokens): the estimate is
+# within 0.4% of the saved bytes without checkpointing and 0.9% of the live bytes with it, the
+# rest being BERT's int buffers (position and token-type ids) that it does not count.
+ACTIVATION_TOLERANCE = 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", list(ModelArch), ids=[a.name for a in ModelArch])
+def test_activations_are_what_autograd_saves(arch, dtype):
+    model, shape, _ = small_model(arch, dtype)
+    ids = torch.randint(0, 250, (3, 96))
+    measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
+    estimate = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize,
+                                  num_checkpointed=0).saved
+    assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("arch,dtype", [(ModelArch.llama, torch.bfloat16),
+                                        (ModelArch.gpt2, torch.float32),
+                                        (ModelArch.bert, torch.bfloat16)], ids=["llama", "gpt2",
+                                                                               "bert"])
+def test_activations_with_checkpointing(arch, dtype, ac):
+    model, shape, num_checkpointed = small_model(arch, dtype, ac)
+    ids = torch.randint(0, 250, (3, 96))
+    measured = live_bytes_after_forward(model, dict(input_ids=ids, labels=ids))
+    estimate = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize,
+                                  num_checkpointed=num_checkpointed).saved
+    assert abs(estimate / measured - 1) <= 2 * ACTIVATION_TOLERANCE, (estimate, measured)
+
+
+# --- the estimate against real runs (train.py, gloo ranks on this CPU) ----------------------
+
+# glibc's dynamic mmap threshold keeps freed activation memory in the heap, so the RSS high-water
+# mark overstates live tensors up to 2x (measured: 543 MB of RSS for a 263 MB live peak); pinned,
+# large tensors are mmapped and returned when freed.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# Measured peak RSS - RSS before the first step, over the estimate: 1.08-1.09 (fp32; 21 MB over)
+# and 1.19 (bf16; 28 MB over). Live tensor bytes are within 0-6% (the fake-group test above): the
+# rest is not tensors (oneDNN's bf16 matmul workspaces, malloc arenas), listed as not counted.
+# So: tensors within 5%, plus up to 48 MiB of the process's own.
+RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["sharding=full"],
+    ["sharding=grad_op"],
+    ["sharding=hybrid", "hardware.nproc_per_node=4"],
+    ["sharding=full", "precision=bf16"],
+], ids=["full", "grad_op", "hybrid", "full-bf16"])
+def test_measured_runs_match_the_plan(run_dir, monkeypatch, overrides):
+    for k, v in MALLOC_ENV.items():
+        monkeypatch.setenv(k, v)
+    args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none",
+            *overrides]
+    check_ok(train(run_dir, *args))
+    run = json.loads((run_dir / "run.json").read_text())
+    expected = plan.build_plan(args)
+    s = expected["strategies"][expected["chosen"]]
+    assert len(run["state_bytes_per_rank"]) == expected["world_size"]
+    for rank, measured in enumerate(run["state_bytes_per_rank"]):
+        assert measured == {k: s["per_rank"][rank][k] for k in ("params", "grads", "optimizer")}
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for rank, before in enumerate(run["memory_before_train_bytes_per_rank"]):
+        peak = max(r["peak_mem_bytes_per_rank"][rank] for r in steps if r["split"] == "train")
+        estimate = peak_less_params(s, rank)
+        assert ((1 - RSS_TOLERANCE) * estimate <= peak - before
+                <= (1 + RSS_TOLERANCE) * estimate + RSS_SLACK), (rank, peak - before, estimate)
