@@ -159,10 +159,6 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     }
     facts["flops_per_token"], facts["peak_flops"] = flops_per_token, peak_flops
     facts["transformers"] = transformers.__version__
-    hardware.reset_peak_memory(device)  # the steps' peak memory is theirs, not the load's
-    before = [None] * topo.world_size
-    dist.all_gather_object(before, hardware.current_memory_bytes(device))
-    facts["memory_before_train_bytes_per_rank"] = before
     writer = progress = tracker = None
     summary = RunSummary()
     logged_through = -1  # W&B already has the steps up to here (a resumed run's)
@@ -182,6 +178,11 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         writer = MetricsWriter(run_dir / METRICS_FILE)
         progress = Progress(t.max_steps, enabled=t.progress_bar, initial=start_step)
     saved_step = start_step if cfg.resume != "never" else -1
+    # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
+    hardware.reset_peak_memory(device)
+    before = [None] * topo.world_size
+    dist.all_gather_object(before, hardware.current_memory_bytes(device))
+    facts["memory_before_train_bytes_per_rank"] = before
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
         state = [None] * topo.world_size
