@@ -70,9 +70,12 @@ def backend(kind: HardwareKind) -> str:
 
 
 def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
+    """One GPU per rank: the local rank's among the visible ones (under srun --gpus-per-task
+    each task sees only its own, device 0)."""
     if kind is HardwareKind.gpu:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -2,8 +2,8 @@
 
 Bare ``python train.py`` validates the config here, in the parent, then starts
 ``hardware.nproc_per_node`` worker processes that read the resolved config from the run dir.
-Under torchrun (RANK/WORLD_SIZE set) this process is one rank: it joins the group, and every rank
-takes rank 0's config and run dir, since each rank composed its own (``${now:}`` can differ).
+Under torchrun or srun (RANK/WORLD_SIZE set, or SLURM's task variables) this process is one
+rank: ``external.join_existing_group`` takes over.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fsdp_lab import preempt, rundir
-from fsdp_lab.config import ConfigError, Config, DataKind, to_container, to_typed
+from fsdp_lab import external, preempt, rundir, slurm
+from fsdp_lab.config import ConfigError, Config, DataKind, to_typed
 from fsdp_lab.rules import Topology, validate
 
 log = logging.getLogger("fsdp_lab")
@@ -36,15 +36,20 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
     """One run (a sweep's job) from its composed config: (exit code, the one-line error if the
     config was refused before launch). Failures have been reported on stderr once. ``job``
     (its overrides and group choices, see ``sweep.job_info``) goes into run.json."""
+    try:
+        slurm.adopt_srun_env()  # under srun each task is one rank, as under torchrun
+    except ConfigError as e:
+        print(f"fsdp_lab: error: {e}", file=sys.stderr)
+        return 2, str(e)
     forwarder = preempt.SignalForwarder() if "RANK" not in os.environ else None
     try:
         cfg = to_typed(dict_cfg)
         if "RANK" in os.environ:
             if multirun:
                 raise ConfigError(
-                    "-m/--multirun under torchrun would run the whole sweep on every rank; "
-                    "run `python train.py -m ...` (it starts each job's ranks itself)")
-            _join_existing_group(cfg, run_dir, job)  # never returns
+                    "-m/--multirun under torchrun or srun would run the whole sweep on every "
+                    "rank; run `python train.py -m ...` (it starts each job's ranks itself)")
+            external.join_existing_group(cfg, run_dir, job)  # never returns
         topo = _local_topology(cfg)
         cfg = prepare_run(cfg, topo, run_dir, job)
     except ConfigError as e:
@@ -314,49 +319,3 @@ def _update_run_file(run_dir: Path, **changes) -> None:
     path = run_dir / rundir.RUN_FILE
     facts = json.loads(path.read_text()) if path.is_file() else {}
     rundir.write_run_file(run_dir, {**facts, **changes})
-
-
-def _join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> None:
-    """Under torchrun: join the group, adopt rank 0's config and run dir, run this rank."""
-    import torch.distributed as dist
-
-    from fsdp_lab import hardware, worker
-
-    kind = hardware.resolve_kind(cfg.hardware)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = hardware.rank_device(kind, local_rank)
-    hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
-    rank = dist.get_rank()
-    payload: list = [None]
-    if rank == 0:
-        try:
-            topo = worker.topology_from_env(kind)
-            cfg = prepare_run(cfg, topo, hydra_run_dir, job)
-            rundir.save_run_config(cfg, hydra_run_dir)
-            payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
-        except ConfigError as e:
-            payload = [{"error": str(e)}]
-        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
-            payload = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
-    hardware.after_rank0("prepared")  # tokenising a corpus may outlast hardware.timeout_s
-    dist.broadcast_object_list(payload, src=0)
-    shared = payload[0]
-    if "error" in shared:
-        if rank == 0:
-            print(f"fsdp_lab: error: {shared['error']}", file=sys.stderr)
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(2)
-    run_dir = Path(shared["run_dir"])
-    if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
-        _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
-    worker.run_and_exit(to_typed(shared["config"]), run_dir)
-
-
-def _remove_if_empty(path: Path) -> None:
-    """Remove a run dir this rank's Hydra made and nothing wrote to, and its empty parent."""
-    for p in (path, path.parent):
-        try:
-            p.rmdir()
-        except OSError:
-            return

@@ -1,0 +1,77 @@
+"""Ranks an external launcher started (torchrun, or srun with ``slurm.adopt_srun_env``): each
+process is one rank; they join the group and adopt rank 0's config and run dir, since every
+rank composed its own config (``${now:}`` can differ between them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fsdp_lab import rundir
+from fsdp_lab.config import Config, ConfigError, to_container, to_typed
+
+
+def _check_launcher_topology(cfg: Config) -> None:
+    """Under torchrun or srun the launcher decides the ranks; a config that says otherwise is a
+    mistake to name, not to ignore."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    nodes = int(os.environ["WORLD_SIZE"]) // per_node
+    h = cfg.hardware
+    if h.nproc_per_node is not None and h.nproc_per_node != per_node:
+        raise ConfigError(
+            f"hardware.nproc_per_node={h.nproc_per_node} but the launcher started {per_node} "
+            "ranks per node; launch that many (srun --ntasks-per-node, torchrun "
+            "--nproc_per_node) or drop the override")
+    if h.num_nodes != 1 and h.num_nodes != nodes:
+        raise ConfigError(
+            f"hardware.num_nodes={h.num_nodes} but the launcher started {nodes} node(s); "
+            "launch that many (sbatch --nodes, torchrun --nnodes) or drop the override")
+
+
+def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> None:
+    """Join the group, adopt rank 0's config and run dir, run this rank. Never returns."""
+    import torch.distributed as dist
+
+    from fsdp_lab import hardware, worker
+    from fsdp_lab.launch import prepare_run
+
+    _check_launcher_topology(cfg)
+    kind = hardware.resolve_kind(cfg.hardware)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = hardware.rank_device(kind, local_rank)
+    hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    rank = dist.get_rank()
+    payload: list = [None]
+    if rank == 0:
+        try:
+            topo = worker.topology_from_env(kind)
+            cfg = prepare_run(cfg, topo, hydra_run_dir, job)
+            rundir.save_run_config(cfg, hydra_run_dir)
+            payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]
+        except ConfigError as e:
+            payload = [{"error": str(e)}]
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            payload = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
+    hardware.after_rank0("prepared")  # tokenising a corpus may outlast hardware.timeout_s
+    dist.broadcast_object_list(payload, src=0)
+    shared = payload[0]
+    if "error" in shared:
+        if rank == 0:
+            print(f"fsdp_lab: error: {shared['error']}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(2)
+    run_dir = Path(shared["run_dir"])
+    if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
+        _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
+    worker.run_and_exit(to_typed(shared["config"]), run_dir)
+
+
+def _remove_if_empty(path: Path) -> None:
+    """Remove a run dir this rank's Hydra made and nothing wrote to, and its empty parent."""
+    for p in (path, path.parent):
+        try:
+            p.rmdir()
+        except OSError:
+            return

@@ -1,0 +1,158 @@
+"""SLURM: srun tasks as ranks (unit), and sbatch jobs on a real single-node SLURM (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check_ok, train
+from fsdp_lab import external, slurm
+from fsdp_lab.loggers import read_metrics
+from wandb_files import offline_runs
+from fsdp_lab.config import Config, ConfigError, HardwareConfig
+
+STEP = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0", "MASTER_ADDR": "node1",
+        "MASTER_PORT": "23456"}
+
+
+@pytest.mark.parametrize("spec,node,want", [("2(x3),1", 0, 2), ("2(x3),1", 2, 2),
+                                            ("2(x3),1", 3, 1), ("8", 0, 8), ("4,2", 1, 2)])
+def test_tasks_per_node_is_read_as_slurm_writes_it(spec, node, want):
+    assert slurm.tasks_on_node(spec, node) == want
+
+
+def test_an_srun_task_becomes_a_rank():
+    env = dict(STEP)
+    assert slurm.adopt_srun_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "3", "4", "1", "2")
+
+
+@pytest.mark.parametrize("env", [
+    {**STEP, "SLURM_STEP_ID": "4294967294"},  # the batch script: spawn locally as on a laptop
+    {k: v for k, v in STEP.items() if k != "SLURM_STEP_ID"},  # salloc shell, no step
+    {**STEP, "RANK": "0"},  # torchrun inside srun set the ranks itself
+])
+def test_outside_an_srun_step_nothing_changes(env):
+    before = dict(env)
+    assert not slurm.adopt_srun_env(env)
+    assert env == before
+
+
+def test_an_srun_step_without_a_rendezvous_address_is_one_clear_line():
+    env = {k: v for k, v in STEP.items() if k != "MASTER_ADDR"}
+    with pytest.raises(ConfigError, match="srun step without MASTER_ADDR: launch with "
+                                          "scripts/slurm/train.sbatch"):
+        slurm.adopt_srun_env(env)
+
+
+@pytest.mark.parametrize("hw,fragment", [
+    (HardwareConfig(nproc_per_node=8), "hardware.nproc_per_node=8 but the launcher started 2"),
+    (HardwareConfig(num_nodes=4), "hardware.num_nodes=4 but the launcher started 2 node(s)"),
+])
+def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeypatch, hw,
+                                                                         fragment):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        external._check_launcher_topology(Config(hardware=hw))
+    external._check_launcher_topology(Config(hardware=HardwareConfig(nproc_per_node=2,
+                                                                     num_nodes=2)))
+
+
+# --- a real single-node SLURM (scripts/ci/slurm_up.sh) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """Start a localhost SLURM for this module (installing it with apt if needed), stop it
+    after. Where it cannot be had, the tests skip and say so loudly."""
+    prefix = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(["bash", str(ROOT / "scripts/ci/slurm_up.sh"), str(prefix)],
+                        capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        message = (f"SLURM TESTS SKIPPED: scripts/ci/slurm_up.sh could not start a local SLURM: "
+                   f"{(up.stderr.strip().splitlines() or ['no output'])[-1]}")
+        print(f"\n{'!' * 20} {message}", file=sys.stderr)
+        pytest.skip(message)
+    conf = up.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
+    env = {**os.environ, "SLURM_CONF": conf, "FSDP_LAB_ROOT": str(ROOT),
+           "FSDP_LAB_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
+    yield env
+    subprocess.run(["bash", str(ROOT / "scripts/ci/slurm_down.sh"), str(prefix)],
+                   capture_output=True, text=True, timeout=120)
+
+
+def sbatch(env: dict, cwd: Path, *args: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait_gone(env: dict, job: str, timeout: float = 600) -> None:
+    """Poll squeue until the job (and any requeue of it) has left the queue."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                             text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(1)
+    raise AssertionError(f"job {job} still queued after {timeout} s")
+
+
+SCRIPT = str(ROOT / "scripts/slurm/train.sbatch")
+COMMON = ("hardware=cpu", "trainer.progress_bar=false", "checkpoint.every_n_steps=0")
+
+
+@pytest.mark.slow
+def test_an_sbatch_job_trains_on_two_srun_ranks_in_its_job_run_dir(slurm_cluster, tmp_path):
+    job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *COMMON, "trainer.max_steps=4",
+                 "sharding=grad_op")
+    wait_gone(slurm_cluster, job)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "completed", out
+    assert facts["world_size"] == 2 and facts["mesh_shape"] == [2]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert f"job {job} (restart 0) on localhost: 2 ranks" in out
+    # Only the job's run dir: no rank made a timestamped one.
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm"]
+
+
+@pytest.mark.slow
+def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(slurm_cluster,
+                                                                             tmp_path):
+    steps = 150
+    overrides = (*COMMON, f"trainer.max_steps={steps}", "logger.mode=offline",
+                 "trainer.eval_every=0")
+    straight = tmp_path / "straight"
+    check_ok(train(straight, *overrides))
+    job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *overrides)
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file()
+               and len(read_metrics(run_dir / "metrics.jsonl")) >= 5):
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_cluster, check=True)
+    wait_gone(slurm_cluster, job)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "preempted; requeueing job" in out and f"job {job} (restart 1)" in out, out
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "completed" and 5 <= facts["start_step"] < steps, out
+    got = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))  # no step twice
+    want = read_metrics(straight / "metrics.jsonl")
+    assert got[-1]["loss"] == want[-1]["loss"]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    runs = offline_runs(run_dir)  # the requeued job continued the same W&B run
+    assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == facts["wandb"]["id"]
