@@ -116,7 +116,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
         logged = _truncate_metrics(run_dir / rundir.METRICS_FILE, step)
         # W&B keeps what it logged past the checkpoint; the worker logs only after it, so a
         # resumed W&B run has every step once.
-        _update_run_file(run_dir, logged_through_step=max(logged, step))
+        rundir.update_run_file(run_dir, logged_through_step=max(logged, step))
         log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
     elif resume_path is not None:
         log.info("starting from %s (step %d)", resume_path, step)
@@ -129,13 +129,13 @@ def _truncate_metrics(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)
-    steps = [json.loads(line)["step"] for line in lines if line.strip()]
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    steps = [json.loads(line)["step"] if line.strip() else None for line in lines]
+    kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
-    return max(steps, default=0)
+    return max((s for s in steps if s is not None), default=0)
 
 
 def _local_topology(cfg: Config) -> Topology:
@@ -155,7 +155,6 @@ def _local_topology(cfg: Config) -> Topology:
 
 def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None:
     """A run dir holds one run: write into one that has files only to continue its run."""
-
     run_dir.mkdir(parents=True, exist_ok=True)
     if continuing:
         return
@@ -186,7 +185,6 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
     ``forwarder``; they finish the step, checkpoint and exit with preempt.EXIT_CODE."""
-
     rundir.save_run_config(cfg, run_dir)
     log_dir = run_dir / rundir.LOG_DIR
     log_dir.mkdir(exist_ok=True)
@@ -221,7 +219,7 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
             if out is not None:
                 out.close()
     if code == preempt.EXIT_CODE:
-        facts = json.loads((run_dir / rundir.RUN_FILE).read_text())
+        facts = rundir.read_run_file(run_dir)
         sig = forwarder.seen[0] if forwarder.seen else "?"
         print(f"fsdp_lab: preempted (signal {sig}) after step "
               f"{facts.get('step')}, checkpoint written; run the same command again with "
@@ -293,7 +291,6 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
     peer") are effects, and they often reach the disk before the launcher's poll sees the
     death. Otherwise the earliest error written wins.
     """
-
     deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
         path = rundir.error_file(run_dir, rank)
@@ -311,11 +308,4 @@ def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
 
 def _mark_failed(run_dir: Path, reason: str) -> None:
     """Record the failure in run.json, so reports list the run as failed with its reason."""
-    _update_run_file(run_dir, status="failed", error=reason)
-
-
-def _update_run_file(run_dir: Path, **changes) -> None:
-
-    path = run_dir / rundir.RUN_FILE
-    facts = json.loads(path.read_text()) if path.is_file() else {}
-    rundir.write_run_file(run_dir, {**facts, **changes})
+    rundir.update_run_file(run_dir, status="failed", error=reason)

@@ -38,6 +38,11 @@ def write_run_file(run_dir: Path, facts: dict) -> None:
     tmp.replace(run_dir / RUN_FILE)
 
 
+def update_run_file(run_dir: Path, **changes) -> None:
+    """Change some of run.json's facts, keeping the others."""
+    write_run_file(run_dir, {**read_run_file(run_dir), **changes})
+
+
 def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / LOG_DIR / f"rank{rank}.error.json"
 

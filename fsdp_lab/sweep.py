@@ -8,7 +8,6 @@ and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from pathlib import Path
 
@@ -80,7 +79,6 @@ class ReportCallback(Callback):
         try:
             paths = write_report(sweep_dir)
         except Exception as e:  # noqa: BLE001 - the jobs' results are already safe on disk
-            logging.getLogger("fsdp_lab").warning("no sweep report: %s", e)
             print(f"fsdp_lab: warning: no sweep report for {sweep_dir}: {e}", file=sys.stderr)
             return
         print(f"fsdp_lab: sweep report: {paths[0]}", file=sys.stderr)

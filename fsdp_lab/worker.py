@@ -31,7 +31,7 @@ from fsdp_lab.loggers import MetricsWriter, Progress, RunSummary, setup_rank_log
 from fsdp_lab.loop import evaluate, train
 from fsdp_lab.optim import build_optimizer, build_scheduler
 from fsdp_lab.rundir import (HF_EXPORT_DIR, LOG_DIR, METRICS_FILE, RUN_FILE, error_file,
-                             read_run_file, write_run_file)
+                             read_run_file, update_run_file, write_run_file)
 from fsdp_lab.wandb_logger import WandbLogger
 
 log = logging.getLogger("fsdp_lab")
@@ -309,10 +309,8 @@ def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None 
         path.parent.mkdir(parents=True, exist_ok=True)
         line = traceback.format_exception_only(type(e), e)[-1].strip()
         path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
-        run_file = run_dir / RUN_FILE
-        if rank == 0 and run_file.is_file():  # the local launcher refines this to the root cause
-            facts = json.loads(run_file.read_text())
-            write_run_file(run_dir, {**facts, "status": "failed", "error": f"rank 0: {line}"})
+        if rank == 0 and (run_dir / RUN_FILE).is_file():  # the launcher refines it to the cause
+            update_run_file(run_dir, status="failed", error=f"rank 0: {line}")
     finally:
         if dist.is_initialized():
             try:
