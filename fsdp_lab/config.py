@@ -139,9 +139,16 @@ class HardwareConfig:
     kind: HardwareKind = HardwareKind.auto
     """cpu (gloo), gpu (nccl, one rank per GPU) or auto (gpu when CUDA is available)."""
     nproc_per_node: Optional[int] = None
-    """Ranks per node. None: 2 on CPU, every visible GPU on gpu. Ignored under torchrun/srun."""
+    """Ranks per node. None: 2 on CPU, every visible GPU on gpu; under torchrun/srun what they
+    started (a different value is an error). hydra/launcher=slurm: SLURM tasks per node."""
     num_nodes: int = 1
-    """Nodes in the job (from the launcher under torchrun/srun)."""
+    """Nodes in the job (from the launcher under torchrun/srun; hydra/launcher=slurm asks
+    SLURM for this many)."""
+    partition: Optional[str] = None
+    """hydra/launcher=slurm: the SLURM partition; None: the cluster's default."""
+    time_limit_min: int = 60
+    """hydra/launcher=slurm: each job's time limit; shortly before it the ranks checkpoint
+    and the job requeues itself."""
     timeout_s: int = 300
     """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
     threads_per_rank: Optional[int] = None
@@ -311,10 +318,34 @@ SCHEMA_NAME = "fsdp_lab_schema"
 
 
 def register_schema() -> None:
-    """Put the schema in Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    """Put the schema in Hydra's ConfigStore (conf/config.yaml names it first in its defaults)
+    and the resolvers hydra/launcher=slurm reads the hardware group with."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_tasks", slurm_tasks_per_node, replace=True)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_gpus", slurm_gpus_per_node, replace=True)
+
+
+def slurm_tasks_per_node(kind, nproc_per_node: Optional[int]) -> int:
+    """SLURM tasks per node for hydra/launcher=slurm: one per rank."""
+    kind = HardwareKind(getattr(kind, "value", kind))
+    if kind is HardwareKind.auto:
+        raise ConfigError("hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
+                          "submitting machine cannot tell what the compute nodes have)")
+    if nproc_per_node is None:
+        if kind is HardwareKind.gpu:
+            raise ConfigError("hydra/launcher=slurm with hardware=gpu: set "
+                              "hardware.nproc_per_node to the GPUs per node")
+        return 2
+    return nproc_per_node
+
+
+def slurm_gpus_per_node(kind, nproc_per_node: Optional[int]) -> Optional[int]:
+    """One GPU per rank with hardware=gpu; none on CPU nodes."""
+    if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
+        return None
+    return slurm_tasks_per_node(kind, nproc_per_node)
 
 
 def to_typed(cfg: DictConfig | dict) -> Config:

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_lab import rundir
+from fsdp_lab import rundir, slurm
 from fsdp_lab.config import Config, ConfigError, to_container, to_typed
 
 
@@ -29,8 +29,9 @@ def _check_launcher_topology(cfg: Config) -> None:
             "launch that many (sbatch --nodes, torchrun --nnodes) or drop the override")
 
 
-def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> None:
-    """Join the group, adopt rank 0's config and run dir, run this rank. Never returns."""
+def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> int:
+    """Join the group, adopt rank 0's config and run dir, run this rank. Never returns, except
+    in a submitit job (hydra/launcher=slurm), which must end through submitit: the exit code."""
     import torch.distributed as dist
 
     from fsdp_lab import hardware, worker
@@ -61,11 +62,14 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> N
             print(f"fsdp_lab: error: {shared['error']}", file=sys.stderr)
         dist.destroy_process_group()
         sys.stdout.flush()
+        if slurm.under_submitit():
+            return 2
         os._exit(2)
     run_dir = Path(shared["run_dir"])
     if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
         _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
-    worker.run_and_exit(to_typed(shared["config"]), run_dir)
+    return worker.run_and_exit(to_typed(shared["config"]), run_dir,
+                               exit_process=not slurm.under_submitit())
 
 
 def _remove_if_empty(path: Path) -> None:

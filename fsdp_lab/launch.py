@@ -45,11 +45,11 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
     try:
         cfg = to_typed(dict_cfg)
         if "RANK" in os.environ:
-            if multirun:
+            if multirun and not slurm.under_submitit():  # submitit runs one job per task
                 raise ConfigError(
                     "-m/--multirun under torchrun or srun would run the whole sweep on every "
                     "rank; run `python train.py -m ...` (it starts each job's ranks itself)")
-            external.join_existing_group(cfg, run_dir, job)  # never returns
+            return external.join_existing_group(cfg, run_dir, job), None  # submitit only
         topo = _local_topology(cfg)
         cfg = prepare_run(cfg, topo, run_dir, job)
     except ConfigError as e:

@@ -1,6 +1,7 @@
 """The preemption protocol shared by the launcher and the ranks (imports nothing heavy).
 
-SIGTERM (schedulers) or SIGUSR1 (SLURM's --signal) asks a run to stop: the launcher forwards it
+SIGTERM (schedulers), SIGUSR1 (SLURM's --signal, as scripts/slurm/train.sbatch asks) or SIGUSR2
+(submitit's, hydra/launcher=slurm) asks a run to stop: the launcher forwards it
 to every rank, each finishes its step, a checkpoint is written, and ranks and launcher exit with
 EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=auto continues it.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
+SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 EXIT_CODE = 75
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 
 from fsdp_lab.config import ConfigError
 
@@ -42,13 +44,49 @@ def adopt_srun_env(env=os.environ) -> bool:
     if "RANK" in env or not in_srun_step(env):
         return False
     missing = [v for v in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
-                           "SLURM_TASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
-               if v not in env]
+                           "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID") if v not in env]
     if missing:
         raise ConfigError(
-            f"srun step without {', '.join(missing)}: launch with scripts/slurm/train.sbatch "
-            "(it exports MASTER_ADDR and MASTER_PORT) or export them before srun")
+            f"srun step without {', '.join(missing)}: launch fsdp_lab with sbatch "
+            "(scripts/slurm/train.sbatch) or hydra/launcher=slurm")
+    if "MASTER_ADDR" not in env:  # the batch script exports it; submitit does not
+        env["MASTER_ADDR"] = first_host(env)
+    env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
     local_world = tasks_on_node(env["SLURM_TASKS_PER_NODE"], int(env["SLURM_NODEID"]))
     env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
                LOCAL_RANK=env["SLURM_LOCALID"], LOCAL_WORLD_SIZE=str(local_world))
+    return True
+
+
+def first_host(env=os.environ) -> str:
+    """The allocation's first node, where rank 0 (SLURM_PROCID 0) runs."""
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        raise ConfigError("srun step without SLURM_JOB_NODELIST: set MASTER_ADDR to the first "
+                          "node's address")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"`scontrol show hostnames {nodes}` failed ({e}); set MASTER_ADDR to "
+                          "the first node's address") from e
+    return out.split()[0]
+
+
+def under_submitit(env=os.environ) -> bool:
+    """A job submitit started (hydra/launcher=slurm): each task runs one sweep job."""
+    return env.get("SUBMITIT_EXECUTOR") == "slurm"
+
+
+def requeue_for_submitit(signum: int | None, env=os.environ) -> bool:
+    """After a checkpoint on submitit's time-limit signal, requeue the job as submitit would
+    (its own handler is replaced while fsdp_lab trains, so that the ranks checkpoint first);
+    the job starts again in the same run dir and resumes. True if it was requeued."""
+    name = "SIG" + env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    if not under_submitit(env) or signum != getattr(signal, name, None):
+        return False
+    job = env.get("SLURM_JOB_ID")
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    subprocess.run(["scontrol", "requeue", str(job)], check=True, timeout=60)
     return True

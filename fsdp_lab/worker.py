@@ -21,7 +21,7 @@ import torch.distributed as dist
 import transformers
 
 from fsdp_lab import activations, corpus as corpus_lib, hardware, metrics, model as model_lib
-from fsdp_lab import precision, sharding, wrap
+from fsdp_lab import precision, sharding, slurm, wrap
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
 from fsdp_lab.config import Config, DataKind, ModelTask, OffloadDevice, to_container
@@ -272,6 +272,8 @@ def _finish(cfg: Config, run_dir: Path, rank: int, *, model, checkpointer, facts
         tracker.finish(status=status, summary={**results, "step": end_step})
     if preempted:
         log.info("stopped by signal %s after step %d", stop.signal, end_step)
+        if slurm.requeue_for_submitit(stop.signal):
+            log.info("requeued the SLURM job: it resumes from step %d", end_step)
         raise Preempted(f"stopped after step {end_step}")
     final_loss = results["final_loss"]
     log.info("done: step %d/%d, final loss %s, run dir %s", end_step, cfg.trainer.max_steps,
@@ -294,8 +296,11 @@ def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, toke
     dist.barrier()
 
 
-def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
-    """Run this rank; on failure leave a one-line error for the launcher. Never returns."""
+def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None,
+                 exit_process: bool = True) -> int:
+    """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
+    ``exit_process`` is false (a submitit job, whose own code must record the end): then the
+    exit code."""
     code = 0
     try:
         run(cfg, run_dir, early_signals=early_signals)
@@ -317,7 +322,9 @@ def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None 
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group cannot block the exit
                 pass
-        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if exit_process:
+            logging.shutdown()
+            os._exit(code)
+    return code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,8 +19,8 @@ from wandb_files import offline_runs
 from fsdp_lab.config import Config, ConfigError, HardwareConfig
 
 STEP = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0", "MASTER_ADDR": "node1",
-        "MASTER_PORT": "23456"}
+        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4711",
+        "MASTER_ADDR": "node1"}
 
 
 @pytest.mark.parametrize("spec,node,want", [("2(x3),1", 0, 2), ("2(x3),1", 2, 2),
@@ -33,6 +34,7 @@ def test_an_srun_task_becomes_a_rank():
     assert slurm.adopt_srun_env(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
         "3", "4", "1", "2")
+    assert env["MASTER_PORT"] == str(20000 + 4711)  # one port per job, the same on every task
 
 
 @pytest.mark.parametrize("env", [
@@ -46,11 +48,19 @@ def test_outside_an_srun_step_nothing_changes(env):
     assert env == before
 
 
-def test_an_srun_step_without_a_rendezvous_address_is_one_clear_line():
-    env = {k: v for k, v in STEP.items() if k != "MASTER_ADDR"}
-    with pytest.raises(ConfigError, match="srun step without MASTER_ADDR: launch with "
-                                          "scripts/slurm/train.sbatch"):
+def test_an_srun_step_without_slurms_task_variables_is_one_clear_line():
+    env = {k: v for k, v in STEP.items() if k != "SLURM_TASKS_PER_NODE"}
+    with pytest.raises(ConfigError, match="srun step without SLURM_TASKS_PER_NODE: launch "
+                                          "fsdp_lab with sbatch"):
         slurm.adopt_srun_env(env)
+
+
+def test_only_submitits_signal_under_submitit_requeues():
+    import signal
+
+    assert not slurm.requeue_for_submitit(signal.SIGUSR2, {})  # not a submitit job
+    assert not slurm.requeue_for_submitit(signal.SIGTERM, {"SUBMITIT_EXECUTOR": "slurm"})
+    assert not slurm.requeue_for_submitit(None, {"SUBMITIT_EXECUTOR": "slurm"})
 
 
 @pytest.mark.parametrize("hw,fragment", [
@@ -156,3 +166,55 @@ def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(slu
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     runs = offline_runs(run_dir)  # the requeued job continued the same W&B run
     assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == facts["wandb"]["id"]
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+         "hardware=cpu", "trainer.max_steps=3", "trainer.progress_bar=false", "checkpoint=none",
+         "sharding=full,no_shard"],
+        cwd=ROOT, env=slurm_cluster, capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    for num, strategy in enumerate(["full", "no_shard"]):
+        facts = json.loads((sweep / str(num) / "run.json").read_text())
+        assert facts["status"] == "completed", facts.get("error")
+        assert facts["world_size"] == 2 and facts["job"]["choices"]["sharding"] == strategy
+        assert [r["step"] for r in read_metrics(sweep / str(num) / "metrics.jsonl")] == [1, 2, 3]
+    jobs = [p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)]
+    assert len(jobs) == 2, jobs  # one SLURM job (a task of one array) per sweep job
+    assert "| 1 | no_shard | completed |" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    steps, sweep = 150, tmp_path / "sweep"
+    overrides = ("hardware=cpu", "trainer.progress_bar=false", f"trainer.max_steps={steps}",
+                 "trainer.eval_every=0")
+    straight = tmp_path / "straight"
+    check_ok(train(straight, *overrides))
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+         *overrides], cwd=ROOT, env=slurm_cluster, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    run_dir, deadline = sweep / "0", time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file()
+               and len(read_metrics(run_dir / "metrics.jsonl")) >= 5):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.2)
+    job = json.loads((run_dir / "run.json").read_text())
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster,
+                            capture_output=True, text=True).stdout.split()
+    assert len(squeue) == 1, squeue
+    # What submitit's sbatch asks for before the time limit (--signal=USR2@...): to every task.
+    subprocess.run(["scancel", "--signal=USR2", squeue[0]], env=slurm_cluster, check=True)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["status"] == "completed" and 5 <= facts["start_step"] < steps
+    assert facts["job"] == job["job"]
+    got = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in read_metrics(straight /
+                                                                        "metrics.jsonl")]
