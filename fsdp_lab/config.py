@@ -322,30 +322,13 @@ def register_schema() -> None:
     and the resolvers hydra/launcher=slurm reads the hardware group with."""
     from hydra.core.config_store import ConfigStore
 
+    from fsdp_lab import slurm  # imports no torch either
+
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
-    OmegaConf.register_new_resolver("fsdp_lab.slurm_tasks", slurm_tasks_per_node, replace=True)
-    OmegaConf.register_new_resolver("fsdp_lab.slurm_gpus", slurm_gpus_per_node, replace=True)
-
-
-def slurm_tasks_per_node(kind, nproc_per_node: Optional[int]) -> int:
-    """SLURM tasks per node for hydra/launcher=slurm: one per rank."""
-    kind = HardwareKind(getattr(kind, "value", kind))
-    if kind is HardwareKind.auto:
-        raise ConfigError("hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
-                          "submitting machine cannot tell what the compute nodes have)")
-    if nproc_per_node is None:
-        if kind is HardwareKind.gpu:
-            raise ConfigError("hydra/launcher=slurm with hardware=gpu: set "
-                              "hardware.nproc_per_node to the GPUs per node")
-        return 2
-    return nproc_per_node
-
-
-def slurm_gpus_per_node(kind, nproc_per_node: Optional[int]) -> Optional[int]:
-    """One GPU per rank with hardware=gpu; none on CPU nodes."""
-    if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
-        return None
-    return slurm_tasks_per_node(kind, nproc_per_node)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_tasks", slurm.tasks_for_launcher,
+                                    replace=True)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_gpus", slurm.gpus_for_launcher,
+                                    replace=True)
 
 
 def to_typed(cfg: DictConfig | dict) -> Config:

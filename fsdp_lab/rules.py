@@ -55,6 +55,7 @@ def check_fields(cfg: Config) -> None:
     if h.peak_tflops is not None:
         _positive(h.peak_tflops, "hardware.peak_tflops")
     _positive(cfg.logger.init_timeout_s, "logger.init_timeout_s")
+    _positive(h.time_limit_min, "hardware.time_limit_min")
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
     _check_model(m)

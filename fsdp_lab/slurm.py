@@ -15,7 +15,7 @@ import re
 import signal
 import subprocess
 
-from fsdp_lab.config import ConfigError
+from fsdp_lab.config import ConfigError, HardwareKind
 
 BATCH_STEP_IDS = {"batch", "4294967294"}  # the batch script's own step (SLURM_BATCH_SCRIPT)
 
@@ -90,3 +90,37 @@ def requeue_for_submitit(signum: int | None, env=os.environ) -> bool:
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     subprocess.run(["scontrol", "requeue", str(job)], check=True, timeout=60)
     return True
+
+
+def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> None:
+    """hydra/launcher=slurm sizes SLURM jobs from the hardware group: it must say what the
+    compute nodes are (the submitting machine cannot tell), and name a partition that exists."""
+    try:
+        names = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True,
+                               timeout=60, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"hydra/launcher=slurm needs SLURM's commands (sinfo: {e}); run the "
+                          "sweep where sbatch works, such as a login node") from e
+    if partition is not None and partition not in names:
+        raise ConfigError(f"hardware.partition={partition} is not a partition of this cluster "
+                          f"(sinfo lists {', '.join(names) or 'none'}); pick one of those")
+    kind = HardwareKind(getattr(kind, "value", kind))
+    if kind is HardwareKind.auto:
+        raise ConfigError("hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
+                          "submitting machine cannot tell what the compute nodes have)")
+    if kind is HardwareKind.gpu and nproc_per_node is None:
+        raise ConfigError("hydra/launcher=slurm with hardware=gpu: set hardware.nproc_per_node "
+                          "to the GPUs per node")
+
+
+def tasks_for_launcher(kind, nproc_per_node: int | None) -> int:
+    """SLURM tasks per node for hydra/launcher=slurm: one per rank (2 on CPU nodes by default;
+    check_launcher has refused what cannot be sized)."""
+    return nproc_per_node or 2
+
+
+def gpus_for_launcher(kind, nproc_per_node: int | None) -> int | None:
+    """One GPU per rank with hardware=gpu; none on CPU nodes."""
+    if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
+        return None
+    return tasks_for_launcher(kind, nproc_per_node)

@@ -68,9 +68,23 @@ def _record_failure(run_dir: Path, code: int, config_error: str | None,
     return config_error
 
 
-class ReportCallback(Callback):
-    """Hydra calls this once after the last job of ``-m``: the sweep's report.md and plots
-    (``fsdp-lab report`` on the multirun dir). A failing report never fails the sweep."""
+class SweepCallback(Callback):
+    """Hydra's hooks around ``-m``: before any job, the checks a launcher needs (one line and
+    exit 2, before anything is submitted); after the last job, the sweep's report.md and plots
+    (``fsdp-lab report`` on the multirun dir; a failing report never fails the sweep)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from fsdp_lab import slurm
+        from fsdp_lab.config import ConfigError
+
+        if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
+            return
+        try:
+            h = config.hardware
+            slurm.check_launcher(h.kind, h.nproc_per_node, h.partition)
+        except ConfigError as e:
+            print(f"fsdp_lab: error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         from fsdp_lab.report import write_report

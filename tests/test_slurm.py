@@ -77,6 +77,23 @@ def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeyp
                                                                      num_nodes=2)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,fragment", [
+    (["hardware=auto"], "set hardware=gpu or hardware=cpu"),
+    (["hardware=gpu"], "set hardware.nproc_per_node to the GPUs per node"),
+    (["hardware=cpu", "hardware.partition=nope"], "hardware.partition=nope is not a partition"),
+])
+def test_a_slurm_sweep_that_cannot_be_sized_is_one_line_before_submitting(
+        slurm_cluster, tmp_path, overrides, fragment):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "hydra/launcher=slurm",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides], cwd=ROOT, env=slurm_cluster,
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and fragment in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "sweep" / ".submitit").exists()  # nothing was submitted
+
+
 # --- a real single-node SLURM (scripts/ci/slurm_up.sh) ------------------------------------------
 
 @pytest.fixture(scope="module")
