@@ -10,23 +10,22 @@ from pathlib import Path
 
 from fsdp_lab import rundir, slurm
 from fsdp_lab.config import Config, ConfigError, to_container, to_typed
+from fsdp_lab.rules import Topology
 
 
-def _check_launcher_topology(cfg: Config) -> None:
+def _check_launcher_topology(cfg: Config, topo: Topology) -> None:
     """Under torchrun or srun the launcher decides the ranks; a config that says otherwise is a
     mistake to name, not to ignore."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    nodes = int(os.environ["WORLD_SIZE"]) // per_node
     h = cfg.hardware
-    if h.nproc_per_node is not None and h.nproc_per_node != per_node:
+    if h.nproc_per_node is not None and h.nproc_per_node != topo.nproc_per_node:
         raise ConfigError(
-            f"hardware.nproc_per_node={h.nproc_per_node} but the launcher started {per_node} "
-            "ranks per node; launch that many (srun --ntasks-per-node, torchrun "
-            "--nproc_per_node) or drop the override")
-    if h.num_nodes != 1 and h.num_nodes != nodes:
+            f"hardware.nproc_per_node={h.nproc_per_node} but the launcher started "
+            f"{topo.nproc_per_node} ranks per node; launch that many (srun --ntasks-per-node, "
+            "torchrun --nproc_per_node) or drop the override")
+    if h.num_nodes != 1 and h.num_nodes != topo.num_nodes:
         raise ConfigError(
-            f"hardware.num_nodes={h.num_nodes} but the launcher started {nodes} node(s); "
-            "launch that many (sbatch --nodes, torchrun --nnodes) or drop the override")
+            f"hardware.num_nodes={h.num_nodes} but the launcher started {topo.num_nodes} "
+            "node(s); launch that many (sbatch --nodes, torchrun --nnodes) or drop the override")
 
 
 def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> int:
@@ -37,8 +36,9 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     from fsdp_lab import hardware, worker
     from fsdp_lab.launch import prepare_run
 
-    _check_launcher_topology(cfg)
     kind = hardware.resolve_kind(cfg.hardware)
+    topo = worker.topology_from_env(kind)
+    _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = hardware.rank_device(kind, local_rank)
     hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
@@ -46,7 +46,6 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     payload: list = [None]
     if rank == 0:
         try:
-            topo = worker.topology_from_env(kind)
             cfg = prepare_run(cfg, topo, hydra_run_dir, job)
             rundir.save_run_config(cfg, hydra_run_dir)
             payload = [{"config": to_container(cfg), "run_dir": str(hydra_run_dir)}]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
 import logging
+import statistics
 import sys
 from pathlib import Path
 

@@ -183,9 +183,10 @@ def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
                               dp_size=mesh[-1])
     return {
         "available": True, "mesh": list(mesh),
-        "mesh_axes": ["shard"] if len(mesh) == 1 else ["replicate", "shard"],
+        "mesh_axes": ([sharding.SHARD_AXIS] if len(mesh) == 1
+                      else [sharding.REPLICATE_AXIS, sharding.SHARD_AXIS]),
         "reshard_after_forward": reshard,
-        "state_location": ("host (offload=cpu)" if offload and on_device is False
+        "state_location": ("host (offload=cpu)" if not on_device
                            else "host" if topo.device is HardwareKind.cpu else "device"),
         "per_rank": [dataclasses.asdict(r) for r in per_rank],
         "rank0": dataclasses.asdict(top), "activations": act.saved,

@@ -3,7 +3,7 @@
 Inside an ``srun`` step SLURM says who a task is (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 SLURM_NODEID, SLURM_TASKS_PER_NODE); torch wants RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
 and the rendezvous address. ``adopt_srun_env`` translates once, at start, after which the run
-is the same as under torchrun (``launch._join_existing_group``). The batch shell itself (where
+is the same as under torchrun (``external.join_existing_group``). The batch shell itself (where
 SLURM_PROCID is 0 too) is not a step and is left alone: there ``python train.py`` spawns its
 node's ranks as on a laptop.
 """

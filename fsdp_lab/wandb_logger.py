@@ -144,18 +144,21 @@ class WandbLogger:
         return cls(run, {"id": run_id, "mode": mode, "project": cfg.logger.project,
                          "group": ident["group"], "name": ident["name"]})
 
-    def log_train(self, record: dict) -> None:
+    def log(self, record: dict) -> None:
+        """One metrics.jsonl record (its "split" says train or val), at its step."""
+        self._log(self._train_data(record) if record["split"] == "train" else
+                  {"val/loss": record["val_loss"], "val/ppl": record["val_ppl"],
+                   "val/tokens": record["val_tokens"]}, record["step"])
+
+    @staticmethod
+    def _train_data(record: dict) -> dict:
         data = {f"train/{k}": v for k, v in record.items()
                 if k not in ("split", "step", "peak_mem_bytes_per_rank") and v is not None}
         peaks = record["peak_mem_bytes_per_rank"]
         data["train/peak_mem_gib"] = max(peaks) / 2**30
         if len(peaks) <= _PER_RANK_SERIES:
             data.update({f"memory/peak_gib_rank{r}": b / 2**30 for r, b in enumerate(peaks)})
-        self._log(data, record["step"])
-
-    def log_val(self, record: dict) -> None:
-        self._log({"val/loss": record["val_loss"], "val/ppl": record["val_ppl"],
-                   "val/tokens": record["val_tokens"]}, record["step"])
+        return data
 
     def _log(self, data: dict, step: int) -> None:
         if self._run is None:

@@ -191,6 +191,12 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         state_hook.remove()
     state_hook = optimizer.register_step_post_hook(measure_state)
 
+    def emit(record: dict) -> None:  # rank 0: metrics.jsonl, the summary, W&B
+        writer.write(record)
+        summary.add(record)
+        if tracker is not None and record["step"] > logged_through:
+            tracker.log(record)
+
     def run_eval(step: int) -> None:
         result = evaluate(model, data, num_batches=eval_batches,
                           causal=task is ModelTask.causal_lm, device=device)
@@ -198,10 +204,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             record = {"split": "val", "step": step, "val_loss": result.loss,
                       "val_ppl": result.perplexity, "val_tokens": result.tokens,
                       "eval_time_s": result.time_s}
-            writer.write(record)
-            summary.add(record)
-            if tracker is not None and step > logged_through:
-                tracker.log_val(record)
+            emit(record)
             log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
                      step, result.loss, result.perplexity, result.tokens)
 
@@ -211,11 +214,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             record = {"split": "train", **m.as_record(), **metrics.throughput(
                 m, world_size=topo.world_size, flops_per_token=flops_per_token,
                 peak_flops=peak_flops)}
-            writer.write(record)
-            summary.add(record)
+            emit(record)
             progress.update(record)
-            if tracker is not None and m.step > logged_through:
-                tracker.log_train(record)
         if eval_batches and (m.step % t.eval_every == 0 or m.step == t.max_steps):
             run_eval(m.step)
         checkpointer.poll()

@@ -16,7 +16,7 @@ from conftest import ROOT, check_ok, train
 from fsdp_lab import external, slurm
 from fsdp_lab.loggers import read_metrics
 from wandb_files import offline_runs
-from fsdp_lab.config import Config, ConfigError, HardwareConfig
+from fsdp_lab.config import Config, ConfigError, HardwareConfig, HardwareKind
 
 STEP = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4711",
@@ -69,12 +69,15 @@ def test_only_submitits_signal_under_submitit_requeues():
 ])
 def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeypatch, hw,
                                                                          fragment):
+    from fsdp_lab.worker import topology_from_env
+
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    topo = topology_from_env(HardwareKind.cpu)
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        external._check_launcher_topology(Config(hardware=hw))
+        external._check_launcher_topology(Config(hardware=hw), topo)
     external._check_launcher_topology(Config(hardware=HardwareConfig(nproc_per_node=2,
-                                                                     num_nodes=2)))
+                                                                     num_nodes=2)), topo)
 
 
 @pytest.mark.slow
