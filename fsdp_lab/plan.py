@@ -186,7 +186,7 @@ def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
         "mesh_axes": ([sharding.SHARD_AXIS] if len(mesh) == 1
                       else [sharding.REPLICATE_AXIS, sharding.SHARD_AXIS]),
         "reshard_after_forward": reshard,
-        "state_location": ("host (offload=cpu)" if not on_device
+        "state_location": ("host (offload=cpu)" if offload
                            else "host" if topo.device is HardwareKind.cpu else "device"),
         "per_rank": [dataclasses.asdict(r) for r in per_rank],
         "rank0": dataclasses.asdict(top), "activations": act.saved,
@@ -290,7 +290,7 @@ def format_plan(plan: dict) -> str:
         "transient: gathered params and gradient buffers of the working units, autograd's "
         "working memory in backward; peak = params + optim + max(activ + transient, grads).",
         f"Model state lives on: {chosen['state_location']}"
-        + (" (offload=cpu); the peak is the device's: activations and transient." if
+        + ("; the peak is the device's: activations and transient." if
            plan["offload"] == "cpu" else "."),
         "ZeRO paper: mixed-precision Adam, 2+2+12 bytes per parameter, divided by the shard group "
         "N per stage. FSDP2 keeps 4+4+8 (fp32 shards are the master weights), the same 16 bytes. "
