@@ -37,7 +37,7 @@ def checkpointed_indices(cfg: ActivationCheckpointingConfig, num_units: int) -> 
             raise ValueError(f"unknown activation_checkpointing.mode {cfg.mode}")
 
 
-def _parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+def parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     out = {}
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -55,13 +55,13 @@ def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module],
     chosen = set(checkpointed_indices(cfg, len(units)))
     if not chosen:
         return list(units)
-    parents = _parents(model)
+    parents_of = parents(model)
     out = []
     for i, unit in enumerate(units):
         if i not in chosen:
             out.append(unit)
             continue
-        parent, name = parents[id(unit)]
+        parent, name = parents_of[id(unit)]
         # Non-reentrant: works with keyword arguments, FSDP2 hooks and torch.compile; the RNG
         # state is restored for the recomputation, so dropout masks match.
         wrapped = checkpoint_wrapper(unit, checkpoint_impl=CheckpointImpl.NO_REENTRANT)

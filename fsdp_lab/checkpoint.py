@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fsdp_lab import hardware
 from fsdp_lab.config import CheckpointConfig, CheckpointFormat, ConfigError
 
 log = logging.getLogger(__name__)
@@ -133,27 +134,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate(), "device": hardware.device_rng_state(device)}
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+    hardware.set_device_rng_state(device, state.get("device", state.get("cuda")))
 
 
 class Checkpointer:
-    """Saves and restores one run's training state; every rank calls every method."""
+    """Saves and restores one run's training state; every rank calls every method.
+
+    ``io`` writes and reads the sharded model and optimizer state when the engine has its own
+    way (xla_sharding on tpu); None: FSDP2's DTensors through torch's state-dict helpers."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, *, model, optimizer, scheduler,
-                 scaler, config: dict, device: torch.device, data=None) -> None:
-        self.cfg, self.root, self.data = cfg, root, data
+                 scaler, config: dict, device: torch.device, data=None, io=None) -> None:
+        self.cfg, self.root, self.data, self.io = cfg, root, data, io
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.config, self.device = config, device
@@ -184,6 +184,8 @@ class Checkpointer:
         dist.barrier()
         torch.save(_rng_state(self.device), tmp / "rng" / f"rank{self.rank}.pt")
         match self.cfg.format:
+            case CheckpointFormat.sharded if self.io is not None:
+                self.io.save(self.model, self.optimizer, tmp)
             case CheckpointFormat.sharded:
                 state = {"model": get_model_state_dict(self.model),
                          "optim": get_optimizer_state_dict(self.model, self.optimizer)}
@@ -208,7 +210,8 @@ class Checkpointer:
         """Finish an async save once every rank's background write is done (call each step)."""
         if self._pending is None:
             return
-        done = torch.tensor([1.0 if self._pending[0].done() else 0.0], device=self.device)
+        done = torch.tensor([1.0 if self._pending[0].done() else 0.0],
+                            device=hardware.collective_device(self.device))
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.wait()
@@ -262,6 +265,8 @@ class Checkpointer:
         marker = json.loads((path / MARKER).read_text())
         trainer = torch.load(path / TRAINER_FILE, weights_only=False)
         match CheckpointFormat[marker["format"]]:
+            case CheckpointFormat.sharded if self.io is not None:
+                self.io.load(self.model, self.optimizer, path)
             case CheckpointFormat.sharded:
                 state = {"model": get_model_state_dict(self.model),
                          "optim": get_optimizer_state_dict(self.model, self.optimizer)}

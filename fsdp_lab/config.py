@@ -46,9 +46,7 @@ class OffloadDevice(enum.Enum):
 
 
 class HardwareKind(enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    gpu = "gpu"
+    auto, cpu, gpu, tpu = "auto", "cpu", "gpu", "tpu"
 
 
 class ModelArch(enum.Enum):
@@ -137,10 +135,12 @@ class OffloadConfig:
 @dataclass
 class HardwareConfig:
     kind: HardwareKind = HardwareKind.auto
-    """cpu (gloo), gpu (nccl, one rank per GPU) or auto (gpu when CUDA is available)."""
+    """cpu (gloo), gpu (nccl, one rank per GPU), tpu (torch_xla SPMD, one process driving every
+    XLA device of the host) or auto (gpu when CUDA is available, else cpu)."""
     nproc_per_node: Optional[int] = None
-    """Ranks per node. None: 2 on CPU, every visible GPU on gpu; under torchrun/srun what they
-    started (a different value is an error). hydra/launcher=slurm: SLURM tasks per node."""
+    """Ranks per node. None: 2 on CPU, every visible GPU on gpu, every XLA device on tpu (which
+    must use them all); under torchrun/srun what they started (a different value is an error).
+    hydra/launcher=slurm: SLURM tasks per node."""
     num_nodes: int = 1
     """Nodes in the job (from the launcher under torchrun/srun; hydra/launcher=slurm asks
     SLURM for this many)."""

@@ -61,10 +61,13 @@ class Loader:
     """Rows of global micro-batches -> this rank's batches; subclasses say what row i holds."""
 
     def __init__(self, *, seed: int, micro_batch_size: int, grad_accum_steps: int,
-                 dp_size: int, dp_rank: int, masking: Masking | None) -> None:
+                 dp_size: int, dp_rank: int, masking: Masking | None,
+                 local_ranks: int = 1) -> None:
         self.seed, self.micro_batch_size = seed, micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.dp_size, self.dp_rank, self.masking = dp_size, dp_rank, masking
+        # A process that feeds several ranks (tpu: one per XLA device) takes their rows together
+        self.local_ranks = local_ranks
         self.row_offset = self.start_step = 0  # moved by restore()
         self.rows_per_micro = dp_size * micro_batch_size
 
@@ -92,7 +95,7 @@ class Loader:
             inputs, labels = ids, ids  # the model shifts labels for next-token prediction
         labels = torch.where(valid, labels, IGNORE_INDEX)
         lo = self.dp_rank * self.micro_batch_size
-        hi = lo + self.micro_batch_size
+        hi = lo + self.micro_batch_size * self.local_ranks
         return {"input_ids": inputs[lo:hi], "labels": labels[lo:hi]}
 
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
@@ -196,7 +199,7 @@ class PackedData(Loader):
 
 
 def build_data(cfg: Config, *, corpus, tokenizer, vocab_size: int, dp_size: int,
-               dp_rank: int) -> Loader:
+               dp_rank: int, local_ranks: int = 1) -> Loader:
     t = cfg.trainer
     masking = None
     if cfg.model.task is ModelTask.masked_lm:
@@ -211,7 +214,7 @@ def build_data(cfg: Config, *, corpus, tokenizer, vocab_size: int, dp_size: int,
                               probability=cfg.data.mlm_probability, special_ids=special)
     common = dict(seed=cfg.seed, micro_batch_size=t.micro_batch_size,
                   grad_accum_steps=t.grad_accum_steps, dp_size=dp_size, dp_rank=dp_rank,
-                  masking=masking)
+                  masking=masking, local_ranks=local_ranks)
     match cfg.data.kind:
         case DataKind.synthetic:
             return SyntheticData(vocab_size=vocab_size, seq_len=t.seq_len, **common)

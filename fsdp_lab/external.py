@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from fsdp_lab import rundir, slurm
-from fsdp_lab.config import Config, ConfigError, to_container, to_typed
+from fsdp_lab.config import Config, ConfigError, HardwareKind, to_container, to_typed
 from fsdp_lab.rules import Topology
 
 
@@ -37,6 +37,9 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     from fsdp_lab.launch import prepare_run
 
     kind = hardware.resolve_kind(cfg.hardware)
+    if kind is HardwareKind.tpu:
+        raise ConfigError("hardware=tpu runs one SPMD process per host, which `python train.py "
+                          "hardware=tpu` starts itself; run it without torchrun or srun")
     topo = worker.topology_from_env(kind)
     _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

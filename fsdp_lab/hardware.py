@@ -1,11 +1,14 @@
-"""The only module that names cuda or cpu: devices, backends, threads, memory and dtype support.
+"""The only module that names cuda, xla or cpu: devices, backends, threads, memory and dtypes.
 
-Everything else asks this module, so the GPU path differs from the tested CPU path only here.
+Everything else asks this module, so the GPU path differs from the tested CPU path only here
+(and the TPU path here and in ``xla_sharding``). torch_xla is imported only on hardware=tpu.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import resource
@@ -19,6 +22,11 @@ from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
+
+# torch_xla pins the torch it was built against; this is the pair the tests run.
+XLA_PAIR = ("2.9.0", "2.9.0")  # (torch, torch-xla)
+XLA_INSTALL = (f"pip install 'fsdp_lab[tpu]' (torch=={XLA_PAIR[0]} with torch-xla=={XLA_PAIR[1]}"
+               ", in an environment of its own; see the README)")
 
 
 def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
@@ -35,12 +43,53 @@ def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
                     "(or hardware=auto)"
                 )
             return HardwareKind.gpu
+        case HardwareKind.tpu:
+            check_xla()
+            return HardwareKind.tpu
         case _:
             raise ValueError(f"unknown hardware.kind {cfg.kind}")
 
 
+def check_xla() -> None:
+    """hardware=tpu needs torch_xla next to the exact torch it was built for, and a PJRT device
+    it can drive (TPU, or CPU for testing); PJRT_DEVICE defaults to TPU."""
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError(f"hardware=tpu needs torch_xla, which is not installed: {XLA_INSTALL}")
+    xla = importlib.metadata.version("torch_xla").split("+")[0]
+    base = torch.__version__.split("+")[0]
+    if xla.split(".")[:2] != base.split(".")[:2]:
+        raise ConfigError(f"hardware=tpu: torch-xla {xla} needs torch {xla}, this environment has "
+                          f"torch {base}; {XLA_INSTALL}")
+    os.environ.setdefault("PJRT_DEVICE", "TPU")
+    if os.environ["PJRT_DEVICE"] not in ("TPU", "CPU"):
+        raise ConfigError(f"hardware=tpu with PJRT_DEVICE={os.environ['PJRT_DEVICE']}: use "
+                          "PJRT_DEVICE=TPU (or CPU, XLA's CPU devices, for testing)")
+
+
+def xla_local_devices() -> int:
+    """XLA devices on this host, without starting the XLA runtime (on a TPU host only one
+    process may hold the chips, and the launcher's rank must be that one)."""
+    if os.environ.get("PJRT_DEVICE") == "CPU":
+        return int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_devices()
+
+
 def default_nproc_per_node(kind: HardwareKind) -> int:
-    return torch.cuda.device_count() if kind is HardwareKind.gpu else 2
+    match kind:
+        case HardwareKind.gpu:
+            return torch.cuda.device_count()
+        case HardwareKind.tpu:
+            return xla_local_devices()
+        case _:
+            return 2
+
+
+def processes_per_node(kind: HardwareKind, nproc_per_node: int) -> int:
+    """Processes to start per node: one per rank, except on tpu, where one SPMD process drives
+    every device of its host (each device is one data-parallel rank)."""
+    return 1 if kind is HardwareKind.tpu else nproc_per_node
 
 
 def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
@@ -49,6 +98,11 @@ def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
             f"hardware.nproc_per_node={nproc_per_node} but only {torch.cuda.device_count()} GPUs "
             "are visible; lower hardware.nproc_per_node (one rank per GPU)"
         )
+    if kind is HardwareKind.tpu and nproc_per_node != xla_local_devices():
+        raise ConfigError(
+            f"hardware.nproc_per_node={nproc_per_node} but this host has {xla_local_devices()} "
+            "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (or set "
+            "CPU_NUM_DEVICES / TPU_VISIBLE_CHIPS to the devices you want)")
 
 
 def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
@@ -71,12 +125,63 @@ def backend(kind: HardwareKind) -> str:
 
 def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
     """One GPU per rank: the local rank's among the visible ones (under srun --gpus-per-task
-    each task sees only its own, device 0)."""
+    each task sees only its own, device 0). On tpu the SPMD device, which stands for all of the
+    host's XLA devices: SPMD mode is switched on here, before any XLA tensor exists."""
     if kind is HardwareKind.gpu:
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
+    if kind is HardwareKind.tpu:
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        return torch_xla.device()
     return torch.device("cpu")
+
+
+def xla_runtime_devices() -> int:
+    """Every XLA device the runtime drives (after ``rank_device``)."""
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def mark_step(device: torch.device) -> None:
+    """End of a unit of work (an optimizer step, an eval batch): XLA records operations lazily
+    and compiles and runs them as one graph here; eager devices have nothing to do."""
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where small tensors for the process group's collectives live: gloo and NCCL reduce CPU
+    and CUDA tensors, not XLA ones (on tpu the process group only joins the host processes)."""
+    return torch.device("cpu") if device.type == "xla" else device
+
+
+def device_rng_state(device: torch.device):
+    """The device's own random state beside torch's CPU one (None where it has none)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        return xm.get_rng_state(device)
+    return None
+
+
+def set_device_rng_state(device: torch.device, state) -> None:
+    if state is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state, device)
 
 
 def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
@@ -132,7 +237,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Allocator peak on GPU; on CPU the process's RSS high-water mark since the last reset (it
-    includes the interpreter, imports and libraries, about 400 MB)."""
+    includes the interpreter, imports and libraries, about 400 MB). On tpu the host process's
+    too: torch_xla 2.9 reports no memory for the SPMD virtual device."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _proc_status_bytes("VmHWM") or host_peak_rss_bytes()
@@ -188,6 +294,8 @@ def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype) -> float
     above for a known GPU; None (MFU not reported) for CPUs and unknown GPUs."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
+    if kind is HardwareKind.tpu:
+        return _tpu_peak_flops(compute)
     if kind is not HardwareKind.gpu:
         return None
     name = torch.cuda.get_device_name(0)
@@ -198,13 +306,40 @@ def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype) -> float
     return None
 
 
+# Peak bf16 TFLOP/s per TPU chip (one SPMD device each), from the Cloud TPU docs; matched
+# against the accelerator type in the TPU VM's metadata (v5litepod-8, v4-32...).
+TPU_PEAK_TFLOPS = (("v5litepod", 197.0), ("v5e", 197.0), ("v5p", 459.0), ("v6e", 918.0),
+                   ("v4", 275.0))
+
+
+def _tpu_peak_flops(compute: Dtype) -> float | None:
+    if os.environ.get("PJRT_DEVICE") != "TPU" or compute is not Dtype.bf16:
+        return None  # XLA's CPU devices; fp32 matmuls on TPUs run as several bf16 passes
+    try:
+        from torch_xla._internal import tpu
+
+        accelerator = tpu.get_tpu_type()
+    except Exception:  # noqa: BLE001 - no metadata server: no MFU, never a failed run
+        return None
+    return next((t * 1e12 for key, t in TPU_PEAK_TFLOPS if accelerator.startswith(key)), None)
+
+
 def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels so that step times are real."""
+    """Wait for queued kernels (on XLA: run the pending graph and wait) so step times are real."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        mark_step(device)
+        xm.wait_device_ops()
 
 
 def describe(kind: HardwareKind) -> str:
+    """One line; never starts the XLA runtime (the launcher calls it too)."""
     if kind is HardwareKind.gpu:
         return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    if kind is HardwareKind.tpu:
+        return (f"tpu: {xla_local_devices()} XLA devices (PJRT_DEVICE="
+                f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD")
     return f"cpu: {os.cpu_count()} cores"

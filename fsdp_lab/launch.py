@@ -21,8 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from fsdp_lab import external, preempt, rundir, slurm
-from fsdp_lab.config import ConfigError, Config, DataKind, to_typed
-from fsdp_lab.rules import Topology, validate
+from fsdp_lab.config import ConfigError, Config, DataKind, HardwareKind, to_typed
+from fsdp_lab.rules import Topology, check_xla, validate
 
 log = logging.getLogger("fsdp_lab")
 
@@ -142,13 +142,15 @@ def _local_topology(cfg: Config) -> Topology:
     from fsdp_lab import hardware
 
     kind = hardware.resolve_kind(cfg.hardware)
+    if kind is HardwareKind.tpu:
+        check_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
     if cfg.hardware.num_nodes > 1:
         raise ConfigError(
             f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
             "on this node only; launch multi-node runs with torchrun or srun on every node")
     nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
     if nproc < 1:
-        raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
+        raise ConfigError(f"hardware={kind.name} found no device; use hardware=cpu")
     log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
     return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
 
@@ -185,19 +187,23 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
     ``forwarder``; they finish the step, checkpoint and exit with preempt.EXIT_CODE."""
+    from fsdp_lab import hardware
+
     rundir.save_run_config(cfg, run_dir)
     log_dir = run_dir / rundir.LOG_DIR
     log_dir.mkdir(exist_ok=True)
     store = _rendezvous_store(cfg.hardware.timeout_s)
+    # One process per rank; on tpu one for the host, which drives every XLA device.
+    nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
     base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                 # Every rank is a client of the launcher's store (torchrun's agent does the same).
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "WORLD_SIZE": str(topo.world_size), "LOCAL_WORLD_SIZE": str(topo.nproc_per_node),
+                "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
                 "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
     outputs = []
     try:
-        for rank in range(topo.world_size):
+        for rank in range(nprocs):
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             # Rank 0 talks to the console; the others' raw output (native warnings, crashes)
             # goes to their log file beside what their logger writes there.

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_lab import hardware
 from fsdp_lab.data import IGNORE_INDEX
-
 from fsdp_lab.metrics import StepMetrics, StepTimer, gather_step_stats
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,14 @@ def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
                optimizer: torch.optim.Optimizer, scaler, grad_clip: float | None) -> StepResult:
     """Forward/backward over the micro-batches, one gradient reduction, clip, update."""
     num_micro = len(batches)
-    total = torch.zeros((), dtype=torch.float32, device=batches[0]["input_ids"].device)
+    device = batches[0]["input_ids"].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    # FSDP2: reduce-scatter only after the last micro-batch; earlier ones accumulate locally.
+    # (On XLA the compiler places the reductions in the step's one graph.)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
     for i, batch in enumerate(batches):
-        # Reduce-scatter only after the last micro-batch; earlier ones accumulate locally.
-        model.set_requires_gradient_sync(i == num_micro - 1)
+        if set_sync is not None:
+            set_sync(i == num_micro - 1)
         loss = model(**batch).loss / num_micro
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach().float()
@@ -53,13 +57,16 @@ def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    hardware.mark_step(device)  # XLA: the step's graph runs here, before its numbers are read
     return StepResult(local_loss=total.item(), grad_norm=norm.item(), skipped=skipped)
 
 
 def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: float | None,
           start_step: int, max_steps: int, grad_accum_steps: int, tokens_per_step: int,
-          device: torch.device, on_step, stop_requested) -> tuple[StepMetrics | None, bool]:
+          device: torch.device, on_step, stop_requested,
+          place) -> tuple[StepMetrics | None, bool]:
     """Run optimizer steps start_step+1..max_steps, calling ``on_step(metrics)`` on every rank.
+    ``place`` puts this process's rows of a micro-batch on its device(s).
 
     Returns the last step's metrics and whether the run stopped early because some rank's
     ``stop_requested()`` said so (a preemption signal); all ranks stop after the same step.
@@ -70,8 +77,7 @@ def train(model: nn.Module, *, data, optimizer, scheduler, scaler, grad_clip: fl
     loop_start = time.perf_counter()
     for step in range(start_step, max_steps):
         timer.start()
-        batches = [{k: v.to(device, non_blocking=True) for k, v in data.batch(step, m).items()}
-                   for m in range(grad_accum_steps)]
+        batches = [place(data.batch(step, m)) for m in range(grad_accum_steps)]
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer=optimizer, scaler=scaler,
                             grad_clip=grad_clip)
@@ -102,7 +108,7 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data, *, num_batches: int, causal: bool,
-             device: torch.device) -> EvalResult:
+             device: torch.device, place) -> EvalResult:
     """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
     number: each forward is a collective). Sums of token losses and counts are all-reduced, so
     the mean is over tokens, whatever rows a rank got or how many positions a mask chose."""
@@ -110,7 +116,7 @@ def evaluate(model: nn.Module, data, *, num_batches: int, causal: bool,
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for index in range(num_batches):
-        batch = {k: v.to(device) for k, v in data.val_batch(index).items()}
+        batch = place(data.val_batch(index))
         logits = model(input_ids=batch["input_ids"]).logits.float()
         labels = batch["labels"]
         if causal:  # position t predicts token t+1
@@ -118,6 +124,8 @@ def evaluate(model: nn.Module, data, *, num_batches: int, causal: bool,
         sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum").double()
         sums[1] += (labels != IGNORE_INDEX).sum()
+        hardware.mark_step(device)
+    sums = sums.to(hardware.collective_device(device))
     dist.all_reduce(sums)
     model.train()
     loss = (sums[0] / sums[1].clamp(min=1)).item()

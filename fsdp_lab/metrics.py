@@ -55,7 +55,8 @@ def gather_step_stats(local_loss: float, device: torch.device, *,
     """
     # One-hot rows summed by all-reduce: works on every backend and torch version
     # (all_gather_into_tensor is deprecated in recent releases).
-    stats = torch.zeros(dist.get_world_size(), 3, dtype=torch.float64, device=device)
+    stats = torch.zeros(dist.get_world_size(), 3, dtype=torch.float64,
+                        device=hardware.collective_device(device))
     stats[dist.get_rank()] = torch.tensor(
         [local_loss, float(hardware.peak_memory_bytes(device)), float(stop_requested)],
         dtype=torch.float64)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fsdp_lab.config import (
     CheckpointConfig, CheckpointFormat, Config, ConfigError, DataConfig, DataKind, Dtype,
-    HardwareKind, ModelArch, ModelConfig, ModelTask, PrecisionConfig, ShardingConfig,
-    ShardingStrategy, WrapPolicy,
+    HardwareKind, ModelArch, ModelConfig, ModelTask, OffloadDevice, PrecisionConfig,
+    ShardingConfig, ShardingStrategy, WrapPolicy,
 )
 
 
@@ -164,7 +164,7 @@ class Topology:
     world_size: int
     nproc_per_node: int
     num_nodes: int
-    device: HardwareKind  # cpu or gpu, never auto
+    device: HardwareKind  # cpu, gpu or tpu, never auto
 
 
 def resolve_replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
@@ -182,9 +182,44 @@ def resolve_replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
             raise ValueError(f"unknown sharding.strategy {cfg.strategy}")
 
 
+def check_xla(cfg: Config) -> None:
+    """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
+    s, p = cfg.sharding, cfg.precision
+    zero2 = {ShardingStrategy.grad_op: "full", ShardingStrategy.hybrid_zero2: "hybrid"}
+    if s.strategy in zero2:
+        raise ConfigError(
+            f"sharding={s.strategy.name} on hardware=tpu: keeping gathered parameters from "
+            "forward to backward is the XLA compiler's scheduling, not a setting; use "
+            f"sharding={zero2[s.strategy]} (the same math and the same sharded state)")
+    refusals = (
+        (s.reshard_after_forward is not None, f"sharding.reshard_after_forward="
+         f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it"),
+        (cfg.offload.device is not OffloadDevice.none,
+         "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none"),
+        (Dtype.fp16 in (p.param_dtype, p.reduce_dtype) or p.grad_scaler_enabled,
+         "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16"),
+        (p.reduce_dtype is Dtype.bf16, "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
+         "reduces gradients in their own dtype (fp32 master weights); use precision=bf16"),
+        (p.output_dtype is not None, "precision.output_dtype: autocast decides the output "
+         "dtypes on XLA; set precision.output_dtype=null"),
+        (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
+        (cfg.checkpoint.format is CheckpointFormat.full, "checkpoint=full: use checkpoint="
+         "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)"),
+        (cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true: XLA checkpoints are "
+         "written synchronously; set checkpoint.async_enabled=false"),
+        (cfg.hardware.num_nodes != 1, f"hardware.num_nodes={cfg.hardware.num_nodes}: "
+         "multi-host TPU slices are not supported yet; run on one TPU VM host"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(f"hardware=tpu cannot run {message}")
+
+
 def validate(cfg: Config, topo: Topology) -> None:
     """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
     s = cfg.sharding
+    if topo.device is HardwareKind.tpu:
+        check_xla(cfg)
     hybrid = s.strategy in (ShardingStrategy.hybrid, ShardingStrategy.hybrid_zero2)
     if s.replicate_size is not None and not hybrid:
         raise ConfigError(

@@ -10,15 +10,22 @@ Every strategy is FSDP2 on a mesh, which keeps one code path for all five:
 | hybrid_zero2 | 2D (R, N/R)             | False                 |
 
 no_shard on an (N, 1) mesh is DDP: each rank holds every element and gradients are all-reduced.
+``build_model`` is the FSDP2 engine of a run; ``xla_sharding.build_model`` the torch_xla one
+(hardware=tpu). Both return a ``ShardedModel``, which is all the worker knows of either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdp_lab.config import ShardingConfig, ShardingStrategy
+from fsdp_lab.config import Config, OffloadDevice, ShardingConfig, ShardingStrategy
 from fsdp_lab.rules import Topology, resolve_replicate_size
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
@@ -84,3 +91,71 @@ def apply_fsdp(
 
 def build_offload_policy(enabled: bool, *, pin_memory: bool) -> OffloadPolicy | None:
     return CPUOffloadPolicy(pin_memory=pin_memory) if enabled else None
+
+
+@dataclass
+class ShardedModel:
+    """A model sharded for training, and the few things that depend on how it is sharded.
+    Per-rank lists have one entry per data-parallel rank (per XLA device on tpu)."""
+
+    model: nn.Module
+    mesh_shape: list[int]
+    mesh_axes: list[str]
+    units_desc: str  # the FSDP units, as wrap.describe says them
+    num_units: int  # units plus the root
+    place_batch: Callable[[dict], dict]  # this process's rows of a micro-batch onto the devices
+    local_numels: Callable[[], list[int]]  # parameter elements per rank
+    state_bytes: Callable[[torch.optim.Optimizer], list[dict]]  # model state bytes per rank
+    full_state_dict: Callable[[], dict]  # whole weights on the host of rank 0 (others: {})
+    checkpoint_io: object | None = None  # how sharded checkpoints are written; None: DTensors
+    param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
+
+
+def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module,
+                source) -> ShardedModel:
+    """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
+    ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
+    only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
+    whole model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_lab import activations, hardware, metrics, model as model_lib, precision, wrap
+
+    model, kind = meta_model, topo.device
+    tied = model_lib.tied_groups(model)
+    units = wrap.select_units(model, cfg.wrap)
+    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
+    if cfg.compile:
+        activations.compile_units(units)
+    mesh = build_mesh(cfg.sharding, topo, device_type=device.type)
+    apply_fsdp(model, units, mesh=mesh, reshard_after_forward=reshard_after_forward(cfg.sharding),
+               mp_policy=precision.build_mp_policy(cfg.precision),
+               offload_policy=build_offload_policy(cfg.offload.device is OffloadDevice.cpu,
+                                                   pin_memory=hardware.pin_memory(kind)))
+    model_lib.check_tied(model, tied)
+    model_lib.materialize(model, device=device, source=source)
+    model_lib.check_tied(model, tied)
+
+    def gathered(value) -> list:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
+    def full_state_dict() -> dict:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+
+    return ShardedModel(
+        model=model, mesh_shape=list(mesh.shape), mesh_axes=list(mesh.mesh_dim_names),
+        units_desc=units_desc, num_units=len(units) + 1,
+        place_batch=lambda batch: {k: v.to(device, non_blocking=True) for k, v in batch.items()},
+        local_numels=lambda: gathered(local_numel(model)),
+        state_bytes=lambda optimizer: gathered(metrics.state_bytes(model, optimizer)),
+        full_state_dict=full_state_dict)
+
+
+def local_numel(module: nn.Module) -> int:
+    """Parameter elements this rank stores (its shards; everything for replicated params)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+               for p in module.parameters())

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import transformers
 
 from fsdp_lab import activations, corpus as corpus_lib, hardware, metrics, model as model_lib
-from fsdp_lab import precision, sharding, slurm, wrap
+from fsdp_lab import precision, sharding, slurm
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import Config, DataKind, ModelTask, OffloadDevice, to_container
+from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, to_container
 from fsdp_lab.rules import Topology, validate
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, RunSummary, setup_rank_logging
@@ -39,16 +39,14 @@ log = logging.getLogger("fsdp_lab")
 
 
 def topology_from_env(kind) -> Topology:
+    """The data-parallel ranks: the processes, or on tpu the XLA devices of the one process."""
+    if kind is HardwareKind.tpu:
+        n = hardware.xla_runtime_devices()
+        return Topology(world_size=n, nproc_per_node=n, num_nodes=1, device=kind)
     world = int(os.environ["WORLD_SIZE"])
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return Topology(world_size=world, nproc_per_node=per_node, num_nodes=world // per_node,
                     device=kind)
-
-
-def local_numel(module: torch.nn.Module) -> int:
-    """Parameter elements this rank stores (its shards; everything for replicated params)."""
-    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-               for p in module.parameters())
 
 
 def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
@@ -61,9 +59,11 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     kind = hardware.resolve_kind(cfg.hardware)
     device = hardware.rank_device(kind, local_rank)
     topo = topology_from_env(kind)
-    threads = hardware.set_threads(cfg.hardware, topo.nproc_per_node)
+    threads = hardware.set_threads(cfg.hardware,
+                                   hardware.processes_per_node(kind, topo.nproc_per_node))
     if not dist.is_initialized():
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    procs = dist.get_world_size()  # processes; on tpu one per host, each driving its devices
     validate(cfg, topo)
     torch.manual_seed(cfg.seed)
 
@@ -75,37 +75,24 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     model_class = type(model).__name__  # before fully_shard renames it FSDP<name>
     flops_per_token = metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len)
     peak_flops = hardware.peak_flops(cfg.hardware, kind, cfg.precision.param_dtype)
-    tied = model_lib.tied_groups(model)
 
-    # 3) FSDP units; activation checkpointing and compile per unit; then 4) fully_shard them on
-    # the strategy's mesh with the dtype and offload policies. Sharding comes before
-    # materialising so no rank holds the full model.
-    units = wrap.select_units(model, cfg.wrap)
-    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
-    units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
-    if cfg.compile:
-        activations.compile_units(units)
-    mesh = sharding.build_mesh(cfg.sharding, topo, device_type=device.type)
-    sharding.apply_fsdp(
-        model, units, mesh=mesh,
-        reshard_after_forward=sharding.reshard_after_forward(cfg.sharding),
-        mp_policy=precision.build_mp_policy(cfg.precision),
-        offload_policy=sharding.build_offload_policy(
-            cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)),
-    )
-    model_lib.check_tied(model, tied)
-
-    # 5) Storage and initial weights: rank 0 builds the full model (seeded random init, or the
-    # pretrained weights) and broadcasts it into every rank's shards.
+    # 3)-5) The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and
+    # compiles them, shards them on the strategy's mesh with the dtype and offload policies,
+    # and fills the shards: rank 0 builds the full model (seeded random init, or the pretrained
+    # weights) and it reaches every rank's shards. No rank holds the full model on FSDP2.
     if cfg.model.pretrained:
         def source():
             return model_lib.load_pretrained(cfg.model.name_or_path, task)
     else:
         def source():
             return model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
-    model_lib.materialize(model, device=device, source=source)
-    model_lib.check_tied(model, tied)
-    load_rss = [None] * topo.world_size
+    if kind is HardwareKind.tpu:
+        from fsdp_lab import xla_sharding as engine
+    else:
+        engine = sharding
+    sharded = engine.build_model(cfg, topo, device, meta_model=model, source=source)
+    model = sharded.model
+    load_rss = [None] * procs
     dist.all_gather_object(load_rss, hardware.host_peak_rss_bytes())
 
     # 6) This rank's share of every global batch (all ranks are data-parallel ranks). The
@@ -113,8 +100,9 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     t = cfg.trainer
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
+    ranks_here = topo.world_size // procs  # data-parallel ranks this process feeds
     data = build_data(cfg, corpus=corpus, tokenizer=tokenizer, vocab_size=hf_config.vocab_size,
-                      dp_size=topo.world_size, dp_rank=rank)
+                      dp_size=topo.world_size, dp_rank=rank * ranks_here, local_ranks=ranks_here)
     tokens_per_step = topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len
     eval_batches = data.num_val_batches(t.eval_batches) if t.eval_every else 0
 
@@ -127,7 +115,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg.checkpoint, run_dir),
                                 model=model, optimizer=optimizer, scheduler=scheduler,
                                 scaler=scaler, config=to_container(cfg), device=device,
-                                data=data)
+                                data=data, io=sharded.checkpoint_io)
     assert cfg.resume != "auto", "the launcher resolves resume=auto before workers start"
     start_step = tokens_seen = 0
     if cfg.resume != "never":
@@ -135,20 +123,19 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         start_step, tokens_seen = restored.step, restored.tokens_seen
         data.restore(restored.data_state, start_step)
 
-    numels = [None] * topo.world_size
-    dist.all_gather_object(numels, local_numel(model))
+    numels = sharded.local_numels()
     facts = {
         "world_size": topo.world_size, "num_nodes": topo.num_nodes,
         "hardware": hardware.describe(kind), "backend": hardware.backend(kind),
         "threads_per_rank": threads,
-        "mesh_shape": list(mesh.shape), "mesh_axes": list(mesh.mesh_dim_names),
-        "fsdp_units": units_desc, "num_fsdp_units": len(units) + 1,
+        "mesh_shape": sharded.mesh_shape, "mesh_axes": sharded.mesh_axes,
+        "fsdp_units": sharded.units_desc, "num_fsdp_units": sharded.num_units,
         "model_class": model_class, "total_params": total_params,
         "local_params_per_rank": numels, "tokens_per_step": tokens_per_step,
         "task": task.name, "pretrained": cfg.model.pretrained,
         "load_peak_rss_bytes_per_rank": load_rss,
         "activation_checkpointing": activations.checkpointed_indices(
-            cfg.activation_checkpointing, len(units)),
+            cfg.activation_checkpointing, sharded.num_units - 1),
         "compiled": cfg.compile,
         "data": ({"train_blocks": len(corpus.train), "val_blocks": len(corpus.val),
                   "tokens": corpus.num_tokens, "documents": corpus.num_documents,
@@ -159,6 +146,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     }
     facts["flops_per_token"], facts["peak_flops"] = flops_per_token, peak_flops
     facts["transformers"] = transformers.__version__
+    if sharded.param_specs is not None:
+        facts["param_sharding"] = sharded.param_specs
     writer = progress = tracker = None
     summary = RunSummary()
     logged_through = -1  # W&B already has the steps up to here (a resumed run's)
@@ -180,14 +169,12 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     saved_step = start_step if cfg.resume != "never" else -1
     # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
     hardware.reset_peak_memory(device)
-    before = [None] * topo.world_size
+    before = [None] * procs
     dist.all_gather_object(before, hardware.current_memory_bytes(device))
     facts["memory_before_train_bytes_per_rank"] = before
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
-        state = [None] * topo.world_size
-        dist.all_gather_object(state, metrics.state_bytes(model, optimizer))
-        facts["state_bytes_per_rank"] = state
+        facts["state_bytes_per_rank"] = sharded.state_bytes(optimizer)
         state_hook.remove()
     state_hook = optimizer.register_step_post_hook(measure_state)
 
@@ -199,7 +186,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
 
     def run_eval(step: int) -> None:
         result = evaluate(model, data, num_batches=eval_batches,
-                          causal=task is ModelTask.causal_lm, device=device)
+                          causal=task is ModelTask.causal_lm, device=device,
+                          place=sharded.place_batch)
         if rank == 0:
             record = {"split": "val", "step": step, "val_loss": result.loss,
                       "val_ppl": result.perplexity, "val_tokens": result.tokens,
@@ -232,7 +220,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,
             grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step, device=device,
-            on_step=on_step, stop_requested=stop)
+            on_step=on_step, stop_requested=stop, place=sharded.place_batch)
         end_step = last.step if last is not None else start_step
         if rank == 0:
             progress.close()
@@ -241,7 +229,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
                 summary=summary, tracker=tracker, preempted=preempted, saved_step=saved_step,
                 end_step=end_step,
                 tokens_seen=tokens_seen + (end_step - start_step) * tokens_per_step,
-                stop=stop, export=lambda: _export(model, hf_config, run_dir / HF_EXPORT_DIR, rank,
+                stop=stop, export=lambda: _export(sharded, hf_config, run_dir / HF_EXPORT_DIR, rank,
                                                   task=task, tokenizer=tokenizer,
                                                   preset=cfg.model.arch is not None),
                 t0=t0)
@@ -280,15 +268,12 @@ def _finish(cfg: Config, run_dir: Path, rank: int, *, model, checkpointer, facts
              f"{final_loss:.4f}" if final_loss is not None else "-", run_dir)
 
 
-def _export(model, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer,
+def _export(sharded, hf_config, out_dir: Path, rank: int, *, task: ModelTask, tokenizer,
             preset: bool) -> None:
     """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     from fsdp_lab.export import export_hf
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                              cpu_offload=True))
+    sd = sharded.full_state_dict()
     if rank == 0:
         export_hf(sd, hf_config, out_dir, replace=True, task=task,  # this run's own export
                   tokenizer=tokenizer, preset=preset)
