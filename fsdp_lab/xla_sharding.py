@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch_xla.distributed.fsdp import checkpoint_module
@@ -40,6 +41,12 @@ from fsdp_lab.sharding import ShardedModel
 
 FSDP_AXIS = "fsdp"  # the axis name FSDPv2 shards parameters along
 WRAPPER_PREFIX = "_orig_module."  # FSDPv2 keeps the wrapped module under this name
+
+
+def _run_pending() -> None:
+    """Compile and run the operations recorded so far, and wait until their results exist."""
+    torch_xla.sync()
+    xm.wait_device_ops()
 
 
 def clean_name(name: str) -> str:
@@ -86,6 +93,10 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     the wrap policy (checkpointed where activation_checkpointing chose it), then the root.
     ``meta_model`` is not needed: XLA shards tensors that exist."""
     model = source()
+    if cfg.precision.param_dtype is Dtype.bf16:
+        # XLA's autocast has no rule for scaled_dot_product_attention, which then meets fp32 q/k
+        # (after the rotary embedding) and a bf16 v; eager attention's matmuls are autocast.
+        model.set_attn_implementation("eager")
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.describe(model, units)
     chosen = set(activations.checkpointed_indices(cfg.activation_checkpointing, len(units)))
@@ -167,7 +178,10 @@ def local_numels(model: nn.Module, num_devices: int) -> list[int]:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
                 num_devices: int) -> list[dict[str, int]]:
     """Per device: parameter, gradient and optimizer-state bytes as the devices hold them (after
-    an optimizer step, before zero_grad), the numbers metrics.state_bytes gives per FSDP2 rank."""
+    an optimizer step, before zero_grad), the numbers metrics.state_bytes gives per FSDP2 rank.
+    The step's graph runs first: asking a pending tensor for its shards would compile a graph
+    of its own for each one."""
+    _run_pending()
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states = [v for s in optimizer.state.values() for v in s.values()
@@ -208,7 +222,7 @@ class XlaCheckpointIO:
     its devices hold; loading writes into the live sharded tensors in place."""
 
     def save(self, model, optimizer, path: Path) -> None:
-        torch_xla.sync()
+        _run_pending()
         dcp.save(state_dict(model, optimizer), checkpoint_id=str(path), planner=SPMDSavePlanner())
 
     def load(self, model, optimizer, path: Path) -> None:
@@ -224,10 +238,10 @@ class XlaCheckpointIO:
             "state": {by_name[n]: s for n, s in optim["state"].items()},
             "param_groups": [{**g, "params": [by_name[n] for n in g["params"]]}
                              for g in optim["param_groups"]]})
-        torch_xla.sync()
+        _run_pending()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer whole on the host (each copy gathers a sharded tensor)."""
-    torch_xla.sync()
+    _run_pending()
     return {clean_name(k): v.cpu() for k, v in model.state_dict().items()}
