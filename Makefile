@@ -1,7 +1,10 @@
 # Set-up is part of every target, so each works on a fresh machine.
 PY ?= python
 
-.PHONY: setup train test test-fast bench
+.PHONY: setup train test test-fast test-tpu bench
+
+# hardware=tpu needs torch-xla, which pins torch 2.9.0: it gets a virtual environment of its own.
+XLA_VENV ?= .venv-tpu
 
 # torch first: on a CPU-only machine, a bare `pip install torch` would pull a multi-GB CUDA build.
 # On a GPU machine, install the torch build you want first; this then keeps it.
@@ -19,6 +22,15 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# hardware=tpu on XLA's CPU devices: builds $(XLA_VENV) (about 4 GB of downloads the first time,
+# torch 2.9.0 with its CUDA libraries is what PyPI has), then runs tests/test_tpu.py there.
+test-tpu:
+	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
+	@$(XLA_VENV)/bin/python -c "import torch_xla" 2>/dev/null || \
+		$(XLA_VENV)/bin/python -m pip install -q "torch==2.9.0" "torch-xla==2.9.0"
+	@$(XLA_VENV)/bin/python -m pip install -q -e ".[xla-cpu,dev]"
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/test_tpu.py
 
 bench: setup
 	$(PY) benchmarks/bench_overhead.py

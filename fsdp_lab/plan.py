@@ -65,6 +65,9 @@ def topology(cfg: Config) -> tuple[Topology, list[str]]:
     from fsdp_lab import hardware
 
     h, notes = cfg.hardware, []
+    if h.kind is HardwareKind.tpu:
+        raise ConfigError("fsdp-lab plan models FSDP2 on cpu/gpu; on hardware=tpu the XLA "
+                          "compiler lays out buffers: plan the same run with hardware=gpu")
     kind = HardwareKind.cpu if h.kind is HardwareKind.cpu else HardwareKind.gpu
     if h.kind is HardwareKind.auto:
         kind = hardware.resolve_kind(h)

@@ -105,6 +105,9 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
         raise ConfigError(f"hardware.partition={partition} is not a partition of this cluster "
                           f"(sinfo lists {', '.join(names) or 'none'}); pick one of those")
     kind = HardwareKind(getattr(kind, "value", kind))
+    if kind is HardwareKind.tpu:
+        raise ConfigError("hydra/launcher=slurm with hardware=tpu: TPU VMs are not SLURM nodes "
+                          "here; run `python train.py -m hardware=tpu ...` on the TPU VM")
     if kind is HardwareKind.auto:
         raise ConfigError("hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
                           "submitting machine cannot tell what the compute nodes have)")

@@ -122,3 +122,33 @@ def test_hybrid_replicate_size_defaults():
 def test_reshard_after_forward_accepts_bool_and_divisor():
     validate(to_typed(compose_cfg("sharding.reshard_after_forward=false")), topo(2))
     validate(to_typed(compose_cfg("sharding.reshard_after_forward=2")), topo(8))
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["sharding=grad_op"], "use sharding=full"),
+    (["sharding=hybrid_zero2"], "use sharding=hybrid"),
+    (["sharding.reshard_after_forward=false"], "sharding.reshard_after_forward"),
+    (["offload=cpu"], "offload=cpu"),
+    (["precision=fp16"], "precision=fp16"),
+    (["precision=bf16_pure"], "precision.reduce_dtype=bf16"),
+    (["precision=bf16", "precision.output_dtype=fp32"], "precision.output_dtype"),
+    (["compile=true"], "compile=true"),
+    (["checkpoint=full"], "checkpoint=full"),
+    (["checkpoint.async_enabled=true"], "checkpoint.async_enabled"),
+    (["hardware.num_nodes=2"], "multi-host"),
+])
+def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
+    """Checked with the topology, before any process starts: one line naming setting and fix."""
+    tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
+    with pytest.raises(ConfigError) as e:
+        validate(to_typed(compose_cfg("hardware=tpu", *overrides)), tpu)
+    message = str(e.value)
+    assert message.startswith(("hardware=tpu cannot run", "sharding=")) and fragment in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("overrides", [[], ["sharding=hybrid"], ["sharding=no_shard"],
+                                       ["precision=bf16", "activation_checkpointing=full"]])
+def test_tpu_accepts_what_xla_maps(overrides):
+    tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
+    validate(to_typed(compose_cfg("hardware=tpu", *overrides)), tpu)

@@ -109,3 +109,60 @@ def test_ranks_wait_for_rank0_solo_work_beyond_the_collective_timeout(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_solo_work_rank, args=(port, str(tmp_path)), nprocs=2)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["1.0", "1.0"]
+
+
+def test_tpu_without_torch_xla_names_the_install(monkeypatch):
+    """This environment (torch 2.13) has no torch_xla: hardware=tpu says what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_xla" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'fsdp_lab\[tpu\]'.*torch==2.9.0"):
+        hardware.resolve_kind(HardwareConfig(kind=HardwareKind.tpu))
+
+
+def test_tpu_with_a_mismatched_torch_names_the_pair(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    with pytest.raises(ConfigError, match="torch-xla 2.9.0 needs torch 2.9.0.*torch 2.13.0"):
+        hardware.resolve_kind(HardwareConfig(kind=HardwareKind.tpu))
+
+
+def test_tpu_devices_and_processes_without_starting_xla(monkeypatch):
+    """On tpu one process drives every device; the device count comes from the environment
+    (PJRT CPU) without starting the XLA runtime, which a TPU lets only one process hold."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    assert hardware.default_nproc_per_node(HardwareKind.tpu) == 4
+    assert hardware.processes_per_node(HardwareKind.tpu, 4) == 1
+    assert hardware.processes_per_node(HardwareKind.cpu, 4) == 4
+    hardware.check_nproc(HardwareKind.tpu, 4)
+    with pytest.raises(ConfigError, match="SPMD uses all of them"):
+        hardware.check_nproc(HardwareKind.tpu, 2)
+    assert hardware.backend(HardwareKind.tpu) == "gloo"  # the host processes' own group
+    assert hardware.collective_device(torch.device("cpu")).type == "cpu"
+    assert hardware.describe(HardwareKind.tpu).startswith("tpu: 4 XLA devices (PJRT_DEVICE=CPU)")
+
+
+def test_tpu_end_to_end_without_torch_xla(tmp_path):
+    """The user's view in an environment without torch_xla: one line, exit 2, nothing written."""
+    from conftest import train
+
+    if importlib_util_has("torch_xla"):
+        pytest.skip("torch_xla is installed here: tests/test_tpu.py runs hardware=tpu")
+    proc = train(tmp_path / "run", "hardware=tpu", timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp_lab: error:")]
+    assert len(errors) == 1 and "hardware=tpu needs torch_xla" in errors[0], proc.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def importlib_util_has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

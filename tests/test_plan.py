@@ -345,3 +345,10 @@ def test_measured_runs_match_the_plan(run_dir, monkeypatch, overrides):
         estimate = peak_less_params(s, rank)
         assert ((1 - RSS_TOLERANCE) * estimate <= peak - before
                 <= (1 + RSS_TOLERANCE) * estimate + RSS_SLACK), (rank, peak - before, estimate)
+
+
+def test_tpu_is_not_planned(capsys):
+    """The memory model is FSDP2's; on tpu XLA decides the buffers: one line, exit 2."""
+    assert cli.main(["plan", "hardware=tpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fsdp-lab: error:") and "hardware=gpu" in err and "\n" not in err
