@@ -34,7 +34,7 @@ from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMD
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2)
 
-from fsdp_lab import activations, sharding, wrap
+from fsdp_lab import activations, model as model_lib, sharding, wrap
 from fsdp_lab.config import Config, Dtype, ShardingConfig
 from fsdp_lab.rules import Topology
 from fsdp_lab.sharding import ShardedModel
@@ -100,7 +100,9 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.describe(model, units)
     chosen = set(activations.checkpointed_indices(cfg.activation_checkpointing, len(units)))
-    model.to(device)  # tied parameters stay one Parameter object, so they stay tied
+    tied = model_lib.tied_groups(model)
+    model.to(device)
+    _retie(model, tied)
     mesh = build_mesh(cfg.sharding, topo)
     parents = activations.parents(model)
     for i in reversed(range(len(units))):  # bottom-up: inner units claim their params first
@@ -108,6 +110,9 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
         parent, name = parents[id(units[i])]
         parent.register_module(name, FSDPv2(unit, mesh=mesh, shard_output=_shard_output))
     root = FSDPv2(model, mesh=mesh, shard_output=_shard_output)
+    if _tied_groups(root) != tied:
+        raise RuntimeError(f"tied parameters {tied} were untied on the XLA device "
+                           f"(now {_tied_groups(root)})")
     if cfg.precision.param_dtype is Dtype.bf16:
         _autocast_forward(root, torch.bfloat16)
     n = topo.world_size
@@ -119,6 +124,24 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
         state_bytes=lambda optimizer: state_bytes(root, optimizer, n),
         full_state_dict=lambda: full_state_dict(root), checkpoint_io=XlaCheckpointIO(),
         param_specs={clean_name(k): sharding_spec(p) for k, p in root.named_parameters()})
+
+
+def _retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Moving a module to an XLA device gives every module its own new Parameter, so a tied
+    input/output embedding becomes two (trained apart: GPT-2's loss drifted by 5e-4 in a step);
+    point the others back at the first."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean_name(name))
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:

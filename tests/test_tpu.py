@@ -132,6 +132,25 @@ def test_bf16_with_activation_checkpointing_matches_gloo(tmp_path, gloo):
     assert facts["activation_checkpointing"] == [0, 1]
 
 
+def test_tied_embeddings_stay_tied(tmp_path):
+    """GPT-2 ties its output head to the input embedding. Moving a module to an XLA device gives
+    each module a Parameter of its own: untied, the two copies train apart (the loss drifted by
+    5e-4 after one step). Compared with the unsharded single-process reference."""
+    from omegaconf import OmegaConf
+
+    from fsdp_lab.config import to_typed
+    from reference import reference_run
+
+    run = tmp_path / "run"
+    check_ok(train(run, "model=gpt2_tiny", "trainer.max_steps=3", devices=2))
+    want, want_norms = reference_run(to_typed(OmegaConf.load(run / "config.yaml")), world_size=2)
+    got = [r for key, r in sorted(records(run).items()) if key[0] == "train"]
+    assert [r["loss"] for r in got] == pytest.approx(want, abs=FP32_LOSS_TOL)
+    assert [r["grad_norm"] for r in got] == pytest.approx(want_norms, rel=FP32_NORM_RTOL)
+    facts = run_file(run)
+    assert sum(facts["local_params_per_rank"]) == facts["total_params"]  # one copy, sharded
+
+
 def test_checkpoint_round_trip(tmp_path, gloo):
     """3 steps, then the same command to 6 steps resumes from the step-3 checkpoint: the losses
     are those of an uninterrupted gloo run. The checkpoint holds the plain parameter names, so a
