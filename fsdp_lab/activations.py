@@ -70,6 +70,12 @@ def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module],
     return out
 
 
+def is_checkpointed(unit: nn.Module) -> bool:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(unit, CheckpointWrapper)
+
+
 def compile_units(units: list[nn.Module]) -> None:
     """torch.compile each unit in place (its parameter names do not change)."""
     for unit in units:

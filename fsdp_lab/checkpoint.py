@@ -142,7 +142,8 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    hardware.set_device_rng_state(device, state.get("device", state.get("cuda")))
+    legacy = {"type": "cuda", "state": state["cuda"]} if "cuda" in state else None
+    hardware.set_device_rng_state(device, state.get("device", legacy))
 
 
 class Checkpointer:

@@ -36,10 +36,10 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     from fsdp_lab import hardware, worker
     from fsdp_lab.launch import prepare_run
 
-    kind = hardware.resolve_kind(cfg.hardware)
-    if kind is HardwareKind.tpu:
+    if cfg.hardware.kind is HardwareKind.tpu:
         raise ConfigError("hardware=tpu runs one SPMD process per host, which `python train.py "
                           "hardware=tpu` starts itself; run it without torchrun or srun")
+    kind = hardware.resolve_kind(cfg.hardware)
     topo = worker.topology_from_env(kind)
     _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

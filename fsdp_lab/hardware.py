@@ -44,13 +44,13 @@ def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
                 )
             return HardwareKind.gpu
         case HardwareKind.tpu:
-            check_xla()
+            check_xla_env()
             return HardwareKind.tpu
         case _:
             raise ValueError(f"unknown hardware.kind {cfg.kind}")
 
 
-def check_xla() -> None:
+def check_xla_env() -> None:
     """hardware=tpu needs torch_xla next to the exact torch it was built for, and a PJRT device
     it can drive (TPU, or CPU for testing); PJRT_DEVICE defaults to TPU."""
     if importlib.util.find_spec("torch_xla") is None:
@@ -101,8 +101,8 @@ def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
     if kind is HardwareKind.tpu and nproc_per_node != xla_local_devices():
         raise ConfigError(
             f"hardware.nproc_per_node={nproc_per_node} but this host has {xla_local_devices()} "
-            "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (or set "
-            "CPU_NUM_DEVICES / TPU_VISIBLE_CHIPS to the devices you want)")
+            "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (with "
+            "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)")
 
 
 def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
@@ -162,26 +162,28 @@ def collective_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "xla" else device
 
 
-def device_rng_state(device: torch.device):
-    """The device's own random state beside torch's CPU one (None where it has none)."""
+def device_rng_state(device: torch.device) -> dict | None:
+    """The device's own random state beside torch's CPU one (None where it has none), tagged
+    with the device type: a checkpoint may be resumed on other hardware."""
     if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
+        return {"type": "cuda", "state": torch.cuda.get_rng_state(device)}
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
 
-        return xm.get_rng_state(device)
+        return {"type": "xla", "state": xm.get_rng_state(device)}
     return None
 
 
-def set_device_rng_state(device: torch.device, state) -> None:
-    if state is None:
+def set_device_rng_state(device: torch.device, saved: dict | None) -> None:
+    """Restore a state saved on the same device type; another type's is left alone."""
+    if saved is None or saved["type"] != device.type:
         return
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
+        torch.cuda.set_rng_state(saved["state"], device)
     elif device.type == "xla":
         import torch_xla.core.xla_model as xm
 
-        xm.set_rng_state(state, device)
+        xm.set_rng_state(saved["state"], device)
 
 
 def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from fsdp_lab import external, preempt, rundir, slurm
 from fsdp_lab.config import ConfigError, Config, DataKind, HardwareKind, to_typed
-from fsdp_lab.rules import Topology, check_xla, validate
+from fsdp_lab.rules import Topology, refuse_for_xla, validate
 
 log = logging.getLogger("fsdp_lab")
 
@@ -108,7 +108,13 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
     resume_path = ckpt.resolve_resume(cfg.resume, root)
     if resume_path is not None:
-        step = ckpt.verify(resume_path)["step"]
+        marker = ckpt.verify(resume_path)
+        step = marker["step"]
+        if topo.device is HardwareKind.tpu and marker["format"] != "sharded":
+            raise ConfigError(
+                f"resume={resume_path}: a checkpoint={marker['format']} checkpoint cannot be "
+                "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "
+                "export` and start from that (model=local model.name_or_path=<export>)")
         ckpt.check_compatible(resume_path, meta_model)
     continuing = resume_path is not None and cfg.resume == "auto"
     _claim_run_dir(run_dir, continuing=continuing, job=job)
@@ -143,14 +149,17 @@ def _local_topology(cfg: Config) -> Topology:
 
     kind = hardware.resolve_kind(cfg.hardware)
     if kind is HardwareKind.tpu:
-        check_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
+        refuse_for_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
     if cfg.hardware.num_nodes > 1:
         raise ConfigError(
             f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
             "on this node only; launch multi-node runs with torchrun or srun on every node")
     nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
+    if nproc < 1 and kind is HardwareKind.tpu:
+        raise ConfigError("hardware=tpu found no XLA device; on a TPU VM check its chips, or "
+                          "set PJRT_DEVICE=CPU CPU_NUM_DEVICES=N to run on XLA's CPU devices")
     if nproc < 1:
-        raise ConfigError(f"hardware={kind.name} found no device; use hardware=cpu")
+        raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
     log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
     return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
 

@@ -209,11 +209,12 @@ def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names that share one parameter (tied input/output embeddings), one list per parameter."""
+def tied_groups(model: nn.Module, clean=clean_name) -> list[list[str]]:
+    """Names that share one parameter (tied input/output embeddings), one list per parameter;
+    ``clean`` strips the wrappers' parts from the names."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(clean_name(name))
+        names.setdefault(id(p), []).append(clean(name))
     return [group for group in names.values() if len(group) > 1]
 
 
@@ -224,8 +225,11 @@ def check_tied(model: nn.Module, expected: list[list[str]]) -> None:
                            "they must be sharded in one FSDP unit")
 
 
-def materialize(model: nn.Module, *, device: torch.device, source) -> None:
+def materialize(model: nn.Module, *, device: torch.device, source,
+                offload: bool = False) -> None:
     """Give the sharded meta model real storage on ``device`` and rank 0's initial weights.
+    With ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and
+    only the buffers, which FSDP does not move, go to ``device``.
 
     ``source()`` builds the full model on CPU; only rank 0 calls it. Every other rank receives
     its shards one tensor at a time (``broadcast_from_rank0``), so it never holds a full copy.
@@ -234,7 +238,12 @@ def materialize(model: nn.Module, *, device: torch.device, source) -> None:
     rank 0's CPU model too: after ``to_empty`` they hold garbage (loss silently off by ~4e-4).
     """
     rank = dist.get_rank()
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
     full_sd: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     if rank == 0:

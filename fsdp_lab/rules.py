@@ -182,7 +182,7 @@ def resolve_replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
             raise ValueError(f"unknown sharding.strategy {cfg.strategy}")
 
 
-def check_xla(cfg: Config) -> None:
+def refuse_for_xla(cfg: Config) -> None:
     """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
     s, p = cfg.sharding, cfg.precision
     zero2 = {ShardingStrategy.grad_op: "full", ShardingStrategy.hybrid_zero2: "hybrid"}
@@ -196,8 +196,10 @@ def check_xla(cfg: Config) -> None:
          f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it"),
         (cfg.offload.device is not OffloadDevice.none,
          "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none"),
-        (Dtype.fp16 in (p.param_dtype, p.reduce_dtype) or p.grad_scaler_enabled,
+        (Dtype.fp16 in (p.param_dtype, p.reduce_dtype),
          "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16"),
+        (p.grad_scaler_enabled, "precision.grad_scaler_enabled=true: bf16 needs no loss "
+         "scaling on XLA; set precision.grad_scaler_enabled=false"),
         (p.reduce_dtype is Dtype.bf16, "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
          "reduces gradients in their own dtype (fp32 master weights); use precision=bf16"),
         (p.output_dtype is not None, "precision.output_dtype: autocast decides the output "
@@ -219,7 +221,7 @@ def validate(cfg: Config, topo: Topology) -> None:
     """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
     s = cfg.sharding
     if topo.device is HardwareKind.tpu:
-        check_xla(cfg)
+        refuse_for_xla(cfg)
     hybrid = s.strategy in (ShardingStrategy.hybrid, ShardingStrategy.hybrid_zero2)
     if s.replicate_size is not None and not hybrid:
         raise ConfigError(

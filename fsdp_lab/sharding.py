@@ -103,6 +103,7 @@ class ShardedModel:
     mesh_axes: list[str]
     units_desc: str  # the FSDP units, as wrap.describe says them
     num_units: int  # units plus the root
+    checkpointed: list[int]  # the units whose activations are recomputed, read off the model
     place_batch: Callable[[dict], dict]  # this process's rows of a micro-batch onto the devices
     local_numels: Callable[[], list[int]]  # parameter elements per rank
     state_bytes: Callable[[torch.optim.Optimizer], list[dict]]  # model state bytes per rank
@@ -126,6 +127,7 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
+    checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:
         activations.compile_units(units)
     mesh = build_mesh(cfg.sharding, topo, device_type=device.type)
@@ -134,7 +136,8 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
                offload_policy=build_offload_policy(cfg.offload.device is OffloadDevice.cpu,
                                                    pin_memory=hardware.pin_memory(kind)))
     model_lib.check_tied(model, tied)
-    model_lib.materialize(model, device=device, source=source)
+    model_lib.materialize(model, device=device, source=source,
+                          offload=cfg.offload.device is OffloadDevice.cpu)
     model_lib.check_tied(model, tied)
 
     def gathered(value) -> list:
@@ -148,7 +151,7 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
 
     return ShardedModel(
         model=model, mesh_shape=list(mesh.shape), mesh_axes=list(mesh.mesh_dim_names),
-        units_desc=units_desc, num_units=len(units) + 1,
+        units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
         place_batch=lambda batch: {k: v.to(device, non_blocking=True) for k, v in batch.items()},
         local_numels=lambda: gathered(local_numel(model)),
         state_bytes=lambda optimizer: gathered(metrics.state_bytes(model, optimizer)),

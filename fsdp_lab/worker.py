@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from fsdp_lab import activations, corpus as corpus_lib, hardware, metrics, model as model_lib
+from fsdp_lab import corpus as corpus_lib, hardware, metrics, model as model_lib
 from fsdp_lab import precision, sharding, slurm
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
@@ -134,8 +134,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         "local_params_per_rank": numels, "tokens_per_step": tokens_per_step,
         "task": task.name, "pretrained": cfg.model.pretrained,
         "load_peak_rss_bytes_per_rank": load_rss,
-        "activation_checkpointing": activations.checkpointed_indices(
-            cfg.activation_checkpointing, sharded.num_units - 1),
+        "activation_checkpointing": sharded.checkpointed,
         "compiled": cfg.compile,
         "data": ({"train_blocks": len(corpus.train), "val_blocks": len(corpus.val),
                   "tokens": corpus.num_tokens, "documents": corpus.num_documents,

@@ -110,15 +110,18 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
         parent, name = parents[id(units[i])]
         parent.register_module(name, FSDPv2(unit, mesh=mesh, shard_output=_shard_output))
     root = FSDPv2(model, mesh=mesh, shard_output=_shard_output)
-    if _tied_groups(root) != tied:
+    if model_lib.tied_groups(root, clean_name) != tied:
         raise RuntimeError(f"tied parameters {tied} were untied on the XLA device "
-                           f"(now {_tied_groups(root)})")
+                           f"(now {model_lib.tied_groups(root, clean_name)})")
     if cfg.precision.param_dtype is Dtype.bf16:
         _autocast_forward(root, torch.bfloat16)
     n = topo.world_size
+    # checkpoint_module patches a unit's forward in place, leaving this mark
+    checkpointed = [i for i, unit in enumerate(units)
+                    if hasattr(unit, "_xla_checkpointed_forward_original")]
     return ShardedModel(
         model=root, mesh_shape=list(mesh.mesh_shape), mesh_axes=list(mesh.axis_names),
-        units_desc=units_desc, num_units=len(units) + 1,
+        units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
         place_batch=lambda batch: place_batch(batch, device, mesh),
         local_numels=lambda: local_numels(root, n),
         state_bytes=lambda optimizer: state_bytes(root, optimizer, n),
@@ -135,13 +138,6 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
         for name in others:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
-
-
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(clean_name(name))
-    return [group for group in names.values() if len(group) > 1]
 
 
 def _autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
@@ -181,21 +177,18 @@ def _device_numels(tensor: torch.Tensor, num_devices: int) -> list[int]:
             else math.prod(s.stop - s.start for s in indices) for _, indices in placed]
 
 
-def _device_bytes(tensors, num_devices: int) -> list[int]:
+def _device_bytes(tensors, num_devices: int, *, per_element: bool = True) -> list[int]:
+    """Bytes (or with ``per_element=False``, elements) each device holds of ``tensors``."""
     total = [0] * num_devices
     for t in tensors:
         for d, n in enumerate(_device_numels(t, num_devices)):
-            total[d] += n * t.element_size()
+            total[d] += n * (t.element_size() if per_element else 1)
     return total
 
 
 def local_numels(model: nn.Module, num_devices: int) -> list[int]:
     """Parameter elements per device (the counterpart of each FSDP2 rank's shards)."""
-    total = [0] * num_devices
-    for p in model.parameters():
-        for d, n in enumerate(_device_numels(p, num_devices)):
-            total[d] += n
-    return total
+    return _device_bytes(model.parameters(), num_devices, per_element=False)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -251,6 +244,7 @@ class XlaCheckpointIO:
     def load(self, model, optimizer, path: Path) -> None:
         if not optimizer.state:  # DCP loads in place: the moments must exist first
             prime_optimizer(optimizer)
+            optimizer.zero_grad(set_to_none=True)  # its zero gradients, full-size, go now
         state = state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=str(path), planner=SPMDLoadPlanner())
         positions = {id(p): i for i, p in enumerate(

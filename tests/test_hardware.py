@@ -145,7 +145,8 @@ def test_tpu_devices_and_processes_without_starting_xla(monkeypatch):
     with pytest.raises(ConfigError, match="SPMD uses all of them"):
         hardware.check_nproc(HardwareKind.tpu, 2)
     assert hardware.backend(HardwareKind.tpu) == "gloo"  # the host processes' own group
-    assert hardware.collective_device(torch.device("cpu")).type == "cpu"
+    assert hardware.collective_device(torch.device("xla", 0)) == torch.device("cpu")
+    assert hardware.collective_device(torch.device("cpu")) == torch.device("cpu")
     assert hardware.describe(HardwareKind.tpu).startswith("tpu: 4 XLA devices (PJRT_DEVICE=CPU)")
 
 
