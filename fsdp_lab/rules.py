@@ -236,11 +236,12 @@ def validate(cfg: Config, topo: Topology) -> None:
                 f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
             )
         if topo.world_size // replicate < 2:
+            more = ("4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
+                    if topo.device is HardwareKind.tpu else "4+ ranks (hardware.nproc_per_node=4)")
             raise ConfigError(
                 f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
-                f"{replicate} leaves shard groups of 1 rank; use 4+ ranks "
-                "(hardware.nproc_per_node=4), a smaller sharding.replicate_size, or sharding=full"
-            )
+                f"{replicate} leaves shard groups of 1 rank; use {more}, a smaller "
+                "sharding.replicate_size, or sharding=full")
     raf = s.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):
         shard_size = topo.world_size // replicate

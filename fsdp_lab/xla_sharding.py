@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch_xla
-import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch_xla.distributed.fsdp import checkpoint_module
@@ -34,7 +33,7 @@ from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMD
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2)
 
-from fsdp_lab import activations, model as model_lib, sharding, wrap
+from fsdp_lab import activations, hardware, model as model_lib, sharding, wrap
 from fsdp_lab.config import Config, Dtype, ShardingConfig
 from fsdp_lab.rules import Topology
 from fsdp_lab.sharding import ShardedModel
@@ -45,8 +44,7 @@ WRAPPER_PREFIX = "_orig_module."  # FSDPv2 keeps the wrapped module under this n
 
 def _run_pending() -> None:
     """Compile and run the operations recorded so far, and wait until their results exist."""
-    torch_xla.sync()
-    xm.wait_device_ops()
+    hardware.synchronize(torch_xla.device())
 
 
 def clean_name(name: str) -> str:
