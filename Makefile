@@ -23,12 +23,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# hardware=tpu on XLA's CPU devices: builds $(XLA_VENV) (about 4 GB of downloads the first time,
-# torch 2.9.0 with its CUDA libraries is what PyPI has), then runs tests/test_tpu.py there.
+# hardware=tpu on XLA's CPU devices: builds $(XLA_VENV) (the xla-cpu extra pins torch and
+# torch-xla; about 4 GB of downloads the first time, torch 2.9.0 with its CUDA libraries is what
+# PyPI has), then runs tests/test_tpu.py there.
 test-tpu:
 	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
-	@$(XLA_VENV)/bin/python -c "import torch_xla" 2>/dev/null || \
-		$(XLA_VENV)/bin/python -m pip install -q "torch==2.9.0" "torch-xla==2.9.0"
 	@$(XLA_VENV)/bin/python -m pip install -q -e ".[xla-cpu,dev]"
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/test_tpu.py
 

@@ -211,17 +211,16 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
 # torch's get_model/optimizer_state_dict give FSDP2 runs, so the launcher's shape check and
 # resume rules are the same for both.
 
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): clean_name(n) for n, p in model.named_parameters()}
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The plain name of each parameter in the optimizer's order (its state_dict's indices)."""
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    names, index = _names(model), []
-    for group in optimizer.param_groups:
-        index.extend(group["params"])
-    raw = optimizer.state_dict()
-    return {"state": {names[id(index[i])]: s for i, s in raw["state"].items()},
-            "param_groups": [{**g, "params": [names[id(index[i])] for i in g["params"]]}
+    names, raw = _param_names(model, optimizer), optimizer.state_dict()
+    return {"state": {names[i]: s for i, s in raw["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                              for g in raw["param_groups"]]}
 
 
@@ -245,9 +244,7 @@ class XlaCheckpointIO:
             optimizer.zero_grad(set_to_none=True)  # its zero gradients, full-size, go now
         state = state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=str(path), planner=SPMDLoadPlanner())
-        positions = {id(p): i for i, p in enumerate(
-            p for g in optimizer.param_groups for p in g["params"])}
-        by_name = {clean_name(n): positions[id(p)] for n, p in model.named_parameters()}
+        by_name = {name: i for i, name in enumerate(_param_names(model, optimizer))}
         optim = state["optim"]
         optimizer.load_state_dict({
             "state": {by_name[n]: s for n, s in optim["state"].items()},
