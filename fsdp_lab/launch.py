@@ -67,8 +67,9 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
-    from fsdp_lab import checkpoint as ckpt, corpus as corpus_lib, hardware, model as model_lib
-    from fsdp_lab import wrap
+    from fsdp_lab import checkpoint as ckpt, corpus as corpus_lib, hardware, loss as loss_lib
+    from fsdp_lab import model as model_lib, wrap
+    from fsdp_lab.optim import resolve_implementation
 
     validate(cfg, topo)
     hardware.check_nproc(topo.device, topo.nproc_per_node)
@@ -88,6 +89,9 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     # and checkpoints of another model surface here once, not in every worker.
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
+    loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device,
+                          compiled=cfg.compile)
+    resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     if cfg.model.pretrained:
         model_lib.check_weights(cfg.model.name_or_path)
     if tokenizer is not None:

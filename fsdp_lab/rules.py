@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fsdp_lab.config import (
     CheckpointConfig, CheckpointFormat, Config, ConfigError, DataConfig, DataKind, Dtype,
-    HardwareKind, ModelArch, ModelConfig, ModelTask, OffloadDevice, PrecisionConfig,
-    ShardingConfig, ShardingStrategy, WrapPolicy,
+    HardwareKind, LossKind, ModelArch, ModelConfig, ModelTask, OffloadDevice, OptimImpl,
+    PrecisionConfig, ShardingConfig, ShardingStrategy, WrapPolicy,
 )
 
 
@@ -63,6 +63,16 @@ def check_fields(cfg: Config) -> None:
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
     _positive(t.eval_batches, "trainer.eval_batches")
+    _positive(t.log_every, "trainer.log_every")
+    if cfg.loss.chunk_size is not None:
+        _positive(cfg.loss.chunk_size, "loss.chunk_size")
+    prefetch = cfg.sharding.prefetch
+    if prefetch.forward < 0:
+        raise ConfigError(f"sharding.prefetch.forward={prefetch.forward} must be >= 0 (0: FSDP2's "
+                          "implicit forward prefetching)")
+    if prefetch.backward < 1:
+        raise ConfigError(f"sharding.prefetch.backward={prefetch.backward} must be >= 1: FSDP2 "
+                          "always prefetches the next unit in backward (1, its default)")
     if cfg.activation_checkpointing.every < 1:
         raise ConfigError(f"activation_checkpointing.every={cfg.activation_checkpointing.every} "
                           "must be >= 1")
@@ -205,6 +215,12 @@ def refuse_for_xla(cfg: Config) -> None:
         (p.output_dtype is not None, "precision.output_dtype: autocast decides the output "
          "dtypes on XLA; set precision.output_dtype=null"),
         (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
+        (s.prefetch.forward != 0 or s.prefetch.backward != 1, "sharding.prefetch: the XLA "
+         "compiler schedules the all-gathers; remove sharding.prefetch.forward/backward"),
+        (cfg.optim.implementation is OptimImpl.fused, "optim.implementation=fused: XLA has no "
+         "fused AdamW; use optim.implementation=foreach (or auto)"),
+        (cfg.loss.kind not in (LossKind.auto, LossKind.hf), f"loss={cfg.loss.kind.name}: XLA "
+         "compiles the model's own loss into the step; use loss=hf (or loss=auto)"),
         (cfg.checkpoint.format is CheckpointFormat.full, "checkpoint=full: use checkpoint="
          "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)"),
         (cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true: XLA checkpoints are "

@@ -10,7 +10,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from fsdp_lab.config import (
-    ConfigError, Config, Dtype, HardwareKind, ShardingStrategy, register_schema, to_typed,
+    ConfigError, Config, Dtype, HardwareKind, LossKind, OptimImpl, ShardingStrategy,
+    register_schema, to_typed,
 )
 from fsdp_lab.rules import Topology, validate
 
@@ -32,7 +33,8 @@ def compose_cfg(*overrides: str):
 
 def test_groups_are_the_documented_ones():
     assert {"sharding", "precision", "wrap", "offload", "hardware", "model", "data", "optim",
-            "trainer", "checkpoint", "activation_checkpointing"} <= set(GROUPS)
+            "trainer", "checkpoint", "activation_checkpointing", "loss"} <= set(GROUPS)
+    assert {o for g, o in OPTIONS if g == "loss"} == {k.value for k in LossKind}
     assert {o for g, o in OPTIONS if g == "sharding"} == {s.value for s in ShardingStrategy}
 
 
@@ -55,6 +57,21 @@ def test_group_options_map_to_their_enum():
     assert (p.param_dtype, p.reduce_dtype) == (Dtype.bf16, Dtype.bf16)
     p = to_typed(compose_cfg("precision=fp16")).precision
     assert (p.param_dtype, p.reduce_dtype, p.grad_scaler_enabled) == (Dtype.fp16, Dtype.fp32, True)
+
+
+def test_speed_settings_compose_with_their_defaults():
+    cfg = to_typed(compose_cfg())
+    assert (cfg.loss.kind, cfg.loss.chunk_size) == (LossKind.auto, None)
+    assert cfg.optim.implementation is OptimImpl.auto and cfg.trainer.log_every == 10
+    assert (cfg.sharding.prefetch.forward, cfg.sharding.prefetch.backward) == (0, 1)
+    assert cfg.precision.tf32 is True
+    cfg = to_typed(compose_cfg("loss=chunked", "loss.chunk_size=512", "trainer.log_every=1",
+                               "optim.implementation=for_loop", "sharding.prefetch.forward=2",
+                               "sharding.prefetch.backward=3", "precision.tf32=false"))
+    assert (cfg.loss.kind, cfg.loss.chunk_size, cfg.trainer.log_every) == (
+        LossKind.chunked, 512, 1)
+    assert cfg.optim.implementation is OptimImpl.for_loop and not cfg.precision.tf32
+    assert (cfg.sharding.prefetch.forward, cfg.sharding.prefetch.backward) == (2, 3)
 
 
 def test_unknown_option_fails_listing_the_valid_ones():
@@ -99,6 +116,10 @@ def topo(world: int, nodes: int = 1) -> Topology:
     (["sharding=hybrid", "sharding.replicate_size=3"], 4, "does not divide"),
     (["sharding=full", "sharding.replicate_size=2"], 4, "only to sharding=hybrid"),
     (["sharding=full", "sharding.reshard_after_forward=3"], 4, "divisor"),
+    (["trainer.log_every=0"], 2, "trainer.log_every=0 must be > 0"),
+    (["loss.chunk_size=-4"], 2, "loss.chunk_size=-4 must be > 0"),
+    (["sharding.prefetch.forward=-1"], 2, "sharding.prefetch.forward=-1 must be >= 0"),
+    (["sharding.prefetch.backward=0"], 2, "FSDP2 always prefetches the next unit"),
 ])
 def test_bad_values_fail_naming_the_setting(overrides, world, fragment):
     with pytest.raises(ConfigError) as e:
@@ -136,6 +157,9 @@ def test_reshard_after_forward_accepts_bool_and_divisor():
     (["checkpoint=full"], "checkpoint=full"),
     (["checkpoint.async_enabled=true"], "checkpoint.async_enabled"),
     (["hardware.num_nodes=2"], "multi-host"),
+    (["loss=chunked"], "use loss=hf"),
+    (["optim.implementation=fused"], "optim.implementation=foreach"),
+    (["sharding.prefetch.forward=1"], "sharding.prefetch"),
 ])
 def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
     """Checked with the topology, before any process starts: one line naming setting and fix."""
