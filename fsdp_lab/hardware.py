@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -219,6 +220,15 @@ def after_rank0(name: str) -> None:
         store.wait([key], SOLO_WORK_TIMEOUT)
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch onto the device without the host waiting: on GPU through pinned (page-locked)
+    host memory, whose copy runs asynchronously on the current stream (the caching host
+    allocator keeps the pinned buffer until the copy is done)."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def pin_memory(kind: HardwareKind) -> bool:
     """CPUOffloadPolicy pins host memory for fast H2D copies; pinning needs a GPU."""
     return kind is HardwareKind.gpu
@@ -280,20 +290,30 @@ def check_compile(kind: HardwareKind) -> None:
                           "install one or set compile=false")
 
 
-# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): (bf16/fp16 tensor
-# cores, fp32 without TF32, which is torch's default for fp32 matmuls). Matched in order against
+# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): bf16/fp16 tensor
+# cores, TF32 tensor cores, and fp32 without TF32. Matched in order against
 # torch.cuda.get_device_name, so the more specific names come first.
 PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0, 51.0), ("H100 NVL", 835.0, 60.0), ("H100", 989.0, 67.0),
-    ("H200", 989.0, 67.0), ("H800", 989.0, 67.0), ("B200", 2250.0, 80.0),
-    ("A100", 312.0, 19.5), ("A800", 312.0, 19.5), ("L40S", 362.0, 91.6), ("L4", 121.0, 30.3),
-    ("A10G", 70.0, 31.2), ("A10", 125.0, 31.2),
+    ("H100 PCIe", 756.0, 378.0, 51.0), ("H100 NVL", 835.0, 417.5, 60.0),
+    ("H100", 989.0, 494.7, 67.0), ("H200", 989.0, 494.7, 67.0), ("H800", 989.0, 494.7, 67.0),
+    ("B200", 2250.0, 1100.0, 80.0), ("A100", 312.0, 156.0, 19.5), ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6), ("L4", 121.0, 60.0, 30.3), ("A10G", 70.0, 35.0, 31.2),
+    ("A10", 125.0, 62.5, 31.2),
 )
 
 
-def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype) -> float | None:
+def set_tf32(kind: HardwareKind, enabled: bool) -> None:
+    """precision.tf32: fp32 matmuls and convolutions on TF32 tensor cores (GPU only)."""
+    if kind is HardwareKind.gpu:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype, *,
+               tf32: bool = False) -> float | None:
     """Peak FLOP/s of one device for MFU: ``hardware.peak_tflops`` when set, else the table
-    above for a known GPU; None (MFU not reported) for CPUs and unknown GPUs."""
+    above for a known GPU (the TF32 column for fp32 compute with ``tf32``); None (MFU not
+    reported) for CPUs and unknown GPUs."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
     if kind is HardwareKind.tpu:
@@ -301,9 +321,11 @@ def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype) -> float
     if kind is not HardwareKind.gpu:
         return None
     name = torch.cuda.get_device_name(0)
-    for key, low_precision, fp32 in PEAK_TFLOPS:
+    for key, low_precision, tf32_peak, fp32 in PEAK_TFLOPS:
         if key in name:
-            return (fp32 if compute is Dtype.fp32 else low_precision) * 1e12
+            if compute is not Dtype.fp32:
+                return low_precision * 1e12
+            return (tf32_peak if tf32 else fp32) * 1e12
     log.info("no peak FLOP/s known for %s: MFU not reported (set hardware.peak_tflops)", name)
     return None
 
@@ -324,6 +346,31 @@ def _tpu_peak_flops(compute: Dtype) -> float | None:
     except Exception:  # noqa: BLE001 - no metadata server: no MFU, never a failed run
         return None
     return next((t * 1e12 for key, t in TPU_PEAK_TFLOPS if accelerator.startswith(key)), None)
+
+
+class StepClock:
+    """Marks the start and end of steps without waiting for the device where it can: CUDA
+    events on GPU (read at a logging boundary: the GPU's time between the two marks, idle gaps
+    included); the host clock on CPU, whose operations run as they are called; on XLA a mark
+    runs the pending graph and waits (its graphs run asynchronously and have no events)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        if self.device.type == "xla":
+            synchronize(self.device)
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
 
 
 def synchronize(device: torch.device) -> None:

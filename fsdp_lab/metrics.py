@@ -28,42 +28,84 @@ class StepMetrics:
         return dict(self.__dict__)
 
 
-class StepTimer:
-    """Wall time of one optimizer step, with the device synchronised at both ends."""
+@dataclass
+class _PendingStep:
+    """A step whose numbers are still on the device (or, for the peak and lr, on the host)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._start = 0.0
-
-    def start(self) -> None:
-        hardware.synchronize(self.device)
-        self._start = time.perf_counter()
-
-    def stop(self) -> float:
-        hardware.synchronize(self.device)
-        return time.perf_counter() - self._start
+    step: int
+    lr: float
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    grad_norm: torch.Tensor  # the global norm before clipping
+    skipped: torch.Tensor | None  # fp16: the scaler skipped the update
+    span: tuple  # the step's start and end marks (hardware.StepClock)
+    peak_mem_bytes: int  # this rank's allocator / RSS peak so far (a host-side read)
 
 
-def gather_step_stats(local_loss: float, device: torch.device, *,
-                      stop_requested: bool) -> tuple[float, list[int], bool]:
-    """(mean loss over ranks, each rank's peak memory, whether any rank asked to stop) in one
-    small all-reduce per step.
+class StepWindow:
+    """The steps since the last logging boundary, read from the device all at once.
 
-    Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
-    losses is the mean loss of the global batch. A stop request (a signal) may reach the ranks
-    at different steps; sharing it here makes every rank stop after the same step.
+    Inside a window nothing waits for the device: losses, gradient norms and skip flags stay
+    device tensors, step times are CUDA events on GPU, and ``flush`` reads them with one small
+    all-reduce and one copy to the host. Every rank calls ``flush`` at the same steps.
     """
-    # One-hot rows summed by all-reduce: works on every backend and torch version
-    # (all_gather_into_tensor is deprecated in recent releases).
-    stats = torch.zeros(dist.get_world_size(), 3, dtype=torch.float64,
-                        device=hardware.collective_device(device))
-    stats[dist.get_rank()] = torch.tensor(
-        [local_loss, float(hardware.peak_memory_bytes(device)), float(stop_requested)],
-        dtype=torch.float64)
-    dist.all_reduce(stats)
-    rows = stats.cpu()
-    return (rows[:, 0].mean().item(), [int(v) for v in rows[:, 1].tolist()],
-            bool(rows[:, 2].sum().item() > 0))
+
+    def __init__(self, device: torch.device, *, tokens_per_step: int) -> None:
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.clock = hardware.StepClock(device)
+        self._pending: list[_PendingStep] = []
+        self._loop_start = time.perf_counter()
+
+    def start_step(self):
+        return self.clock.mark()
+
+    def end_step(self, step: int, *, start, lr: float, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, skipped: torch.Tensor | None) -> None:
+        self._pending.append(_PendingStep(
+            step=step, lr=lr, loss=loss, grad_norm=grad_norm, skipped=skipped,
+            span=(start, self.clock.mark()), peak_mem_bytes=hardware.peak_memory_bytes(self.device)))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
+        """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and
+        whether any rank asked to stop, in one all-reduce of a (world, 2k+1) table: each rank
+        fills its own row (losses, peaks, its stop flag), the sum is everyone's.
+
+        Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
+        losses is the mean loss of the global batch. A stop request (a signal) may reach the
+        ranks at different steps; sharing it here makes every rank stop after the same step."""
+        pending, self._pending = self._pending, []
+        k, world = len(pending), dist.get_world_size()
+        where = hardware.collective_device(self.device)
+        table = torch.zeros(world, 2 * k + 1, dtype=torch.float64, device=where)
+        if k:
+            table[dist.get_rank(), :k] = torch.stack([p.loss for p in pending]).to(where)
+            table[dist.get_rank(), k:2 * k] = torch.tensor(
+                [float(p.peak_mem_bytes) for p in pending], dtype=torch.float64)
+        table[dist.get_rank(), 2 * k] = float(stop_requested)
+        dist.all_reduce(table)
+        same = [torch.stack([p.grad_norm.float() for p in pending]).double().to(where),
+                torch.stack([p.skipped.float() if p.skipped is not None
+                             else torch.zeros((), device=p.loss.device) for p in pending]
+                            ).double().to(where)] if k else []
+        host = torch.cat([table.flatten(), *same]).cpu()  # the one read of the window
+        now = time.perf_counter() - self._loop_start
+        rows = host[:table.numel()].view(world, 2 * k + 1)
+        norms = host[table.numel():table.numel() + k].tolist()
+        skipped = host[table.numel() + k:].tolist()
+        times = [self.clock.seconds(*p.span) for p in pending]
+        out = []
+        for i, p in enumerate(pending):
+            peaks = [int(v) for v in rows[:, k + i].tolist()]
+            later = sum(times[i + 1:])  # the steps after it in the window
+            out.append(StepMetrics(
+                step=p.step, loss=rows[:, i].mean().item(), grad_norm=norms[i], lr=p.lr,
+                step_time_s=times[i], tokens_per_s=self.tokens_per_step / times[i],
+                peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
+                skipped=bool(skipped[i]), elapsed_s=now - later))
+        return out, bool(rows[:, 2 * k].sum().item() > 0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

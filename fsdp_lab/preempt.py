@@ -2,7 +2,8 @@
 
 SIGTERM (schedulers), SIGUSR1 (SLURM's --signal, as scripts/slurm/train.sbatch asks) or SIGUSR2
 (submitit's, hydra/launcher=slurm) asks a run to stop: the launcher forwards it
-to every rank, each finishes its step, a checkpoint is written, and ranks and launcher exit with
+to every rank, the ranks stop together at the next logging boundary (trainer.log_every), a
+checkpoint is written, and ranks and launcher exit with
 EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=auto continues it.
 """
 
@@ -20,7 +21,8 @@ class Preempted(Exception):
 
 
 class StopFlag:
-    """Set by a preemption signal; the loop finishes its step, then every rank stops together."""
+    """Set by a preemption signal; read at the loop's next logging boundary, where every rank
+    stops together."""
 
     def __init__(self, early_signals: list[int] | None = None) -> None:
         self.signal: int | None = early_signals[0] if early_signals else None
@@ -36,7 +38,8 @@ class StopFlag:
 
 class SignalForwarder:
     """Preemption signals to the launcher go to every rank; one that arrives before the ranks
-    exist is kept and sent to them as soon as they start (they then stop after one step)."""
+    exist is kept and sent to them as soon as they start (they then stop at their first logging
+    boundary)."""
 
     def __init__(self) -> None:
         self.seen: list[int] = []

@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from fsdp_lab import corpus as corpus_lib, hardware, metrics, model as model_lib
-from fsdp_lab import precision, sharding, slurm
+from fsdp_lab import corpus as corpus_lib, hardware, loss as loss_lib, metrics
+from fsdp_lab import model as model_lib, precision, sharding, slurm
 from fsdp_lab.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
 from fsdp_lab.checkpoint import Checkpointer, checkpoint_root
-from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, to_container
+from fsdp_lab.config import Config, DataKind, HardwareKind, LossKind, ModelTask, to_container
 from fsdp_lab.rules import Topology, validate
 from fsdp_lab.data import build_data
 from fsdp_lab.loggers import MetricsWriter, Progress, RunSummary, setup_rank_logging
 from fsdp_lab.loop import evaluate, train
-from fsdp_lab.optim import build_optimizer, build_scheduler
+from fsdp_lab.optim import build_optimizer, build_scheduler, resolve_implementation
 from fsdp_lab.rundir import (HF_EXPORT_DIR, LOG_DIR, METRICS_FILE, RUN_FILE, error_file,
                              read_run_file, update_run_file, write_run_file)
 from fsdp_lab.wandb_logger import WandbLogger
@@ -53,7 +53,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     setup_rank_logging(run_dir / LOG_DIR, rank)
     t0 = time.perf_counter()
-    stop = StopFlag(early_signals)  # a signal during set-up is acted on after the first step
+    stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
 
     # 1) Device, threads and the process group (under torchrun the launcher already joined it).
     kind = hardware.resolve_kind(cfg.hardware)
@@ -65,6 +65,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     procs = dist.get_world_size()  # processes; on tpu one per host, each driving its devices
     validate(cfg, topo)
+    hardware.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
 
     # 2) The model's structure on meta: no memory is spent before sharding decides the layout.
@@ -74,7 +75,12 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     total_params = sum(p.numel() for p in model.parameters())
     model_class = type(model).__name__  # before fully_shard renames it FSDP<name>
     flops_per_token = metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len)
-    peak_flops = hardware.peak_flops(cfg.hardware, kind, cfg.precision.param_dtype)
+    peak_flops = hardware.peak_flops(cfg.hardware, kind, cfg.precision.param_dtype,
+                                     tf32=cfg.precision.tf32)
+    # The loss: a fused one replaces the meta model's forward before it is sharded.
+    loss = loss_lib.build_loss(cfg.loss, model, task=task, compiled=cfg.compile,
+                               kind=loss_lib.resolve_kind(cfg.loss, hf_config, task, kind,
+                                                          compiled=cfg.compile))
 
     # 3)-5) The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and
     # compiles them, shards them on the strategy's mesh with the dtype and offload policies,
@@ -107,7 +113,9 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     eval_batches = data.num_val_batches(t.eval_batches) if t.eval_every else 0
 
     # 7) Optimizer over the sharded params (its state is sharded with them), schedule, scaler.
-    optimizer = build_optimizer(model, cfg.optim)
+    optim_impl = resolve_implementation(cfg.optim, kind,
+                                        grad_scaler=cfg.precision.grad_scaler_enabled)
+    optimizer = build_optimizer(model, cfg.optim, implementation=optim_impl)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     scaler = precision.build_grad_scaler(cfg.precision, device)
 
@@ -135,7 +143,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         "task": task.name, "pretrained": cfg.model.pretrained,
         "load_peak_rss_bytes_per_rank": load_rss,
         "activation_checkpointing": sharded.checkpointed,
-        "compiled": cfg.compile,
+        "compiled": cfg.compile, "loss_kind": loss.kind.name,
+        "optimizer": f"AdamW ({optim_impl.name})",
         "data": ({"train_blocks": len(corpus.train), "val_blocks": len(corpus.val),
                   "tokens": corpus.num_tokens, "documents": corpus.num_documents,
                   "fingerprint": corpus.fingerprint, "tokenizer": type(tokenizer).__name__}
@@ -154,6 +163,13 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         log.info("%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
                  facts["hardware"], topo.world_size, facts["mesh_axes"], facts["mesh_shape"],
                  facts["fsdp_units"], f"{total_params:,}", [f"{n:,}" for n in numels])
+        log.info("loss=%s%s | optimizer %s | numbers read from the device every %d steps",
+                 loss.kind.name, " (loss=auto)" if cfg.loss.kind is LossKind.auto else "",
+                 facts["optimizer"], t.log_every)
+        if topo.world_size == 1 and kind is not HardwareKind.tpu:
+            log.info("world size 1: FSDP2 on a 1-rank mesh, nothing sharded; its all-gathers and "
+                     "reduce-scatters are local copies, kept so that precision (param_dtype "
+                     "copies, fp32 master weights) and checkpoints are those of a sharded run")
         claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's W&B id
         continuing = cfg.resume != "never" and "wandb" in claimed
         logged_through = claimed.get("logged_through_step", -1) if continuing else -1
@@ -184,8 +200,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             tracker.log(record)
 
     def run_eval(step: int) -> None:
-        result = evaluate(model, data, num_batches=eval_batches,
-                          causal=task is ModelTask.causal_lm, device=device,
+        result = evaluate(model, data, loss=loss, num_batches=eval_batches, device=device,
                           place=sharded.place_batch)
         if rank == 0:
             record = {"split": "val", "step": step, "val_loss": result.loss,
@@ -195,20 +210,27 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
                      step, result.loss, result.perplexity, result.tokens)
 
-    def on_step(m) -> None:
-        nonlocal saved_step
-        if rank == 0:
+    def evaluates_at(step: int) -> bool:
+        return bool(eval_batches) and (step % t.eval_every == 0 or step == t.max_steps)
+
+    def on_records(records) -> None:  # rank 0: every step of a logging window
+        if rank != 0:
+            return
+        for m in records:
             record = {"split": "train", **m.as_record(), **metrics.throughput(
                 m, world_size=topo.world_size, flops_per_token=flops_per_token,
                 peak_flops=peak_flops)}
             emit(record)
             progress.update(record)
-        if eval_batches and (m.step % t.eval_every == 0 or m.step == t.max_steps):
-            run_eval(m.step)
+
+    def on_boundary(step: int) -> None:  # every rank, after the window's records
+        nonlocal saved_step
+        if evaluates_at(step):
+            run_eval(step)
         checkpointer.poll()
-        if checkpointer.should_save(m.step):
-            checkpointer.save(m.step, tokens_seen + (m.step - start_step) * tokens_per_step)
-            saved_step = m.step
+        if checkpointer.should_save(step):
+            checkpointer.save(step, tokens_seen + (step - start_step) * tokens_per_step)
+            saved_step = step
 
     # 9) The loop; a preemption signal ends it after the current step on every rank. A fresh
     # run is evaluated first: the starting point (a pretrained model's) is a number too.
@@ -216,10 +238,12 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
         if eval_batches and start_step == 0:
             run_eval(0)
         last, preempted = train(
-            model, data=data, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            model, data=data, loss=loss, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             grad_clip=cfg.optim.grad_clip, start_step=start_step, max_steps=t.max_steps,
             grad_accum_steps=t.grad_accum_steps, tokens_per_step=tokens_per_step, device=device,
-            on_step=on_step, stop_requested=stop, place=sharded.place_batch)
+            place=sharded.place_batch, log_every=t.log_every,
+            boundary_at=lambda step: evaluates_at(step) or checkpointer.should_save(step),
+            on_records=on_records, on_boundary=on_boundary, stop_requested=stop)
         end_step = last.step if last is not None else start_step
         if rank == 0:
             progress.close()

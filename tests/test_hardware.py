@@ -167,3 +167,23 @@ def importlib_util_has(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.parametrize("compute,tf32,peak", [(Dtype.bf16, True, 989.0), (Dtype.fp32, True, 494.7),
+                                              (Dtype.fp32, False, 67.0)])
+def test_mfu_peak_follows_the_compute_dtype_and_tf32(fake_gpus, monkeypatch, compute, tf32, peak):
+    fake_gpus(1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    got = hardware.peak_flops(HardwareConfig(), HardwareKind.gpu, compute, tf32=tf32)
+    assert got == peak * 1e12
+
+
+def test_tf32_is_set_on_gpu_only(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    hardware.set_tf32(HardwareKind.cpu, True)
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    hardware.set_tf32(HardwareKind.gpu, True)
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    hardware.set_tf32(HardwareKind.gpu, False)
+    assert torch.backends.cuda.matmul.allow_tf32 is False
