@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdp_lab.config import Config, OffloadDevice, ShardingConfig, ShardingStrategy
+from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig, ShardingStrategy
 from fsdp_lab.rules import Topology, resolve_replicate_size
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
@@ -74,19 +74,38 @@ def apply_fsdp(
     reshard_after_forward: bool | int,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
+    prefetch: PrefetchConfig,
 ) -> None:
-    """Shard each unit, then the root (which takes the parameters no unit claimed).
+    """Shard each unit, then the root (which takes the parameters no unit claimed), then set
+    the explicit prefetching.
 
-    Units are sharded bottom-up so that nested units exclude their children's parameters.
+    Units are sharded bottom-up so that nested units exclude their children's parameters. The
+    last unit (in forward order) is not resharded after forward, as torchtitan does: backward
+    starts with it, so resharding would only gather it again at once.
     """
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
-    for unit in reversed(units):
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    for index in reversed(range(len(units))):
+        last = index == len(units) - 1
+        fully_shard(units[index], reshard_after_forward=False if last else reshard_after_forward,
+                    **kwargs)
     # The root's own parameters (embeddings, final norm, head) are needed again right at the start
     # of backward; None lets FSDP2 keep them gathered. With no units the root is the whole model,
     # and the strategy's choice holds.
     root_reshard = None if units else reshard_after_forward
     fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+    apply_prefetch(units, prefetch)
+
+
+def apply_prefetch(units: list[nn.Module], prefetch: PrefetchConfig) -> None:
+    """FSDP1's forward_prefetch / backward_prefetch as FSDP2's explicit prefetching: each unit
+    issues the all-gathers of the next ``forward`` units after its own in forward, and of the
+    ``backward`` units before it in backward. forward=0 and backward=1 are FSDP2's defaults
+    (implicit), left as they are."""
+    for i, unit in enumerate(units):
+        if prefetch.forward > 0:
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch.forward])
+        if prefetch.backward > 1:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch.backward):i][::-1])
 
 
 def build_offload_policy(enabled: bool, *, pin_memory: bool) -> OffloadPolicy | None:
@@ -134,7 +153,8 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     apply_fsdp(model, units, mesh=mesh, reshard_after_forward=reshard_after_forward(cfg.sharding),
                mp_policy=precision.build_mp_policy(cfg.precision),
                offload_policy=build_offload_policy(cfg.offload.device is OffloadDevice.cpu,
-                                                   pin_memory=hardware.pin_memory(kind)))
+                                                   pin_memory=hardware.pin_memory(kind)),
+               prefetch=cfg.sharding.prefetch)
     model_lib.check_tied(model, tied)
     model_lib.materialize(model, device=device, source=source,
                           offload=cfg.offload.device is OffloadDevice.cpu)
@@ -152,7 +172,7 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     return ShardedModel(
         model=model, mesh_shape=list(mesh.shape), mesh_axes=list(mesh.mesh_dim_names),
         units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
-        place_batch=lambda batch: {k: v.to(device, non_blocking=True) for k, v in batch.items()},
+        place_batch=lambda batch: hardware.to_device(batch, device),
         local_numels=lambda: gathered(local_numel(model)),
         state_bytes=lambda optimizer: gathered(metrics.state_bytes(model, optimizer)),
         full_state_dict=full_state_dict)

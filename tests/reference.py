@@ -1,7 +1,8 @@
 """An unsharded single-process run of the same model, data and optimizer as a sharded run.
 
 Built from the same pieces (seeded init, each rank's batches of each step, AdamW, the
-schedule), with no FSDP: what every strategy must reproduce in fp32. The loss of a micro-batch is
+schedule), with no FSDP and the model's own loss (HF's, whatever loss.kind the run computes):
+what every strategy must reproduce in fp32. The loss of a micro-batch is
 the mean of the ranks' mean losses, as data-parallel gradient averaging makes it (for packed
 causal LM every rank has the same token count, so this is the global mean; for masked LM the
 ranks' masked counts differ and it is not).
@@ -14,10 +15,10 @@ import math
 import torch
 
 from fsdp_lab import corpus as corpus_lib
-from fsdp_lab.config import Config, DataKind
+from fsdp_lab.config import Config, DataKind, HardwareKind
 from fsdp_lab.data import build_data
 from fsdp_lab.model import build_full_model, build_hf_config
-from fsdp_lab.optim import build_optimizer, build_scheduler
+from fsdp_lab.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
 def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[float]]:
@@ -27,7 +28,8 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     hf_config = build_hf_config(cfg.model)
     model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, implementation=resolve_implementation(
+        cfg.optim, HardwareKind.cpu, grad_scaler=cfg.precision.grad_scaler_enabled))
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)

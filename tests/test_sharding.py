@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lab import precision, sharding, wrap
 from fsdp_lab.config import (
-    Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, ShardingConfig,
+    Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, PrefetchConfig, ShardingConfig,
     ShardingStrategy as S, WrapConfig,
 )
 from fsdp_lab.rules import Topology
@@ -87,7 +87,7 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
     units = wrap.select_units(model, WrapConfig())
     sharding.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
                         mp_policy=precision.build_mp_policy(PrecisionConfig()),
-                        offload_policy=None)
+                        offload_policy=None, prefetch=PrefetchConfig())
     if len(placements) == 2:
         assert mesh.mesh_dim_names == ("replicate", "shard")
         assert mesh.shape == (64 // rows_div, rows_div)
@@ -102,3 +102,30 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
         assert p.to_local().shape[1:] == p.shape[1:]
     emb = params["model.embed_tokens.weight"]
     assert emb.to_local().shape == (1024 // rows_div, 256)
+
+
+@pytest.mark.parametrize("prefetch,forward,backward", [
+    (PrefetchConfig(), [[], [], [], []], [[], [], [], []]),  # FSDP2's implicit defaults
+    (PrefetchConfig(forward=2, backward=2), [[1, 2], [2, 3], [3], []], [[], [0], [1, 0], [2, 1]]),
+    (PrefetchConfig(forward=1, backward=1), [[1], [2], [3], []], [[], [], [], []]),
+])
+def test_prefetch_and_the_last_unit_on_a_fake_group(fake_group, prefetch, forward, backward):
+    """sharding.prefetch becomes each unit's explicit prefetch list (units ahead in forward,
+    behind in backward, nearest first); the last unit keeps its parameters after forward."""
+    fake_group(1, 4)
+    mesh = sharding.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
+    model = build_meta_model(build_hf_config(ModelConfig(arch=ModelArch.llama, vocab_size=256,
+                                                         num_layers=4)))
+    units = wrap.select_units(model, WrapConfig())
+    sharding.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
+                        mp_policy=precision.build_mp_policy(PrecisionConfig()),
+                        offload_policy=None, prefetch=prefetch)
+    states = [u._get_fsdp_state() for u in units]
+
+    def indices(targets):
+        return [states.index(t) for t in targets]
+    assert [indices(s._states_to_forward_prefetch) for s in states] == forward
+    assert [indices(s._states_to_backward_prefetch) for s in states] == backward
+    # Resharding after forward shows as a mesh to reshard onto; the last unit has none.
+    resharded = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
+    assert resharded == [True, True, True, False]
