@@ -137,18 +137,21 @@ class Transient:
 def transient(groups: dict[int, int], *, reshard: bool | int, param_bytes: int,
               reduce_bytes: int, grad_accum_steps: int, backward: int) -> Transient:
     """FSDP2's working set. The root (-1) is not resharded after forward when there are units
-    (backward needs it at once); with ``reshard`` False every unit stays gathered until its
-    backward (grad_op, hybrid_zero2, no_shard), with an int N each keeps a 1/N shard."""
+    (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
+    ``reshard`` False every unit stays gathered until its backward (grad_op, hybrid_zero2,
+    no_shard), with an int N each keeps a 1/N shard."""
     units = {g: n for g, n in groups.items() if g >= 0}
     root = groups.get(-1, 0)
     if not units:  # the root is the only unit and follows the strategy
         units, root = {-1: root}, 0
-    kept = root
+    last = max(units) if root or -1 not in units else None
+    kept = root + (units[last] if last is not None and reshard is not False else 0)
+    others = {g: n for g, n in units.items() if g != last}
     if reshard is False:
         kept += sum(units.values())
     elif reshard is not True:  # an int: resharded to groups of `reshard` ranks after forward
-        kept += sum(-(-n // reshard) for n in units.values())
-    largest = sorted(units.values(), reverse=True)
+        kept += sum(-(-n // reshard) for n in others.values())
+    largest = sorted(others.values(), reverse=True)
     gathered = 0 if reshard is False else sum(largest[:2])  # current + prefetched unit
     biggest = max([root, *units.values()])
     return Transient(
@@ -215,18 +218,21 @@ def layer_bytes_per_token(s: LayerShape, b: int) -> int:
             raise ValueError(f"unknown layer family {s.family}")
 
 
-def head_bytes_per_token(s: LayerShape, b: int) -> int:
+def head_bytes_per_token(s: LayerShape, b: int, *, fused_loss: bool = False) -> int:
     """Bytes saved outside the layers per token: the final norm (and BERT's embedding norm and
-    prediction transform), the log-softmax over the vocabulary, the int inputs."""
-    loss = (FP32 if s.loss_upcast else b) * s.vocab
+    prediction transform), the log-softmax over the vocabulary, the int inputs. A fused loss
+    (``fsdp_lab.loss``) saves no log-softmax and no labels: the gradient over the hidden states
+    it keeps instead is the size of the head's input, which it no longer saves."""
+    loss = 0 if fused_loss else (FP32 if s.loss_upcast else b) * s.vocab
+    ints = INT_INPUT_BYTES // 2 if fused_loss else INT_INPUT_BYTES
     h = s.hidden
     match s.family:
         case "llama":
-            return FP32 * h + FP32 + 2 * b * h + loss + INT_INPUT_BYTES
+            return FP32 * h + FP32 + 2 * b * h + loss + ints
         case "gpt2":
-            return b * (2 * h + 2) + loss + INT_INPUT_BYTES
+            return b * (2 * h + 2) + loss + ints
         case "bert":
-            return b * (5 * h + 4) + loss + INT_INPUT_BYTES
+            return b * (5 * h + 4) + loss + ints
         case _:
             raise ValueError(f"unknown layer family {s.family}")
 
@@ -253,7 +259,8 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
 @dataclass(frozen=True)
 class Activations:
     saved: int  # bytes saved for backward at the end of forward (one micro-batch)
-    loss_grad: int  # transient at the start of backward: the gradients over the logits
+    loss_grad: int  # transient around the loss: the logits' gradients at the start of backward
+    # (the model's loss), or a chunk's logits at the end of forward (a fused loss)
     recompute: int  # transient in backward: the last layer recomputed, if it is checkpointed
     layer_grads: int  # transient in backward: a layer's in-flight activation gradients
     head: int  # the part of `saved` that the head's backward frees before any layer's
@@ -266,22 +273,32 @@ class Activations:
 
 
 def activations(s: LayerShape, *, batch: int, seq_len: int, b: int, num_checkpointed: int,
-                last_checkpointed: bool = False) -> Activations:
+                last_checkpointed: bool = False, loss_chunk: int | None = None) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
     time. The recomputation adds to the peak only where nothing was freed before it: at the last
-    layer (backward's first); an earlier one follows the freeing of the layers after it."""
+    layer (backward's first); an earlier one follows the freeing of the layers after it.
+
+    ``loss_chunk``: the tokens per chunk of a fused loss (None: the model's own loss). It
+    computes its gradients in forward: it saves the head weight's gradient (V x H) and, while it
+    runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit)."""
     tokens = batch * seq_len
+    fused = loss_chunk is not None
     layer = layer_bytes_per_token(s, b)
     kept = b * s.hidden
-    per_token = ((s.num_layers - num_checkpointed) * layer + num_checkpointed * kept
-                 + head_bytes_per_token(s, b))
+    head = head_bytes_per_token(s, b, fused_loss=fused)
+    per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
     rotary = 2 * seq_len * (s.q_dim // s.num_heads) * b if s.family == "llama" else 0
-    loss_b = FP32 if s.loss_upcast else b
-    # nll_loss's and log_softmax's gradients over the logits, and their cast back to b.
-    loss_grad = tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0))
+    if fused:
+        loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32
+        weight_grad = s.vocab * s.hidden * b
+    else:
+        loss_b = FP32 if s.loss_upcast else b
+        # nll_loss's and log_softmax's gradients over the logits, and their cast back to b.
+        loss_grad = tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0))
+        weight_grad = 0
     # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
     layer_grads = 2 * tokens * b * max(s.intermediate, s.hidden)
-    return Activations(saved=tokens * per_token + rotary, loss_grad=loss_grad,
+    return Activations(saved=tokens * per_token + rotary + weight_grad, loss_grad=loss_grad,
                        recompute=tokens * layer if last_checkpointed else 0,
-                       layer_grads=layer_grads, head=tokens * head_bytes_per_token(s, b))
+                       layer_grads=layer_grads, head=tokens * head + weight_grad)

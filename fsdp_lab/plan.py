@@ -24,7 +24,7 @@ from torch import nn
 import fsdp_lab
 from fsdp_lab import memory
 from fsdp_lab.config import (ActivationCheckpointingMode, Config, ConfigError, HardwareKind,
-                             OffloadDevice, ShardingStrategy, register_schema, to_typed)
+                             LossKind, OffloadDevice, ShardingStrategy, register_schema, to_typed)
 from fsdp_lab.rules import Topology, validate
 
 ASSUMED_GPUS_PER_NODE = 8
@@ -99,12 +99,14 @@ class ModelFacts:
     num_checkpointed: int  # decoder layers under activation checkpointing
     last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
     vocab_source: str
+    loss: str  # the resolved loss.kind
+    loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
     notes: list[str] = field(default_factory=list)
 
 
-def inspect_model(cfg: Config) -> ModelFacts:
-    """Vocabulary, meta model, FSDP units and the owner unit of every parameter."""
-    from fsdp_lab import activations, corpus, model as model_lib, wrap
+def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
+    """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
+    from fsdp_lab import activations, corpus, loss as loss_lib, model as model_lib, wrap
 
     tokenizer = corpus.load_tokenizer(cfg)
     model_cfg = model_lib.resolve_vocab_size(cfg.model, tokenizer)
@@ -116,6 +118,8 @@ def inspect_model(cfg: Config) -> ModelFacts:
     model_lib.check_task(hf_config, cfg.model.task)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device,
+                                 compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     owner: dict[int, int] = {}
     for index in reversed(range(len(units))):  # bottom-up, as sharding.apply_fsdp shards them
@@ -124,6 +128,9 @@ def inspect_model(cfg: Config) -> ModelFacts:
     params = [memory.ParamShape(numel=p.numel(), dim0=p.shape[0] if p.ndim else 1,
                                 group=owner.get(id(p), -1)) for p in model.parameters()]
     layer, notes = memory.layer_shape(hf_config, cfg.model.task)
+    fused = loss in loss_lib.FUSED_KINDS
+    if loss in (LossKind.liger, LossKind.cce):
+        notes.append(f"loss={loss.name}: its working memory is estimated as loss=chunked's")
     layers = decoder_layers(model, layer.num_layers)
     layer_ids = {id(m) for m in layers}
     chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
@@ -138,7 +145,9 @@ def inspect_model(cfg: Config) -> ModelFacts:
                       num_units=len(units) + 1, unit_classes=classes, params=params, layer=layer,
                       num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
                       last_checkpointed=any(units[i] is last for i in chosen),
-                      vocab_source=vocab_source, notes=notes)
+                      vocab_source=vocab_source, loss=loss.name,
+                      loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
+                      notes=notes)
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
@@ -175,7 +184,8 @@ def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
     t = cfg.trainer
     act = memory.activations(facts.layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
                              num_checkpointed=facts.num_checkpointed,
-                             last_checkpointed=facts.last_checkpointed)
+                             last_checkpointed=facts.last_checkpointed,
+                             loss_chunk=facts.loss_chunk)
     trans = memory.transient(memory.group_numels(facts.params, mesh[-1]), reshard=reshard,
                              param_bytes=b, reduce_bytes=rb, grad_accum_steps=t.grad_accum_steps,
                              backward=act.backward)
@@ -209,11 +219,11 @@ def build_plan(overrides: list[str]) -> dict:
     cfg = compose(overrides)
     topo, notes = topology(cfg)
     validate(cfg, topo)
-    facts = inspect_model(cfg)
+    facts = inspect_model(cfg, topo.device)
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
     b = TORCH_DTYPES[p.param_dtype].itemsize
     acts = {name: memory.activations(layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
-                                     num_checkpointed=n).saved
+                                     num_checkpointed=n, loss_chunk=facts.loss_chunk).saved
             for name, n in (("none", 0), ("full", layer.num_layers))}
     strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
     mode = cfg.activation_checkpointing.mode
@@ -226,6 +236,7 @@ def build_plan(overrides: list[str]) -> dict:
                   "classes": facts.unit_classes},
         "dtypes": {"params": "fp32", "grads": "fp32", "optimizer": "fp32",
                    "compute": p.param_dtype.name, "reduce": p.reduce_dtype.name},
+        "loss": {"kind": facts.loss, "chunk_tokens": facts.loss_chunk},
         "batch": {"micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len,
                   "grad_accum_steps": t.grad_accum_steps},
         "activation_checkpointing": {
@@ -268,6 +279,10 @@ def format_plan(plan: dict) -> str:
         f"gradient reduction {d['reduce']}",
         f"batch      {bt['micro_batch_size']} x {bt['seq_len']} tokens per micro-batch per "
         f"rank, {bt['grad_accum_steps']} micro-batch(es) per step",
+        f"loss       {plan['loss']['kind']}" + (
+            f" ({min(plan['loss']['chunk_tokens'], bt['micro_batch_size'] * bt['seq_len']):,} "
+            "tokens per chunk: no B x T x V logits)"
+            if plan["loss"]["chunk_tokens"] else " (B x T x V logits, upcast to fp32)"),
         f"checkpoint activation_checkpointing={ac['mode']} ({ac['checkpointed_layers']} layers); "
         f"activations {_size(acts['none'], unit)} {unit_name} without, "
         f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",

@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import check_ok, train
 from fsdp_lab import activations, cli, corpus, memory, metrics, model as model_lib, plan
-from fsdp_lab import precision, sharding, wrap
-from fsdp_lab.config import (ActivationCheckpointingConfig, ActivationCheckpointingMode, ModelArch,
+from fsdp_lab import loss as loss_lib, precision, sharding, wrap
+from fsdp_lab.config import (ActivationCheckpointingConfig, LossKind, ActivationCheckpointingMode, ModelArch,
                              ModelConfig, ModelTask)
-from fsdp_lab.optim import build_optimizer
+from fsdp_lab.optim import build_optimizer, resolve_implementation
 
 MEDIUM = ["hardware=cpu", "model.hidden_size=256", "model.intermediate_size=1024",
           "model.num_layers=4", "trainer.seq_len=256", "trainer.micro_batch_size=8"]
@@ -131,12 +131,16 @@ def sharded_rank(overrides: list[str]):
     hf = model_lib.build_hf_config(model_lib.resolve_vocab_size(cfg.model,
                                                                 corpus.load_tokenizer(cfg)))
     model = model_lib.build_meta_model(hf, cfg.model.task)
+    loss_lib.build_loss(cfg.loss, model, task=cfg.model.task, compiled=False,
+                        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device,
+                                                   compiled=False))
     units = activations.apply_activation_checkpointing(
         model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing)
     sharding.apply_fsdp(model, units, mesh=sharding.build_mesh(cfg.sharding, topo,
                                                                device_type="cpu"),
                         reshard_after_forward=sharding.reshard_after_forward(cfg.sharding),
-                        mp_policy=precision.build_mp_policy(cfg.precision), offload_policy=None)
+                        mp_policy=precision.build_mp_policy(cfg.precision), offload_policy=None,
+                        prefetch=cfg.sharding.prefetch)
     model.to_empty(device="cpu")
     buffers = dict(model_lib.build_full_model(hf, seed=0, task=cfg.model.task).named_buffers())
     with torch.no_grad():
@@ -145,7 +149,9 @@ def sharded_rank(overrides: list[str]):
         for name, b in model.named_buffers():  # rotary inv_freq, BERT's position ids
             b.copy_(buffers[activations.clean_name(name)])
     ids = torch.randint(0, hf.vocab_size - 1, (cfg.trainer.micro_batch_size, cfg.trainer.seq_len))
-    return model, build_optimizer(model, cfg.optim), dict(input_ids=ids, labels=ids), cfg
+    optimizer = build_optimizer(model, cfg.optim, implementation=resolve_implementation(
+        cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled))
+    return model, optimizer, dict(input_ids=ids, labels=ids), cfg
 
 
 def storage_bytes(tensors) -> int:
@@ -291,6 +297,24 @@ def test_activations_are_what_autograd_saves(arch, dtype):
     estimate = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize,
                                   num_checkpointed=0).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", [ModelArch.llama, ModelArch.qwen2, ModelArch.gpt2],
+                         ids=["llama", "qwen2", "gpt2"])
+def test_activations_with_a_fused_loss(arch, dtype):
+    """loss=chunked saves the head weight's gradient and the hidden states' instead of the
+    log-softmax over the vocabulary; in forward it holds one chunk's logits at a time."""
+    model, shape, _ = small_model(arch, dtype)
+    chunk = 64
+    loss_lib.apply_fused_loss(model, LossKind.chunked, chunk_size=chunk, compiled=False)
+    ids = torch.randint(0, 250, (3, 96))
+    measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
+    fused = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0,
+                               loss_chunk=chunk)
+    hf = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0)
+    assert abs(fused.saved / measured - 1) <= ACTIVATION_TOLERANCE, (fused.saved, measured)
+    assert fused.loss_grad == chunk * shape.vocab * 8 < hf.loss_grad
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
