@@ -2,9 +2,9 @@
 
 Reads the YAML `accelerate config` writes (``distributed_type: FSDP`` with an ``fsdp_config``
 section, FSDP1 or FSDP2 spelling) and maps each documented key onto fsdp_lab's groups. Keys that
-fsdp_lab always does (RAM-efficient loading, module-state sync, original params) are noted; keys
-with no equivalent (prefetch knobs, fp8, ...) become warnings; launcher facts (IPs, ports, ranks)
-belong to torchrun/srun and are skipped.
+fsdp_lab always does (RAM-efficient loading, module-state sync, original params) are noted; the
+FSDP1 prefetch knobs map onto ``sharding.prefetch``; keys with no equivalent (fp8, ...) become
+warnings; launcher facts (IPs, ports, ranks) belong to torchrun/srun and are skipped.
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ ALWAYS = {
     "fsdp_use_orig_params": "FSDP2 always keeps the original parameters",
     "fsdp_version": "fsdp_lab always uses FSDP2 (fully_shard)",
 }
-NO_EQUIVALENT = {
-    "fsdp_backward_prefetch": "FSDP2 prefetches the next unit's all-gather itself",
-    "fsdp_forward_prefetch": "FSDP2 prefetches the next unit's all-gather itself",
-}
+PREFETCH_KEYS = ("fsdp_backward_prefetch", "fsdp_forward_prefetch")
 LAUNCHER = {"compute_environment", "machine_rank", "main_process_ip", "main_process_port",
             "rdzv_backend", "same_network", "main_training_function", "gpu_ids", "debug",
             "enable_cpu_affinity", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
@@ -85,6 +82,32 @@ def _wrap(fsdp: dict, out: Translation) -> None:
         out.overrides.append(f"wrap.min_num_params={int(fsdp['fsdp_min_num_params'])}")
 
 
+def _prefetch(fsdp: dict, out: Translation) -> None:
+    """FSDP1's prefetch knobs on FSDP2's explicit prefetching (sharding.prefetch): forward
+    prefetching of the next unit; backward prefetching of the next unit is FSDP2's default
+    (BACKWARD_PRE), which FSDP2 cannot turn off and has no post-gradient variant of."""
+    if "fsdp_forward_prefetch" in fsdp:
+        on = str(fsdp["fsdp_forward_prefetch"]).lower() in ("true", "1", "yes")
+        out.overrides.append(f"sharding.prefetch.forward={1 if on else 0}")
+    if "fsdp_backward_prefetch" not in fsdp:
+        return
+    value = str(fsdp["fsdp_backward_prefetch"]).upper()
+    if value == "BACKWARD_PRE":
+        out.notes.append("fsdp_backward_prefetch=BACKWARD_PRE: FSDP2's default "
+                         "(sharding.prefetch.backward=1)")
+    elif value == "BACKWARD_POST":
+        out.warnings.append("fsdp_backward_prefetch=BACKWARD_POST: FSDP2 has no post-gradient "
+                            "prefetch; it gathers the next unit before the current one's "
+                            "gradients, as BACKWARD_PRE (sharding.prefetch.backward=1)")
+    elif value in ("NO_PREFETCH", "NONE", "FALSE"):
+        out.warnings.append(f"fsdp_backward_prefetch={fsdp['fsdp_backward_prefetch']}: FSDP2 "
+                            "always prefetches the next unit in backward "
+                            "(sharding.prefetch.backward=1)")
+    else:
+        raise ConfigError(f"fsdp_backward_prefetch: {fsdp['fsdp_backward_prefetch']!r} is not "
+                          "one of accelerate's ['BACKWARD_PRE', 'BACKWARD_POST', 'NO_PREFETCH']")
+
+
 def translate(config: dict) -> Translation:
     """The train.py overrides equivalent to an accelerate config (a parsed YAML mapping)."""
     kind = str(config.get("distributed_type", "")).upper()
@@ -105,15 +128,13 @@ def translate(config: dict) -> Translation:
                                 "sharded checkpoints instead (loadable at any world size)")
     if fsdp.get("fsdp_activation_checkpointing"):
         out.overrides.append("activation_checkpointing=full")
+    _prefetch(fsdp, out)
     for key, why in ALWAYS.items():
         if key in fsdp:
             out.notes.append(f"{key}={fsdp[key]}: {why}")
-    for key, why in NO_EQUIVALENT.items():
-        if key in fsdp and str(fsdp[key]).upper() not in ("NO_PREFETCH", "FALSE", "NONE"):
-            out.warnings.append(f"{key}={fsdp[key]}: no equivalent; {why}")
     known = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
              "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_offload_params",
-             "fsdp_state_dict_type", "fsdp_activation_checkpointing", *ALWAYS, *NO_EQUIVALENT}
+             "fsdp_state_dict_type", "fsdp_activation_checkpointing", *ALWAYS, *PREFETCH_KEYS}
     out.warnings += [f"fsdp_config.{k}={v}: not known to fsdp_lab; ignored"
                      for k, v in fsdp.items() if k not in known]
 

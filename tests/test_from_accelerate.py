@@ -88,9 +88,10 @@ def test_fsdp1_config_becomes_train_py_overrides(tmp_path, capsys):
     words = shlex.split(out.strip())
     assert words[:2] == ["python", "train.py"]
     assert words[2:] == ["sharding=full", "wrap=transformer", "wrap.classes=[LlamaDecoderLayer]",
-                         "offload=none", "checkpoint=sharded", "precision=bf16",
-                         "hardware.nproc_per_node=8"]
-    assert "warning: fsdp_backward_prefetch=BACKWARD_PRE: no equivalent" in err
+                         "offload=none", "checkpoint=sharded", "sharding.prefetch.forward=0",
+                         "precision=bf16", "hardware.nproc_per_node=8"]
+    assert "note: fsdp_backward_prefetch=BACKWARD_PRE: FSDP2's default" in err
+    assert "warning" not in err
     assert "note: fsdp_cpu_ram_efficient_loading=True" in err
     cfg = composes(words[2:])  # what it prints is a valid fsdp_lab config
     assert cfg.wrap.classes == ["LlamaDecoderLayer"] and cfg.hardware.nproc_per_node == 8
@@ -116,10 +117,21 @@ def test_fsdp2_config_with_every_knob(tmp_path, capsys):
     ({"fsdp_reshard_after_forward": "NO_SHARD"}, "sharding=no_shard"),  # FSDP1 under the v2 key
     ({"fsdp_reshard_after_forward": True}, "sharding=full"),
     ({"fsdp_auto_wrap_policy": "NO_WRAP"}, "wrap=none"),
+    ({"fsdp_forward_prefetch": True}, "sharding.prefetch.forward=1"),
+    ({"fsdp_forward_prefetch": "false"}, "sharding.prefetch.forward=0"),
 ])
 def test_each_spelling_of_a_setting(fsdp, want):
     out = translate({"distributed_type": "FSDP", "fsdp_config": fsdp})
     assert want in out.overrides
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("BACKWARD_POST", "no post-gradient prefetch"), ("NO_PREFETCH", "always prefetches")])
+def test_backward_prefetch_without_an_fsdp2_equivalent_is_warned_about(value, fragment):
+    out = translate({"distributed_type": "FSDP",
+                     "fsdp_config": {"fsdp_backward_prefetch": value}})
+    assert fragment in "\n".join(out.warnings)
+    assert not any("prefetch" in o for o in out.overrides)
 
 
 def test_keys_without_an_equivalent_are_warned_about():
