@@ -79,6 +79,10 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
             hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     if cfg.compile:
         hardware.check_compile(topo.device)
+    slow = hardware.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
+    if slow is not None:
+        log.warning("precision.param_dtype=%s: %s; precision=fp32 trains the same model faster "
+                    "on this machine", cfg.precision.param_dtype.value, slow)
     cfg = corpus_lib.absolute_paths(cfg)
     if cfg.model.name_or_path is not None:  # an unreadable or unreachable model is named first
         model_lib.check_task(model_lib.build_hf_config(cfg.model), cfg.model.task)

@@ -187,3 +187,17 @@ def test_tf32_is_set_on_gpu_only(monkeypatch):
     assert torch.backends.cuda.matmul.allow_tf32 is True
     hardware.set_tf32(HardwareKind.gpu, False)
     assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_a_cpu_without_native_bf16_is_named_before_a_slow_run(monkeypatch):
+    """An AVX2 CPU computes bf16/fp16 matmuls in generic kernels, tens of times slower than
+    fp32: the launch warns. Decided by oneDNN's own probe, and only for CPU compute."""
+    for dtype, probe in ((Dtype.bf16, "_is_mkldnn_bf16_supported"),
+                         (Dtype.fp16, "_is_mkldnn_fp16_supported")):
+        monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: False, raising=False)
+        assert f"no native {dtype.value} matmuls" in hardware.slow_cpu_dtype(HardwareKind.cpu,
+                                                                           dtype)
+        assert hardware.slow_cpu_dtype(HardwareKind.gpu, dtype) is None
+        monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: True, raising=False)
+        assert hardware.slow_cpu_dtype(HardwareKind.cpu, dtype) is None
+    assert hardware.slow_cpu_dtype(HardwareKind.cpu, Dtype.fp32) is None
