@@ -70,9 +70,10 @@ def worker(a: argparse.Namespace) -> None:
     from fsdp_lab.checkpoint import Checkpointer
     from fsdp_lab.config import (
         CheckpointConfig, CheckpointFormat as F, HardwareKind, ModelArch, ModelConfig,
-        OptimConfig, PrecisionConfig, ShardingConfig, Topology, WrapConfig,
+        OptimConfig, OptimImpl, PrecisionConfig, PrefetchConfig, ShardingConfig, WrapConfig,
     )
     from fsdp_lab.optim import build_optimizer, build_scheduler
+    from fsdp_lab.rules import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -86,9 +87,10 @@ def worker(a: argparse.Namespace) -> None:
     sharding.apply_fsdp(model, wrap.select_units(model, WrapConfig()), mesh=mesh,
                         reshard_after_forward=True,
                         mp_policy=precision.build_mp_policy(PrecisionConfig()),
-                        offload_policy=None)
-    model_lib.materialize(model, device=torch.device("cpu"), seed=0, hf_config=hf)
-    optimizer = build_optimizer(model, OptimConfig())
+                        offload_policy=None, prefetch=PrefetchConfig())
+    model_lib.materialize(model, device=torch.device("cpu"),
+                          source=lambda: model_lib.build_full_model(hf, seed=0))
+    optimizer = build_optimizer(model, OptimConfig(), implementation=OptimImpl.fused)
     scheduler = build_scheduler(optimizer, OptimConfig(), max_steps=10)
     ids = torch.randint(0, a.vocab, (1, 32))
     model(input_ids=ids, labels=ids).loss.backward()  # so AdamW has its state
