@@ -126,14 +126,25 @@ def sbatch(env: dict, cwd: Path, *args: str) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
+# squeue reasons that mean the job cannot run on this cluster as configured.
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "BadConstraints", "ReqNodeNotAvail"}
+
+
 def wait_gone(env: dict, job: str, timeout: float = 600) -> None:
-    """Poll squeue until the job (and any requeue of it) has left the queue."""
+    """Poll squeue until the job (and any requeue of it) has left the queue. A job pending for
+    a reason that no wait ends (a node too small for it: PartitionConfig...) fails at once,
+    with SLURM's reason, instead of after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env,
+                             capture_output=True, text=True).stdout
         if not out.strip():
             return
+        state, _, reason = out.strip().splitlines()[0].partition(" ")
+        if state == "PENDING" and reason in NEVER_STARTS:
+            subprocess.run(["scancel", job], env=env, capture_output=True)
+            raise AssertionError(f"job {job} can never start: SLURM says {reason} "
+                                 "(sinfo -N -o '%N %c' shows the node's CPUs)")
         time.sleep(1)
     raise AssertionError(f"job {job} still queued after {timeout} s")
 

@@ -148,7 +148,9 @@ rm -rf "$STATE" "$SPOOL"
 mkdir -p "$STATE" "$SPOOL"
 : >"$LOG/slurmctld.log"
 : >"$LOG/slurmd.log"
-ncpu=$(nproc)
+# The CPUs this machine gives us: nproc alone obeys OMP_NUM_THREADS, and under
+# OMP_NUM_THREADS=1 a node of CPUs=1 leaves a 2-task job pending forever (PartitionConfig).
+ncpu=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 # Half the RAM: a RealMemory above what slurmd finds would drain the node.
 mem_mb=$(awk '/^MemTotal:/ {m = int($2 / 2048); print (m > 0 ? m : 1)}' /proc/meminfo)
 cat >"$CONF" <<EOF
