@@ -128,7 +128,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (compile, allocator)")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: per model)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (default: per model)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per side")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--fsdp-lab-args", nargs="*", default=[], help="more train.py overrides")
@@ -181,7 +182,9 @@ def print_table(results: list[dict], device: str) -> None:
         same = {o["side"]: o for o in results if o["model"] == r["model"] and o["status"] == "ok"}
 
         def ratio(other: str) -> str:
-            return f"{r['tokens_per_s'] / same[other]['tokens_per_s']:.2f}" if other in same else "-"
+            if other not in same:
+                return "-"
+            return f"{r['tokens_per_s'] / same[other]['tokens_per_s']:.2f}"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_bytes'] / 2**30:.1f}" if r.get("peak_mem_bytes") else "-"
         print(f"| {r['model']} | {r['side']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "

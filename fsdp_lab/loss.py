@@ -14,10 +14,11 @@ cost time. The fused kinds take the final hidden states and the head's weight in
 | cce       | cut-cross-entropy's ``linear_cross_entropy`` (exact, no filter) | GPU      |
 
 ``apply_fused_loss`` gives a causal LM a forward that computes the loss from the hidden states
-*inside* the root module's forward: FSDP2's root hooks then keep the head's weight gathered while
-it is used, whatever the strategy. Only model types whose own forward is exactly
-``lm_head(base(...))`` followed by ``ForCausalLMLoss`` get it (``FUSED_MODEL_TYPES``: no logit
-scaling, soft-capping or bias; each is compared with its own loss in ``tests``).
+as the head's own forward: FSDP2's hooks on whichever module owns the head (the root, or a unit
+of its own with wrap=size) gather its weight for the loss and reduce its gradient after. Only
+model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
+get it (``FUSED_MODEL_TYPES``: no logit scaling, soft-capping or bias; each is compared with its
+own loss in ``tests``).
 """
 
 from __future__ import annotations

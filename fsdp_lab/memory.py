@@ -144,7 +144,7 @@ def transient(groups: dict[int, int], *, reshard: bool | int, param_bytes: int,
     root = groups.get(-1, 0)
     if not units:  # the root is the only unit and follows the strategy
         units, root = {-1: root}, 0
-    last = max(units) if root or -1 not in units else None
+    last = max(units) if -1 not in units else None  # None: the root is the only unit
     kept = root + (units[last] if last is not None and reshard is not False else 0)
     others = {g: n for g, n in units.items() if g != last}
     if reshard is False:

@@ -63,10 +63,8 @@ class StepWindow:
                  grad_norm: torch.Tensor, skipped: torch.Tensor | None) -> None:
         self._pending.append(_PendingStep(
             step=step, lr=lr, loss=loss, grad_norm=grad_norm, skipped=skipped,
-            span=(start, self.clock.mark()), peak_mem_bytes=hardware.peak_memory_bytes(self.device)))
-
-    def __len__(self) -> int:
-        return len(self._pending)
+            span=(start, self.clock.mark()),
+            peak_mem_bytes=hardware.peak_memory_bytes(self.device)))
 
     def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
         """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and

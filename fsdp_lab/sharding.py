@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig, ShardingStrategy
+from fsdp_lab.config import (Config, OffloadDevice, PrefetchConfig, ShardingConfig,
+                             ShardingStrategy)
 from fsdp_lab.rules import Topology, resolve_replicate_size
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"

@@ -232,7 +232,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
             checkpointer.save(step, tokens_seen + (step - start_step) * tokens_per_step)
             saved_step = step
 
-    # 9) The loop; a preemption signal ends it after the current step on every rank. A fresh
+    # 9) The loop; a preemption signal ends it at the next logging boundary on every rank. A fresh
     # run is evaluated first: the starting point (a pretrained model's) is a number too.
     try:
         if eval_batches and start_step == 0:
