@@ -20,7 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fsdp_lab import config, sweep
+from fsdp_lab import config
+from fsdp_lab.launch import sweep
 
 config.register_schema()
 

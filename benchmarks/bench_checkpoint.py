@@ -66,14 +66,14 @@ def worker(a: argparse.Namespace) -> None:
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
     )
 
-    from fsdp_lab import model as model_lib, precision, sharding, wrap
-    from fsdp_lab.checkpoint import Checkpointer
+    from fsdp_lab.engine import model as model_lib, precision, fsdp, wrap
+    from fsdp_lab.state.checkpoint import Checkpointer
     from fsdp_lab.config import (
         CheckpointConfig, CheckpointFormat as F, HardwareKind, ModelArch, ModelConfig,
         OptimConfig, OptimImpl, PrecisionConfig, PrefetchConfig, ShardingConfig, WrapConfig,
     )
-    from fsdp_lab.optim import build_optimizer, build_scheduler
-    from fsdp_lab.rules import Topology
+    from fsdp_lab.train.optim import build_optimizer, build_scheduler
+    from fsdp_lab.config.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -83,8 +83,8 @@ def worker(a: argparse.Namespace) -> None:
         arch=ModelArch.llama, vocab_size=a.vocab, hidden_size=a.hidden,
         intermediate_size=4 * a.hidden, num_layers=a.layers, num_heads=8, num_kv_heads=8))
     model = model_lib.build_meta_model(hf)
-    mesh = sharding.build_mesh(ShardingConfig(), topo, device_type="cpu")
-    sharding.apply_fsdp(model, wrap.select_units(model, WrapConfig()), mesh=mesh,
+    mesh = fsdp.build_mesh(ShardingConfig(), topo, device_type="cpu")
+    fsdp.apply_fsdp(model, wrap.select_units(model, WrapConfig()), mesh=mesh,
                         reshard_after_forward=True,
                         mp_policy=precision.build_mp_policy(PrecisionConfig()),
                         offload_policy=None, prefetch=PrefetchConfig())

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
 
 # Llama shapes. 160m: the first GPU run's model (hidden 1024, 8 layers, vocab 32000); 1b:
 # TinyLlama-1.1B's. batch: sequences per step at seq 2048 that fill an 80 GB device with every
@@ -99,8 +99,8 @@ def flops_per_token(m: dict, seq: int) -> int:
     """fsdp_lab's count (metrics.flops_per_token): 6N + 12·L·H·Q·T, embeddings excluded."""
     from transformers import LlamaConfig
 
-    from fsdp_lab.metrics import flops_per_token as count
-    from fsdp_lab.model import build_meta_model
+    from fsdp_lab.observe.metrics import flops_per_token as count
+    from fsdp_lab.engine.model import build_meta_model
 
     cfg = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"],
                       intermediate_size=m["ffn"], num_hidden_layers=m["layers"],
@@ -112,7 +112,7 @@ def flops_per_token(m: dict, seq: int) -> int:
 def device_peak() -> tuple[str, float | None]:
     import torch
 
-    from fsdp_lab.hardware import PEAK_TFLOPS
+    from fsdp_lab.engine.hardware import PEAK_TFLOPS
 
     if not torch.cuda.is_available():
         return "no GPU", None

@@ -6,7 +6,7 @@
 For N tokens of hidden size H and a vocabulary of V, each implementation takes the same hidden
 states and head weight (the compute dtype) and targets, and computes the mean cross-entropy and
 its gradients: ``hf`` as a causal LM does (logits = hidden @ W.T, upcast to fp32,
-F.cross_entropy), ``chunked`` (fsdp_lab.loss.linear_cross_entropy, eager and compiled), and on
+F.cross_entropy), ``chunked`` (fsdp_lab.train.loss.linear_cross_entropy, eager and compiled), and on
 GPU ``liger`` and ``cce`` where installed. Each runs in a process of its own, so the peak is its
 own: the allocator's peak on GPU, the resident-set high-water mark on CPU, less what the inputs
 hold. Differences from ``hf`` are reported for the loss and both gradients.
@@ -29,7 +29,8 @@ def measure(a) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fsdp_lab import hardware, loss as loss_lib
+    from fsdp_lab.engine import hardware
+    from fsdp_lab.train import loss as loss_lib
     from fsdp_lab.config import LossKind
 
     device = torch.device(a.device)

@@ -57,7 +57,7 @@ def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
                 env = (proc_dir / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"fsdp_lab.rank_main" in cmd and str(run_dir).encode() in cmd \
+            if b"fsdp_lab.launch.rank_main" in cmd and str(run_dir).encode() in cmd \
                     and f"RANK={rank}".encode() in env:
                 return int(proc_dir.name)
         time.sleep(0.2)

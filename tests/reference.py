@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from fsdp_lab import corpus as corpus_lib
+from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.config import Config, DataKind, HardwareKind
-from fsdp_lab.data import build_data
-from fsdp_lab.model import build_full_model, build_hf_config
-from fsdp_lab.optim import build_optimizer, build_scheduler, resolve_implementation
+from fsdp_lab.data.loader import build_data
+from fsdp_lab.engine.model import build_full_model, build_hf_config
+from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
 def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[float]]:

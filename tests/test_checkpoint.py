@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import ROOT, check_ok, rank_pid, start_train, train
-from fsdp_lab import checkpoint as ckpt
-from fsdp_lab.loggers import read_metrics
+from fsdp_lab.state import checkpoint as ckpt
+from fsdp_lab.observe.loggers import read_metrics
 
 STEPS, HALF = 8, 4
 
@@ -150,7 +150,7 @@ def test_async_save_writes_what_sync_writes(tmp_path):
         a, b = ckpt_dir(sync, step), ckpt_dir(background, step)
         files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
         assert files(a) == files(b)
-    from fsdp_lab.export import load_checkpoint_weights
+    from fsdp_lab.state.export import load_checkpoint_weights
 
     sd_a, _, _ = load_checkpoint_weights(ckpt_dir(sync, 6))
     sd_b, _, _ = load_checkpoint_weights(ckpt_dir(background, 6))
@@ -255,8 +255,8 @@ def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path)
 def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_lab.export import load_checkpoint_weights
-    from fsdp_lab.model import build_full_model
+    from fsdp_lab.state.export import load_checkpoint_weights
+    from fsdp_lab.engine.model import build_full_model
 
     run_dir = tmp_path / "run"
     check_ok(train(run_dir, "hardware=cpu", "model=qwen2_tiny", "trainer.max_steps=5",
@@ -264,7 +264,7 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
     hf_dir = run_dir / "hf"
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {
         p.name for p in hf_dir.iterdir()}
-    cli = subprocess.run([sys.executable, "-m", "fsdp_lab.cli", "export", str(run_dir),
+    cli = subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir),
                           str(tmp_path / "cli_export")], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert cli.returncode == 0, cli.stderr
@@ -280,6 +280,6 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied stays tied
     # The initial weights are not what was exported: training changed them.
     assert not torch.equal(build_full_model(hf_config, seed=0).eval()(ids).logits, want)
-    proc = subprocess.run([sys.executable, "-m", "fsdp_lab.cli", "export", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir),
                            str(hf_dir)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "not empty" in proc.stderr  # never overwrites

@@ -13,7 +13,8 @@ from fsdp_lab.config import (
     ConfigError, Config, Dtype, HardwareKind, LossKind, OptimImpl, ShardingStrategy,
     register_schema, to_typed,
 )
-from fsdp_lab.rules import Topology, validate
+from fsdp_lab.config.rules import validate
+from fsdp_lab.config.topology import Topology
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -129,7 +130,7 @@ def test_bad_values_fail_naming_the_setting(overrides, world, fragment):
 
 
 def test_hybrid_replicate_size_defaults():
-    from fsdp_lab.rules import resolve_replicate_size
+    from fsdp_lab.config.topology import replicate_size as resolve_replicate_size
 
     cfg = to_typed(compose_cfg("sharding=hybrid"))
     assert resolve_replicate_size(cfg.sharding, topo(4)) == 2

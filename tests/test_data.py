@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_lab import corpus as corpus_lib
+from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask, to_typed
-from fsdp_lab.data import IGNORE_INDEX, Masking, PackedData, SyntheticData, build_data
-from fsdp_lab.model import resolve_vocab_size
+from fsdp_lab.data.loader import IGNORE_INDEX, Masking, PackedData, SyntheticData, build_data
+from fsdp_lab.engine.model import resolve_vocab_size
 
 
 def make_cfg(tmp_path, **data) -> Config:
@@ -256,7 +256,7 @@ def test_paths_are_made_absolute_for_later_use(tmp_path, monkeypatch):
 def test_an_encoder_is_not_trained_as_a_causal_lm():
     from transformers import BertConfig, LlamaConfig
 
-    from fsdp_lab.model import check_task
+    from fsdp_lab.engine.model import check_task
 
     with pytest.raises(ConfigError, match="encoder.*model.task=masked_lm"):
         check_task(BertConfig(), ModelTask.causal_lm)

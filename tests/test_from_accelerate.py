@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fsdp_lab.cli import main
+from fsdp_lab.tools.cli import main
 from fsdp_lab.config import ConfigError, register_schema, to_typed
-from fsdp_lab.from_accelerate import translate
+from fsdp_lab.tools.from_accelerate import translate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

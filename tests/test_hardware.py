@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_lab import hardware
+from fsdp_lab.engine import hardware
 from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
 
 
@@ -84,7 +84,7 @@ def _solo_work_rank(rank: int, port: int, result_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_lab import hardware
+    from fsdp_lab.engine import hardware
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2,

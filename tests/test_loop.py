@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab import hardware, loop, loss as loss_lib, metrics, model as model_lib, plan
-from fsdp_lab import sharding
+from fsdp_lab.engine import hardware, model as model_lib
+from fsdp_lab.train import loop, loss as loss_lib
+from fsdp_lab.observe import metrics
+from fsdp_lab.tools import plan
+from fsdp_lab.engine import fsdp
 from fsdp_lab.config import OptimImpl
-from fsdp_lab.data import build_data
-from fsdp_lab.optim import build_optimizer, build_scheduler, resolve_implementation
+from fsdp_lab.data.loader import build_data
+from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
 @pytest.fixture
@@ -33,7 +36,7 @@ def build_run(*overrides: str, implementation: OptimImpl | None = None):
                         kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device,
                                                    compiled=False))
     device = torch.device("cpu")
-    sharded = sharding.build_model(cfg, topo, device, meta_model=meta,
+    sharded = fsdp.build_model(cfg, topo, device, meta_model=meta,
                                    source=lambda: model_lib.build_full_model(hf, seed=0))
     impl = implementation or resolve_implementation(cfg.optim, topo.device, grad_scaler=False)
     optimizer = build_optimizer(sharded.model, cfg.optim, implementation=impl)

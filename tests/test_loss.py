@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import train
-from fsdp_lab import loss as loss_lib
+from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import check_ok, train
-from fsdp_lab.loggers import read_metrics
+from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_tied_embeddings_stay_tied_through_training_checkpoint_and_export(
         tmp_path, sharding, nproc, model):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_lab.export import load_checkpoint_weights
+    from fsdp_lab.state.export import load_checkpoint_weights
 
     run = tmp_path / "run"
     check_ok(train(run, f"model={model}", f"sharding={sharding}",

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from conftest import check_ok, train
 from fsdp_lab.config import to_typed
-from fsdp_lab.loggers import read_metrics
+from fsdp_lab.observe.loggers import read_metrics
 from reference import reference_run
 
 pytestmark = pytest.mark.slow

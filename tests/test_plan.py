@@ -12,11 +12,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import check_ok, train
-from fsdp_lab import activations, cli, corpus, memory, metrics, model as model_lib, plan
-from fsdp_lab import loss as loss_lib, precision, sharding, wrap
+from fsdp_lab.config import strategies, topology
+from fsdp_lab.engine import activations, model as model_lib
+from fsdp_lab.tools import cli, memory, plan
+from fsdp_lab.data import corpus
+from fsdp_lab.observe import metrics
+from fsdp_lab.train import loss as loss_lib
+from fsdp_lab.engine import precision, fsdp, wrap
 from fsdp_lab.config import (ActivationCheckpointingConfig, LossKind, ActivationCheckpointingMode, ModelArch,
                              ModelConfig, ModelTask)
-from fsdp_lab.optim import build_optimizer, resolve_implementation
+from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 
 MEDIUM = ["hardware=cpu", "model.hidden_size=256", "model.intermediate_size=1024",
           "model.num_layers=4", "trainer.seq_len=256", "trainer.micro_batch_size=8"]
@@ -136,9 +141,9 @@ def sharded_rank(overrides: list[str]):
                                                    compiled=False))
     units = activations.apply_activation_checkpointing(
         model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing)
-    sharding.apply_fsdp(model, units, mesh=sharding.build_mesh(cfg.sharding, topo,
+    fsdp.apply_fsdp(model, units, mesh=fsdp.build_mesh(cfg.sharding, topo,
                                                                device_type="cpu"),
-                        reshard_after_forward=sharding.reshard_after_forward(cfg.sharding),
+                        reshard_after_forward=strategies.reshard_after_forward(cfg.sharding),
                         mp_policy=precision.build_mp_policy(cfg.precision), offload_policy=None,
                         prefetch=cfg.sharding.prefetch)
     model.to_empty(device="cpu")
@@ -174,7 +179,7 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     model, optimizer, batch, _ = sharded_rank(overrides)
     model(**batch).loss.backward()
     optimizer.step()
-    assert metrics.state_bytes(model, optimizer) == {
+    assert fsdp.state_bytes(model, optimizer) == {
         k: expected[k] for k in ("params", "grads", "optimizer")}
     params = list(model.parameters())
     # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
@@ -198,7 +203,7 @@ PEAK_TOLERANCE = 0.08
 def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank):
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_lab.loop import train_step
+    from fsdp_lab.train.loop import train_step
 
     expected = plan.build_plan(MEDIUM + overrides)
     s = expected["strategies"][expected["chosen"]]

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ROOT, check_ok
 from fsdp_lab.config import ConfigError
-from fsdp_lab.loggers import read_metrics
-from fsdp_lab.report import write_report
+from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.tools.report import write_report
 
 MIB = 2**20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -219,7 +219,7 @@ def test_a_dir_that_is_not_a_sweep_is_a_config_error(tmp_path, make, fragment):
 
 
 def cli_report(sweep: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_lab.cli", "report", str(sweep)],
+    return subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "report", str(sweep)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_lab import precision, sharding, wrap
+from fsdp_lab.config import strategies, topology
+from fsdp_lab.engine import precision, fsdp, wrap
 from fsdp_lab.config import (
     Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, PrefetchConfig, ShardingConfig,
     ShardingStrategy as S, WrapConfig,
 )
-from fsdp_lab.rules import Topology
-from fsdp_lab.model import build_hf_config, build_meta_model
+from fsdp_lab.config.topology import Topology
+from fsdp_lab.engine.model import build_hf_config, build_meta_model
 
 
 def topo(world: int, nodes: int = 1) -> Topology:
@@ -30,14 +31,14 @@ def topo(world: int, nodes: int = 1) -> Topology:
 ])
 def test_strategy_maps_to_mesh_and_reshard(strategy, world, shape, reshard):
     cfg = ShardingConfig(strategy=strategy)
-    assert sharding.mesh_shape(cfg, topo(world)) == shape
-    assert sharding.reshard_after_forward(cfg) is reshard
+    assert topology.mesh_shape(cfg, topo(world)) == shape
+    assert strategies.reshard_after_forward(cfg) is reshard
 
 
 def test_hybrid_across_nodes_replicates_over_nodes_and_override_wins():
-    assert sharding.mesh_shape(ShardingConfig(strategy=S.hybrid), topo(32, nodes=4)) == (4, 8)
+    assert topology.mesh_shape(ShardingConfig(strategy=S.hybrid), topo(32, nodes=4)) == (4, 8)
     cfg = ShardingConfig(strategy=S.full, reshard_after_forward=4)
-    assert sharding.reshard_after_forward(cfg) == 4
+    assert strategies.reshard_after_forward(cfg) == 4
 
 
 @pytest.mark.parametrize("cfg,dtypes", [
@@ -81,11 +82,11 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
     fake_group(rank, 64)
     t = topo(64, nodes=8)
     cfg = ShardingConfig(strategy=strategy)
-    mesh = sharding.build_mesh(cfg, t, device_type="cpu")
+    mesh = fsdp.build_mesh(cfg, t, device_type="cpu")
     model = build_meta_model(build_hf_config(ModelConfig(
         arch=ModelArch.llama, vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=4)))
     units = wrap.select_units(model, WrapConfig())
-    sharding.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
+    fsdp.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
                         mp_policy=precision.build_mp_policy(PrecisionConfig()),
                         offload_policy=None, prefetch=PrefetchConfig())
     if len(placements) == 2:
@@ -113,11 +114,11 @@ def test_prefetch_and_the_last_unit_on_a_fake_group(fake_group, prefetch, forwar
     """sharding.prefetch becomes each unit's explicit prefetch list (units ahead in forward,
     behind in backward, nearest first); the last unit keeps its parameters after forward."""
     fake_group(1, 4)
-    mesh = sharding.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
+    mesh = fsdp.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
     model = build_meta_model(build_hf_config(ModelConfig(arch=ModelArch.llama, vocab_size=256,
                                                          num_layers=4)))
     units = wrap.select_units(model, WrapConfig())
-    sharding.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
+    fsdp.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
                         mp_policy=precision.build_mp_policy(PrecisionConfig()),
                         offload_policy=None, prefetch=prefetch)
     states = [u._get_fsdp_state() for u in units]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, check_ok, train
-from fsdp_lab import external, slurm
-from fsdp_lab.loggers import read_metrics
+from fsdp_lab.launch import external, slurm
+from fsdp_lab.observe.loggers import read_metrics
 from wandb_files import offline_runs
 from fsdp_lab.config import Config, ConfigError, HardwareConfig, HardwareKind
 
@@ -69,7 +69,7 @@ def test_only_submitits_signal_under_submitit_requeues():
 ])
 def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeypatch, hw,
                                                                          fragment):
-    from fsdp_lab.worker import topology_from_env
+    from fsdp_lab.train.worker import topology_from_env
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

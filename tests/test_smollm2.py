@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, check_ok, train
-from fsdp_lab.loggers import read_metrics
+from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
 

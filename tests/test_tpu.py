@@ -177,7 +177,7 @@ def test_checkpoint_round_trip(tmp_path, gloo):
     from transformers import AutoModelForCausalLM
 
     exported = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "fsdp_lab.cli", "export", str(run), str(exported)],
+    subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run), str(exported)],
                    check=True, capture_output=True, cwd=ROOT)
     a = load_file(next((run / "hf").glob("*.safetensors")))
     b = load_file(next(exported.glob("*.safetensors")))

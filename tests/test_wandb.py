@@ -13,8 +13,8 @@ import pytest
 
 from conftest import ROOT, check_ok, train
 from fsdp_lab.config import Config, LoggerConfig, WandbMode
-from fsdp_lab.loggers import read_metrics
-from fsdp_lab.wandb_logger import flatten, resolve_mode, run_identity
+from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.wandb_logger import flatten, resolve_mode, run_identity
 from wandb_files import offline_runs
 
 OFFLINE = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=3", "checkpoint=none")

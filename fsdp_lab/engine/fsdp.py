@@ -1,0 +1,167 @@
+"""The device mesh and the only call site of ``fully_shard``: strategy -> mesh + reshard.
+
+Every strategy is FSDP2 on a mesh, which keeps one code path for all five; what each means
+(mesh axes, replicas, the reshard default) is a row of ``config.strategies.STRATEGIES``.
+no_shard on an (N, 1) mesh is DDP: each rank holds every element and gradients are all-reduced.
+``build_model`` is the FSDP2 engine of a run; ``engine.xla.build_model`` the torch_xla one
+(hardware=tpu). Both return a ``ShardedModel``, which is all the worker knows of either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
+from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
+from fsdp_lab.config.topology import Topology, mesh_shape
+
+
+def build_mesh(cfg: ShardingConfig, topo: Topology, *, device_type: str) -> DeviceMesh:
+    """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
+    replicate_size is the number of nodes): the frequent all-gathers stay intra-node."""
+    return init_device_mesh(device_type, mesh_shape(cfg, topo),
+                            mesh_dim_names=strategy_of(cfg.strategy).mesh_axes)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    units: list[nn.Module],
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | int,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+    prefetch: PrefetchConfig,
+) -> None:
+    """Shard each unit, then the root (which takes the parameters no unit claimed), then set
+    the explicit prefetching.
+
+    Units are sharded bottom-up so that nested units exclude their children's parameters. The
+    last unit (in forward order) is not resharded after forward, as torchtitan does: backward
+    starts with it, so resharding would only gather it again at once.
+    """
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    for index in reversed(range(len(units))):
+        last = index == len(units) - 1
+        fully_shard(units[index], reshard_after_forward=False if last else reshard_after_forward,
+                    **kwargs)
+    # The root's own parameters (embeddings, final norm, head) are needed again right at the start
+    # of backward; None lets FSDP2 keep them gathered. With no units the root is the whole model,
+    # and the strategy's choice holds.
+    root_reshard = None if units else reshard_after_forward
+    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+    apply_prefetch(units, prefetch)
+
+
+def apply_prefetch(units: list[nn.Module], prefetch: PrefetchConfig) -> None:
+    """FSDP1's forward_prefetch / backward_prefetch as FSDP2's explicit prefetching: each unit
+    issues the all-gathers of the next ``forward`` units after its own in forward, and of the
+    ``backward`` units before it in backward. forward=0 and backward=1 are FSDP2's defaults
+    (implicit), left as they are."""
+    for i, unit in enumerate(units):
+        if prefetch.forward > 0:
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch.forward])
+        if prefetch.backward > 1:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch.backward):i][::-1])
+
+
+def build_offload_policy(enabled: bool, *, pin_memory: bool) -> OffloadPolicy | None:
+    return CPUOffloadPolicy(pin_memory=pin_memory) if enabled else None
+
+
+@dataclass
+class ShardedModel:
+    """A model sharded for training, and the few things that depend on how it is sharded.
+    Per-rank lists have one entry per data-parallel rank (per XLA device on tpu)."""
+
+    model: nn.Module
+    mesh_shape: list[int]
+    mesh_axes: list[str]
+    units_desc: str  # the FSDP units, as wrap.describe says them
+    num_units: int  # units plus the root
+    checkpointed: list[int]  # the units whose activations are recomputed, read off the model
+    place_batch: Callable[[dict], dict]  # this process's rows of a micro-batch onto the devices
+    local_numels: Callable[[], list[int]]  # parameter elements per rank
+    state_bytes: Callable[[torch.optim.Optimizer], list[dict]]  # model state bytes per rank
+    full_state_dict: Callable[[], dict]  # whole weights on the host of rank 0 (others: {})
+    checkpoint_io: object | None = None  # how sharded checkpoints are written; None: DTensors
+    param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
+
+
+def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module,
+                source) -> ShardedModel:
+    """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
+    ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
+    only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
+    whole model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_lab.engine import activations, hardware, model as model_lib, precision, wrap
+
+    model, kind = meta_model, topo.device
+    tied = model_lib.tied_groups(model)
+    units = wrap.select_units(model, cfg.wrap)
+    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
+    checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
+    if cfg.compile:
+        activations.compile_units(units)
+    mesh = build_mesh(cfg.sharding, topo, device_type=device.type)
+    apply_fsdp(model, units, mesh=mesh, reshard_after_forward=reshard_after_forward(cfg.sharding),
+               mp_policy=precision.build_mp_policy(cfg.precision),
+               offload_policy=build_offload_policy(cfg.offload.device is OffloadDevice.cpu,
+                                                   pin_memory=hardware.pin_memory(kind)),
+               prefetch=cfg.sharding.prefetch)
+    model_lib.check_tied(model, tied)
+    model_lib.materialize(model, device=device, source=source,
+                          offload=cfg.offload.device is OffloadDevice.cpu)
+    model_lib.check_tied(model, tied)
+
+    def gathered(value) -> list:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
+    def full_state_dict() -> dict:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+
+    return ShardedModel(
+        model=model, mesh_shape=list(mesh.shape), mesh_axes=list(mesh.mesh_dim_names),
+        units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
+        place_batch=lambda batch: hardware.to_device(batch, device),
+        local_numels=lambda: gathered(local_numel(model)),
+        state_bytes=lambda optimizer: gathered(state_bytes(model, optimizer)),
+        full_state_dict=full_state_dict)
+
+
+def local_numel(module: nn.Module) -> int:
+    """Parameter elements this rank stores (its shards; everything for replicated params)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+               for p in module.parameters())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The model state this rank holds, by what the tensors really occupy: its parameter
+    shards, their gradients, and every tensor of the optimizer state (Adam's moments and step).
+    Measured after an optimizer step, before zero_grad; ``fsdp-lab plan`` predicts it."""
+    params = list(model.parameters())
+    return {"params": _nbytes(params),
+            "grads": _nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _nbytes(v for s in optimizer.state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor))}

@@ -1,0 +1,267 @@
+"""Build a Hugging Face model on the meta device and materialise its (sharded) weights.
+
+Initial weights are made once, on rank 0, as a plain CPU model (seeded random init, or the
+pretrained weights read from safetensors) and reach every rank's shards by broadcast: no other
+rank ever holds the full model. So the same seed gives bitwise the same initial model whatever
+the world size or sharding strategy, and an unsharded reference run can start from it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from fsdp_lab.engine import hardware
+from fsdp_lab.engine.activations import clean_name
+from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask
+
+log = logging.getLogger(__name__)
+
+
+def build_hf_config(cfg: ModelConfig):
+    """The transformers config of a preset, with every hyperparameter spelled out, or of a
+    directory or hub id; set up for training: no KV cache (HF fills one in every forward when
+    use_cache is on; activation checkpointing then keeps it alive and each recomputation grows
+    it, +43% peak measured on a 4-layer Llama). An export turns it back on."""
+    hf_config = _hf_config(cfg)
+    hf_config.use_cache = False
+    return hf_config
+
+
+def _hf_config(cfg: ModelConfig):
+    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+    if cfg.name_or_path is not None:
+        local = Path(cfg.name_or_path).expanduser()
+        try:
+            return AutoConfig.from_pretrained(local if local.exists() else cfg.name_or_path)
+        except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type, offline
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not local.exists():
+                raise ConfigError(
+                    f"model.name_or_path={cfg.name_or_path} is not a local directory and the "
+                    f"Hugging Face hub did not give its config ({first[:200]}); offline, download "
+                    "the model elsewhere and pass its directory") from e
+            raise ConfigError(
+                f"model.name_or_path={cfg.name_or_path}: its config.json cannot be read by "
+                f"transformers ({first}); point it at a model directory") from e
+    # The launcher resolves a None vocabulary from the tokenizer; unresolved, it is synthetic's.
+    vocab_size = cfg.vocab_size or SYNTHETIC_VOCAB_SIZE
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    match cfg.arch:
+        case ModelArch.llama | ModelArch.qwen2:
+            hf_cls = LlamaConfig if cfg.arch is ModelArch.llama else Qwen2Config
+            return hf_cls(
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads,
+                max_position_embeddings=cfg.max_position_embeddings,
+                attention_dropout=0.0,
+                **common,
+            )
+        case ModelArch.gpt2:
+            # GPT-2 has no grouped-query attention or separate MLP width knob beyond n_inner.
+            return GPT2Config(
+                n_embd=cfg.hidden_size,
+                n_inner=cfg.intermediate_size,
+                n_layer=cfg.num_layers,
+                n_head=cfg.num_heads,
+                n_positions=cfg.max_position_embeddings,
+                # Dropout off: runs are then identical across world sizes and strategies.
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                **common,
+            )
+        case ModelArch.bert:
+            return BertConfig(
+                vocab_size=vocab_size, hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads,
+                max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=None,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            )
+        case _:
+            raise ValueError(f"unknown model.arch {cfg.arch}")
+
+
+SYNTHETIC_VOCAB_SIZE = 256
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def resolve_vocab_size(cfg: ModelConfig, tokenizer) -> ModelConfig:
+    """A preset's vocabulary: as set, else the tokenizer's size (256 for synthetic data)."""
+    if cfg.arch is None or cfg.vocab_size is not None:
+        return cfg
+    size = len(tokenizer) if tokenizer is not None else SYNTHETIC_VOCAB_SIZE
+    return dataclasses.replace(cfg, vocab_size=size)
+
+
+def check_weights(name_or_path: str) -> None:
+    """A local directory given with model.pretrained=true must hold weights."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in WEIGHT_FILES):
+        raise ConfigError(
+            f"model.pretrained=true but model.name_or_path={name_or_path} holds no weights "
+            f"({' or '.join(WEIGHT_FILES[::2])}); set model.pretrained=false for random init")
+
+
+def check_task(hf_config, task: ModelTask) -> None:
+    """An encoder (BERT, RoBERTa...) trained as a causal LM sees the tokens it predicts (its
+    attention is bidirectional): the loss collapses and nothing says why. Refuse it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if (task is ModelTask.causal_lm and hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(hf_config, "is_decoder", False)):
+        raise ConfigError(
+            f"model: {hf_config.model_type} is an encoder (bidirectional attention); train it with "
+            "model.task=masked_lm")
+
+
+def align_special_tokens(hf_config, tokenizer) -> None:
+    """A preset's config names bos/eos ids 0 and 1 (the byte-level tokenizer's); an export with
+    another tokenizer must name that tokenizer's, or `generate` would not stop at its EOS."""
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None and hasattr(hf_config, name):
+            setattr(hf_config, name, value)
+
+
+def max_positions(hf_config) -> int | None:
+    """The longest sequence the model takes (None where the config does not say)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_seq_len(hf_config, seq_len: int) -> None:
+    positions = max_positions(hf_config)
+    if positions is not None and seq_len > positions:
+        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} "
+                          "positions; lower trainer.seq_len")
+
+
+def _auto_class(task: ModelTask):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    match task:
+        case ModelTask.causal_lm:
+            return AutoModelForCausalLM
+        case ModelTask.masked_lm:
+            return AutoModelForMaskedLM
+        case _:
+            raise ValueError(f"unknown model.task {task}")
+
+
+def _from_config(hf_config, task: ModelTask) -> nn.Module:
+    try:
+        return _auto_class(task).from_config(hf_config)
+    except ValueError as e:  # an architecture without a head for this task
+        raise ConfigError(
+            f"model: {type(hf_config).__name__} has no {task.name} model in transformers "
+            f"({str(e).splitlines()[0][:200]}); set model.task to what the model is") from e
+
+
+def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
+    """The model's structure with no storage: sharding decides where each piece lives."""
+    with torch.device("meta"):
+        return _from_config(hf_config, task)
+
+
+def build_full_model(hf_config, *, seed: int, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
+    """The whole model on CPU with seeded random init: rank 0's source and the test reference."""
+    torch.manual_seed(seed)
+    return _from_config(hf_config, task)
+
+
+def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
+    """The whole pretrained model on CPU in fp32 (master weights; compute dtypes come from the
+    precision policy). transformers reads the safetensors straight into the model's tensors."""
+    local = Path(name_or_path).expanduser()
+    source = str(local) if local.exists() else name_or_path
+    try:
+        return _auto_class(task).from_pretrained(source, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - no weights, hub unreachable, corrupt safetensors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.pretrained=true but no weights can be read from model.name_or_path="
+            f"{name_or_path} ({first[:200]}); set model.pretrained=false for random init") from e
+
+
+def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for buf_name in mod._non_persistent_buffers_set:
+            buf = mod._buffers.get(buf_name)
+            if buf is not None:
+                out[clean_name(f"{mod_name}.{buf_name}" if mod_name else buf_name)] = buf
+    return out
+
+
+def tied_groups(model: nn.Module, clean=clean_name) -> list[list[str]]:
+    """Names that share one parameter (tied input/output embeddings), one list per parameter;
+    ``clean`` strips the wrappers' parts from the names."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean(name))
+    return [group for group in names.values() if len(group) > 1]
+
+
+def check_tied(model: nn.Module, expected: list[list[str]]) -> None:
+    """Tied stays tied: sharding (or loading) must not give a shared parameter two copies."""
+    if tied_groups(model) != expected:
+        raise RuntimeError(f"tied parameters {expected} were untied (now {tied_groups(model)}); "
+                           "they must be sharded in one FSDP unit")
+
+
+def materialize(model: nn.Module, *, device: torch.device, source,
+                offload: bool = False) -> None:
+    """Give the sharded meta model real storage on ``device`` and rank 0's initial weights.
+    With ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and
+    only the buffers, which FSDP does not move, go to ``device``.
+
+    ``source()`` builds the full model on CPU; only rank 0 calls it. Every other rank receives
+    its shards one tensor at a time (``broadcast_from_rank0``), so it never holds a full copy.
+
+    Non-persistent buffers (rotary ``inv_freq``) are not in a state dict, so they are copied from
+    rank 0's CPU model too: after ``to_empty`` they hold garbage (loss silently off by ~4e-4).
+    """
+    rank = dist.get_rank()
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+    full_sd: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        full = source()
+        full_sd = full.state_dict()
+        buffers = _non_persistent_buffers(full)
+        del full  # the state dict keeps the tensors alive, not a second copy
+    hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
+    set_model_state_dict(
+        model, full_sd,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    payload = [buffers]
+    dist.broadcast_object_list(payload, src=0)
+    own = _non_persistent_buffers(model)
+    assert own.keys() == payload[0].keys(), (own.keys(), payload[0].keys())
+    with torch.no_grad():
+        for name, value in payload[0].items():
+            own[name].copy_(value.to(own[name].device))
+    for name, param in model.named_parameters():
+        assert not param.is_meta, f"{name} was not materialised"

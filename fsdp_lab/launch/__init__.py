@@ -1,0 +1,1 @@
+"""From a composed config to N ranks: local spawn, torchrun or srun, sweeps, SLURM. Imports the packages above."""

@@ -1,0 +1,144 @@
+"""Everything decided once, in the parent, before any rank starts: the topology of a local run,
+every check that can run without a process group, the checkpoint to resume from, and the claim
+on the run dir. Under torchrun or srun rank 0 runs ``prepare_run`` (``launch.external``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind
+from fsdp_lab.config.rules import refuse_for_xla, validate
+from fsdp_lab.config.topology import Topology
+from fsdp_lab.observe import rundir
+
+log = logging.getLogger("fsdp_lab")
+
+
+def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = None) -> Config:
+    """Every check that can run before a worker starts, and the decisions made once: which
+    checkpoint to resume from and whether this run dir may be written. Returns the config the
+    workers run, with ``resume`` resolved to a checkpoint path or "never"."""
+    from fsdp_lab.state import checkpoint as ckpt
+    from fsdp_lab.data import corpus as corpus_lib
+    from fsdp_lab.engine import hardware
+    from fsdp_lab.train import loss as loss_lib
+    from fsdp_lab.engine import model as model_lib, wrap
+    from fsdp_lab.train.optim import resolve_implementation
+
+    validate(cfg, topo)
+    hardware.check_nproc(topo.device, topo.nproc_per_node)
+    p = cfg.precision
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        if getattr(p, name) is not None:
+            hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+    if cfg.compile:
+        hardware.check_compile(topo.device)
+    slow = hardware.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
+    if slow is not None:
+        log.warning("precision.param_dtype=%s: %s; precision=fp32 trains the same model faster "
+                    "on this machine", cfg.precision.param_dtype.value, slow)
+    cfg = corpus_lib.absolute_paths(cfg)
+    if cfg.model.name_or_path is not None:  # an unreadable or unreachable model is named first
+        model_lib.check_task(model_lib.build_hf_config(cfg.model), cfg.model.task)
+    # The tokenizer decides a preset's vocabulary size; the resolved size is what workers run.
+    tokenizer = corpus_lib.load_tokenizer(cfg)
+    cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
+    # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
+    # and checkpoints of another model surface here once, not in every worker.
+    hf_config = model_lib.build_hf_config(cfg.model)
+    model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
+    loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device,
+                          compiled=cfg.compile)
+    resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
+    if cfg.model.pretrained:
+        model_lib.check_weights(cfg.model.name_or_path)
+    if tokenizer is not None:
+        if len(tokenizer) > hf_config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
+                f"model.vocab_size>={len(tokenizer)}")
+    if cfg.data.kind is not DataKind.synthetic:
+        # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
+        # before any rank starts, and the ranks find the result in the cache.
+        corpus = corpus_lib.prepare(cfg, tokenizer)
+        if cfg.trainer.eval_every and len(corpus.val) == 0:
+            log.warning("data.validation_fraction=%s leaves no validation blocks: no evaluation",
+                        cfg.data.validation_fraction)
+    meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    wrap.select_units(meta_model, cfg.wrap)
+    root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
+    resume_path = ckpt.resolve_resume(cfg.resume, root)
+    if resume_path is not None:
+        marker = ckpt.verify(resume_path)
+        step = marker["step"]
+        if topo.device is HardwareKind.tpu and marker["format"] != "sharded":
+            raise ConfigError(
+                f"resume={resume_path}: a checkpoint={marker['format']} checkpoint cannot be "
+                "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "
+                "export` and start from that (model=local model.name_or_path=<export>)")
+        ckpt.check_compatible(resume_path, meta_model)
+    continuing = resume_path is not None and cfg.resume == "auto"
+    _claim_run_dir(run_dir, continuing=continuing, job=job)
+    if continuing:
+        logged = _truncate_metrics(run_dir / rundir.METRICS_FILE, step)
+        # W&B keeps what it logged past the checkpoint; the worker logs only after it, so a
+        # resumed W&B run has every step once.
+        rundir.update_run_file(run_dir, logged_through_step=max(logged, step))
+        log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
+    elif resume_path is not None:
+        log.info("starting from %s (step %d)", resume_path, step)
+    return dataclasses.replace(cfg, resume=str(resume_path) if resume_path else "never")
+
+
+def _truncate_metrics(path: Path, step: int) -> int:
+    """Drop records of steps after the checkpoint: they are about to be run again. Returns the
+    last step the file had (0 if none)."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    steps = [json.loads(line)["step"] if line.strip() else None for line in lines]
+    kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+    return max((s for s in steps if s is not None), default=0)
+
+
+def local_topology(cfg: Config) -> Topology:
+    from fsdp_lab.engine import hardware
+
+    kind = hardware.resolve_kind(cfg.hardware)
+    if kind is HardwareKind.tpu:
+        refuse_for_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
+    if cfg.hardware.num_nodes > 1:
+        raise ConfigError(
+            f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
+            "on this node only; launch multi-node runs with torchrun or srun on every node")
+    nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
+    if nproc < 1 and kind is HardwareKind.tpu:
+        raise ConfigError("hardware=tpu found no XLA device; on a TPU VM check its chips, or "
+                          "set PJRT_DEVICE=CPU CPU_NUM_DEVICES=N to run on XLA's CPU devices")
+    if nproc < 1:
+        raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
+    log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
+    return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
+
+
+def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None:
+    """A run dir holds one run: write into one that has files only to continue its run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if continuing:
+        return
+    message = (f"run dir {run_dir} already holds files and no complete checkpoint to resume "
+               "(or resume is not auto); pick a new one with hydra.run.dir=... "
+               "(hydra.sweep.dir=... for -m)")
+    if any(run_dir.iterdir()):
+        raise ConfigError(message)
+    # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
+    if not rundir.create_run_file(run_dir, {"status": "starting", "job": job}):
+        raise ConfigError(message)

@@ -1,0 +1,89 @@
+"""Runs and sweep jobs from train.py: what a failure ends.
+
+A single run that fails exits non-zero at once. In a sweep (``-m``) a failed job is recorded in
+its run.json with the reason and the sweep goes on; at the end train.py lists the failed jobs
+and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from fsdp_lab.launch import run
+from fsdp_lab.train import preempt
+from fsdp_lab.observe import rundir
+
+# Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
+_FAILURES: list[str] = []
+
+
+def job_info(hydra_cfg) -> dict:
+    """What run.json, W&B and reports say of a job: its command-line overrides, the chosen
+    option of every config group, and in a sweep its multirun dir and number."""
+    from hydra.types import RunMode
+
+    from fsdp_lab.config import Config
+
+    groups = {f.name for f in dataclasses.fields(Config)}
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    return {"overrides": list(hydra_cfg.overrides.task),
+            "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
+            "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
+            "num": hydra_cfg.job.num if multirun else None}
+
+
+def run_job(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
+            job: dict | None = None) -> None:
+    code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
+    if code == 0:
+        return
+    if not multirun or code in (preempt.EXIT_CODE, 130):
+        sys.exit(code)
+    name = " ".join(job["overrides"]) if job else str(run_dir)
+    _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
+    print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on",
+          file=sys.stderr)
+
+
+def exit_code() -> int:
+    """After all jobs: list the failed ones; 1 if any failed, else 0."""
+    if _FAILURES:
+        print(f"fsdp_lab: {len(_FAILURES)} sweep job(s) failed:", file=sys.stderr)
+        for line in _FAILURES:
+            print(f"  {line}", file=sys.stderr)
+    return 1 if _FAILURES else 0
+
+
+def _record_failure(run_dir: Path, code: int, config_error: str | None,
+                    job: dict | None) -> str:
+    """The failed job's reason. A run that started has it in its run.json already (the launcher
+    wrote it); a config error is written to a new run.json, never over another run's."""
+    if config_error is None:
+        return rundir.read_run_file(run_dir).get("error") or f"exit {code}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.create_run_file(run_dir, {"status": "failed", "error": config_error, "job": job})
+    return config_error
+
+
+class LauncherChecks(Callback):
+    """Before any job of a ``-m`` sweep: the checks a launcher needs, one line and exit 2 before
+    anything is submitted. (The sweep's report comes from ``tools.report.SweepReport``, the
+    other callback conf/config.yaml names.)"""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from fsdp_lab.config import ConfigError
+        from fsdp_lab.launch import slurm
+
+        if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
+            return
+        try:
+            h = config.hardware
+            slurm.check_launcher(h.kind, h.nproc_per_node, h.partition)
+        except ConfigError as e:
+            print(f"fsdp_lab: error: {e}", file=sys.stderr)
+            sys.exit(2)

@@ -1,0 +1,133 @@
+"""Per-step measurements: step time, throughput, peak memory, all reduced over ranks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.engine import hardware
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    peak_mem_bytes_per_rank: list[int]
+    skipped: bool = False
+    elapsed_s: float = 0.0  # wall time since the loop started, all overheads included
+
+    def as_record(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _PendingStep:
+    """A step whose numbers are still on the device (or, for the peak and lr, on the host)."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    grad_norm: torch.Tensor  # the global norm before clipping
+    skipped: torch.Tensor | None  # fp16: the scaler skipped the update
+    span: tuple  # the step's start and end marks (hardware.StepClock)
+    peak_mem_bytes: int  # this rank's allocator / RSS peak so far (a host-side read)
+
+
+class StepWindow:
+    """The steps since the last logging boundary, read from the device all at once.
+
+    Inside a window nothing waits for the device: losses, gradient norms and skip flags stay
+    device tensors, step times are CUDA events on GPU, and ``flush`` reads them with one small
+    all-reduce and one copy to the host. Every rank calls ``flush`` at the same steps.
+    """
+
+    def __init__(self, device: torch.device, *, tokens_per_step: int) -> None:
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.clock = hardware.StepClock(device)
+        self._pending: list[_PendingStep] = []
+        self._loop_start = time.perf_counter()
+
+    def start_step(self):
+        return self.clock.mark()
+
+    def end_step(self, step: int, *, start, lr: float, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, skipped: torch.Tensor | None) -> None:
+        self._pending.append(_PendingStep(
+            step=step, lr=lr, loss=loss, grad_norm=grad_norm, skipped=skipped,
+            span=(start, self.clock.mark()),
+            peak_mem_bytes=hardware.peak_memory_bytes(self.device)))
+
+    def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
+        """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and
+        whether any rank asked to stop, in one all-reduce of a (world, 2k+1) table: each rank
+        fills its own row (losses, peaks, its stop flag), the sum is everyone's.
+
+        Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
+        losses is the mean loss of the global batch. A stop request (a signal) may reach the
+        ranks at different steps; sharing it here makes every rank stop after the same step."""
+        pending, self._pending = self._pending, []
+        k, world = len(pending), dist.get_world_size()
+        where = hardware.collective_device(self.device)
+        table = torch.zeros(world, 2 * k + 1, dtype=torch.float64, device=where)
+        if k:
+            table[dist.get_rank(), :k] = torch.stack([p.loss for p in pending]).to(where)
+            table[dist.get_rank(), k:2 * k] = torch.tensor(
+                [float(p.peak_mem_bytes) for p in pending], dtype=torch.float64)
+        table[dist.get_rank(), 2 * k] = float(stop_requested)
+        dist.all_reduce(table)
+        same = [torch.stack([p.grad_norm.float() for p in pending]).double().to(where),
+                torch.stack([p.skipped.float() if p.skipped is not None
+                             else torch.zeros((), device=p.loss.device) for p in pending]
+                            ).double().to(where)] if k else []
+        host = torch.cat([table.flatten(), *same]).cpu()  # the one read of the window
+        now = time.perf_counter() - self._loop_start
+        rows = host[:table.numel()].view(world, 2 * k + 1)
+        norms = host[table.numel():table.numel() + k].tolist()
+        skipped = host[table.numel() + k:].tolist()
+        times = [self.clock.seconds(*p.span) for p in pending]
+        out = []
+        for i, p in enumerate(pending):
+            peaks = [int(v) for v in rows[:, k + i].tolist()]
+            later = sum(times[i + 1:])  # the steps after it in the window
+            out.append(StepMetrics(
+                step=p.step, loss=rows[:, i].mean().item(), grad_norm=norms[i], lr=p.lr,
+                step_time_s=times[i], tokens_per_s=self.tokens_per_step / times[i],
+                peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
+                skipped=bool(skipped[i]), elapsed_s=now - later))
+        return out, bool(rows[:, 2 * k].sum().item() > 0)
+
+
+def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
+    """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B; as in
+    torchtitan and nanoGPT). N: parameters that do matmuls (embedding lookups do none, a head
+    tied to the input embedding does); L layers, H heads, Q head dim, T sequence length.
+    Activation-checkpointing recompute is not counted (MFU, not hardware FLOPs utilisation)."""
+    embeddings = {id(m.weight): m.weight.numel() for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding)}
+    params = {id(p): p.numel() for p in model.parameters()}
+    dense = sum(n for i, n in params.items() if i not in embeddings)
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in embeddings:
+        dense += head.weight.numel()
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 6 * dense + 12 * hf_config.num_hidden_layers * heads * head_dim * seq_len
+
+
+def throughput(m: StepMetrics, *, world_size: int, flops_per_token: int,
+               peak_flops: float | None) -> dict:
+    """Per-rank throughput of a step and its model FLOPs utilisation (None without a known
+    peak): achieved model FLOP/s per device over the device's peak."""
+    per_rank = m.tokens_per_s / world_size
+    achieved = per_rank * flops_per_token
+    return {"tokens_per_s_per_rank": per_rank, "tflops_per_s_per_rank": achieved / 1e12,
+            "mfu": achieved / peak_flops if peak_flops else None}

@@ -1,0 +1,1 @@
+"""The `fsdp-lab` commands: plan, report, export, from-accelerate. Imports any package."""

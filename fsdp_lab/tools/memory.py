@@ -1,0 +1,291 @@
+"""Per-rank memory of an FSDP2 run, counted from shapes alone: the arithmetic of ``fsdp-lab plan``.
+
+Pure: integers in, integers out; imports no torch, needs no process group. Two accountings:
+
+* the ZeRO paper's (Rajbhandari et al., 2020, section 3 and figure 1): mixed-precision Adam holds
+  2 bytes (fp16 params) + 2 (fp16 grads) + K=12 (fp32 master params, momentum, variance) per
+  parameter, and each stage divides part of it by the N data-parallel ranks;
+* what fsdp_lab's FSDP2 run holds, exactly: every parameter is split on dim 0 like
+  ``torch.chunk(dim0, N)`` (rank r takes chunk r, possibly smaller or empty: FSDP2's
+  ``_chunk_with_empty``); shards stay fp32 (the master weights) whatever ``param_dtype`` is, their
+  gradients are fp32 too, and AdamW adds exp_avg and exp_avg_sq like the shard plus a 0-dim fp32
+  ``step`` per parameter. FSDP2 pads every shard's storage to chunk 0's size (params, and the
+  reduce-scatter output the sharded grads are views of): that padding is counted apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_lab.config import ModelTask
+
+FP32 = 4
+ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a 0-dim fp32 tensor (not fused/capturable)
+ZERO_K = 12  # the paper's optimizer bytes per parameter: fp32 master copy + momentum + variance
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One (deduplicated: tied counts once) parameter, as FSDP2 shards it."""
+
+    numel: int
+    dim0: int  # the size of the dim FSDP2 shards (Shard(0)); 1 for a 0-dim parameter
+    group: int  # the FSDP unit that owns it, in wrap order; -1 for the root
+
+    @property
+    def row(self) -> int:
+        return self.numel // self.dim0 if self.dim0 else 0
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One rank's model state at rest, after the first optimizer step."""
+
+    params: int  # the rank's fp32 shards (sum of p.to_local() bytes)
+    grads: int  # its fp32 sharded gradients
+    optimizer: int  # AdamW exp_avg + exp_avg_sq + step
+    padding: int  # storage FSDP2 allocates past the shard (params and grads padded to chunk 0)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.padding
+
+
+def chunk_rows(dim0: int, num_chunks: int, index: int) -> int:
+    """Rows of chunk ``index`` of ``torch.chunk(dim0 rows, num_chunks)`` padded with empty chunks,
+    as FSDP2 splits a parameter: chunks of ceil(dim0/n) rows, the last ones short or empty."""
+    size = -(-dim0 // num_chunks)
+    return max(0, min(size, dim0 - index * size))
+
+
+def rank_state(params: list[ParamShape], *, shard_size: int, shard_rank: int) -> StateBytes:
+    """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks."""
+    local = padded = 0
+    for p in params:
+        local += chunk_rows(p.dim0, shard_size, shard_rank) * p.row
+        padded += chunk_rows(p.dim0, shard_size, 0) * p.row
+    return StateBytes(params=FP32 * local, grads=FP32 * local,
+                      optimizer=2 * FP32 * local + ADAM_STEP_BYTES * len(params),
+                      padding=2 * FP32 * (padded - local))
+
+
+def per_rank_state(params: list[ParamShape], mesh: tuple[int, ...]) -> list[StateBytes]:
+    """Every rank's state. Ranks are laid out replicate-major (rank = r * shard + s), so a
+    rank's shard index is rank % shard size and replicas repeat the same figures."""
+    shard = mesh[-1]
+    by_shard = [rank_state(params, shard_size=shard, shard_rank=s) for s in range(shard)]
+    world = 1
+    for n in mesh:
+        world *= n
+    return [by_shard[r % shard] for r in range(world)]
+
+
+def zero_paper(num_params: int, *, stage: int, dp_size: int, k: int = ZERO_K) -> StateBytes:
+    """Model-state bytes per rank of ZeRO stage 0 (DDP), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p) for
+    Psi parameters over N ranks: (2+2+K)Psi, 4Psi+KPsi/N, 2Psi+(2+K)Psi/N, (2+2+K)Psi/N.
+    Divisions round up (a rank holds whole elements)."""
+    def split(nbytes: int, sharded: bool) -> int:
+        return -(-nbytes // dp_size) if sharded else nbytes
+
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} is not 0, 1, 2 or 3")
+    return StateBytes(params=split(2 * num_params, stage >= 3),
+                      grads=split(2 * num_params, stage >= 2),
+                      optimizer=split(k * num_params, stage >= 1), padding=0)
+
+
+def group_numels(params: list[ParamShape], shard_size: int) -> dict[int, int]:
+    """Elements each FSDP unit all-gathers (its unsharded params, padded to shard_size chunks)."""
+    out: dict[int, int] = {}
+    for p in params:
+        out[p.group] = out.get(p.group, 0) + chunk_rows(p.dim0, shard_size, 0) * shard_size * p.row
+    return out
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Device bytes that exist only during forward and backward, on top of the state at rest."""
+
+    kept_params: int  # unsharded params (param_dtype) alive from forward to backward
+    gathered: int  # the unit being computed and the one prefetched (param_dtype)
+    grad_buffers: int  # a unit's unsharded grads (param_dtype) + its reduce-scatter input
+    accumulation: int  # grad_accum_steps > 1: unsharded grads kept between micro-batches
+    backward: int  # autograd's own: the logits' gradients, or a layer's in-flight activation
+    # gradients (and, under checkpointing, the recomputed layer), whichever is larger
+
+    @property
+    def total(self) -> int:
+        """At the peak: a unit's reduce-scatter follows its backward, once its activations are
+        freed, so it does not add to autograd's working memory (measured)."""
+        return (self.kept_params + self.gathered + self.accumulation
+                + max(self.backward, self.grad_buffers))
+
+
+def transient(groups: dict[int, int], *, reshard: bool | int, param_bytes: int,
+              reduce_bytes: int, grad_accum_steps: int, backward: int) -> Transient:
+    """FSDP2's working set. The root (-1) is not resharded after forward when there are units
+    (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
+    ``reshard`` False every unit stays gathered until its backward (grad_op, hybrid_zero2,
+    no_shard), with an int N each keeps a 1/N shard."""
+    units = {g: n for g, n in groups.items() if g >= 0}
+    root = groups.get(-1, 0)
+    if not units:  # the root is the only unit and follows the strategy
+        units, root = {-1: root}, 0
+    last = max(units) if -1 not in units else None  # None: the root is the only unit
+    kept = root + (units[last] if last is not None and reshard is not False else 0)
+    others = {g: n for g, n in units.items() if g != last}
+    if reshard is False:
+        kept += sum(units.values())
+    elif reshard is not True:  # an int: resharded to groups of `reshard` ranks after forward
+        kept += sum(-(-n // reshard) for n in others.values())
+    largest = sorted(others.values(), reverse=True)
+    gathered = 0 if reshard is False else sum(largest[:2])  # current + prefetched unit
+    biggest = max([root, *units.values()])
+    return Transient(
+        kept_params=kept * param_bytes, gathered=gathered * param_bytes,
+        grad_buffers=biggest * (param_bytes + reduce_bytes),
+        # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
+        accumulation=sum(groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0,
+        backward=backward)
+
+
+def peak(state: StateBytes, *, activations: int, transient_bytes: int,
+         state_on_device: bool = True) -> int:
+    """Peak device bytes: the state at rest, plus the larger of the forward/backward working
+    set (activations + transient; sharded grads are None then, zero_grad set them so) and the
+    optimizer step's (every sharded grad alive). Without the state on the device (offload=cpu
+    on a GPU) only the working set counts."""
+    if not state_on_device:
+        return activations + transient_bytes
+    grads_padding = state.padding // 2  # the padding is half params', half grads'
+    return (state.params + state.optimizer + state.padding - grads_padding
+            + max(activations + transient_bytes, state.grads + grads_padding))
+
+
+# Activations: what autograd saves for backward, per token, read off HF's eager code (sdpa
+# attention) and checked against torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py).
+FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama",  # mistral: llama's code
+            "gpt2": "gpt2", "bert": "bert", "roberta": "bert"}
+INT_INPUT_BYTES = 16  # input ids and labels (int64) saved by the embedding and the loss
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes a layer's saved activations depend on, read from the HF config."""
+
+    family: str  # a value of FAMILIES: llama (RMSNorm, rotary, SwiGLU), gpt2, bert (post-LN)
+    hidden: int
+    intermediate: int
+    num_heads: int
+    q_dim: int  # num_heads * head_dim
+    kv_dim: int  # num_kv_heads * head_dim
+    num_layers: int
+    vocab: int
+    loss_upcast: bool  # HF's causal-LM loss casts the logits to fp32; BERT's masked LM does not
+
+
+def layer_bytes_per_token(s: LayerShape, b: int) -> int:
+    """Bytes one layer saves per token, its input included, computing in ``b``-byte dtype."""
+    h, i = s.hidden, s.intermediate
+    lse = FP32 * s.num_heads  # sdpa's logsumexp, fp32 whatever the compute dtype
+    match s.family:
+        case "llama":
+            # Two RMSNorms, each: its input upcast to fp32, 1/rms (fp32), the normalised and the
+            # scaled output; attention: rotated q and k, v, output; SwiGLU: gate, up, silu, product.
+            return 2 * (FP32 * h + FP32) + b * (4 * h + 2 * s.q_dim + 2 * s.kv_dim + 4 * i) + lse
+        case "gpt2":
+            # ln_1/ln_2: input, mean, rstd, output each; the fused qkv (3h: q, k and v are views
+            # of it) and attention's output; MLP: c_fc out and gelu-tanh's four saves.
+            return b * (8 * h + 5 * i + 4) + lse
+        case "bert":
+            # Input (for q, k, v), q, k, v, attention output, two post-LayerNorms (input,
+            # mean, rstd; one output), the intermediate and its GELU.
+            return b * (8 * h + 2 * i + 4) + lse
+        case _:
+            raise ValueError(f"unknown layer family {s.family}")
+
+
+def head_bytes_per_token(s: LayerShape, b: int, *, fused_loss: bool = False) -> int:
+    """Bytes saved outside the layers per token: the final norm (and BERT's embedding norm and
+    prediction transform), the log-softmax over the vocabulary, the int inputs. A fused loss
+    (``fsdp_lab.train.loss``) saves no log-softmax and no labels: the gradient over the hidden states
+    it keeps instead is the size of the head's input, which it no longer saves."""
+    loss = 0 if fused_loss else (FP32 if s.loss_upcast else b) * s.vocab
+    ints = INT_INPUT_BYTES // 2 if fused_loss else INT_INPUT_BYTES
+    h = s.hidden
+    match s.family:
+        case "llama":
+            return FP32 * h + FP32 + 2 * b * h + loss + ints
+        case "gpt2":
+            return b * (2 * h + 2) + loss + ints
+        case "bert":
+            return b * (5 * h + 4) + loss + ints
+        case _:
+            raise ValueError(f"unknown layer family {s.family}")
+
+
+def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
+    """A transformers config's sizes (any family's attribute names), and what was assumed."""
+    notes = []
+    family = FAMILIES.get(hf_config.model_type)
+    if family is None:
+        family = "llama"
+        notes.append(f"activations: no layer model for model_type={hf_config.model_type}; "
+                     "estimated as a Llama-style layer (RMSNorm, rotary, SwiGLU)")
+    h, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    inter = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
+             or 4 * h)
+    return LayerShape(
+        family=family, hidden=h, intermediate=inter, num_heads=heads, q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim, num_layers=hf_config.num_hidden_layers,
+        vocab=hf_config.vocab_size, loss_upcast=task is ModelTask.causal_lm), notes
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: int  # bytes saved for backward at the end of forward (one micro-batch)
+    loss_grad: int  # transient around the loss: the logits' gradients at the start of backward
+    # (the model's loss), or a chunk's logits at the end of forward (a fused loss)
+    recompute: int  # transient in backward: the last layer recomputed, if it is checkpointed
+    layer_grads: int  # transient in backward: a layer's in-flight activation gradients
+    head: int  # the part of `saved` that the head's backward frees before any layer's
+
+    @property
+    def backward(self) -> int:
+        """Autograd's working memory beyond the saved activations, at its largest: the logits'
+        gradients at its start, or the last layer's (recomputed) backward after the head's."""
+        return max(self.loss_grad, self.recompute + self.layer_grads - self.head)
+
+
+def activations(s: LayerShape, *, batch: int, seq_len: int, b: int, num_checkpointed: int,
+                last_checkpointed: bool = False, loss_chunk: int | None = None) -> Activations:
+    """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
+    a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
+    time. The recomputation adds to the peak only where nothing was freed before it: at the last
+    layer (backward's first); an earlier one follows the freeing of the layers after it.
+
+    ``loss_chunk``: the tokens per chunk of a fused loss (None: the model's own loss). It
+    computes its gradients in forward: it saves the head weight's gradient (V x H) and, while it
+    runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit)."""
+    tokens = batch * seq_len
+    fused = loss_chunk is not None
+    layer = layer_bytes_per_token(s, b)
+    kept = b * s.hidden
+    head = head_bytes_per_token(s, b, fused_loss=fused)
+    per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
+    rotary = 2 * seq_len * (s.q_dim // s.num_heads) * b if s.family == "llama" else 0
+    if fused:
+        loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32
+        weight_grad = s.vocab * s.hidden * b
+    else:
+        loss_b = FP32 if s.loss_upcast else b
+        # nll_loss's and log_softmax's gradients over the logits, and their cast back to b.
+        loss_grad = tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0))
+        weight_grad = 0
+    # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
+    layer_grads = 2 * tokens * b * max(s.intermediate, s.hidden)
+    return Activations(saved=tokens * per_token + rotary + weight_grad, loss_grad=loss_grad,
+                       recompute=tokens * layer if last_checkpointed else 0,
+                       layer_grads=layer_grads, head=tokens * head + weight_grad)

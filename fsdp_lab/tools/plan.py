@@ -1,0 +1,327 @@
+"""`fsdp-lab plan`: what a run will do and what it will cost per rank, before it runs.
+
+    fsdp-lab plan                                           # the defaults: 2 CPU ranks, full
+    fsdp-lab plan sharding=hybrid hardware.nproc_per_node=4 precision=bf16
+    fsdp-lab plan hardware=gpu hardware.num_nodes=16 hardware.nproc_per_node=8 model=local ...
+    fsdp-lab plan --json ...                                # the same figures, in bytes
+
+The config is composed and validated as train.py does it, the model is built on the meta device
+(no weights, no device, no process group), and the mesh, the FSDP units and the per-rank memory
+of the chosen strategy and of all five side by side are computed from its shapes by
+``fsdp_lab.tools.memory``, next to the ZeRO paper's figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from fsdp_lab.tools import memory
+from fsdp_lab.config import (ActivationCheckpointingMode, Config, ConfigError, HardwareKind,
+                             LossKind, OffloadDevice, ShardingStrategy, register_schema, to_typed)
+from fsdp_lab.config.rules import validate
+from fsdp_lab.config.strategies import Replicas, reshard_after_forward, strategy_of
+from fsdp_lab.config.topology import Topology, mesh_shape
+
+ASSUMED_GPUS_PER_NODE = 8
+NOT_COUNTED = [
+    "the process itself: the CUDA context and NCCL communicators on a GPU (often 0.5-2 GiB), the "
+    "interpreter and imports on a CPU rank (~300-400 MB of RSS)",
+    "allocator caching and fragmentation (the CUDA caching allocator reserves more than it "
+    "allocates; glibc keeps freed heap pages)",
+    "temporaries inside operations: AdamW's and clip_grad_norm_'s intermediates, FSDP2's "
+    "all-gather input copies and reduce-scatter outputs, matmul workspaces",
+    "attention other than sdpa/flash: eager (math) attention also saves the seq x seq scores",
+    "torch.compile (compile=true): compiled units save less than this eager estimate",
+    "evaluation (no_grad forwards), checkpoint saving (DCP staging, async_save's host copy), the "
+    "data loader, and small buffers (rotary inv_freq, position ids)",
+]
+
+
+def compose(overrides: list[str]) -> Config:
+    """The typed config train.py would run (single-field rules checked); no run dir is made."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schema()
+    conf = Path(__file__).resolve().parents[2] / "conf"  # fsdp_lab/tools/plan.py
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3", job_name="plan"):
+            composed = hydra_compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+    return to_typed(composed)
+
+
+def topology(cfg: Config) -> tuple[Topology, list[str]]:
+    """The ranks the overrides describe, on any machine: num_nodes x nproc_per_node."""
+    from fsdp_lab.engine import hardware
+
+    h, notes = cfg.hardware, []
+    if h.kind is HardwareKind.tpu:
+        raise ConfigError("fsdp-lab plan models FSDP2 on cpu/gpu; on hardware=tpu the XLA "
+                          "compiler lays out buffers: plan the same run with hardware=gpu")
+    kind = HardwareKind.cpu if h.kind is HardwareKind.cpu else HardwareKind.gpu
+    if h.kind is HardwareKind.auto:
+        kind = hardware.resolve_kind(h)
+        notes.append(f"hardware=auto is {kind.name} on this machine (CUDA "
+                     f"{'available' if kind is HardwareKind.gpu else 'not available'}); "
+                     "plan another with hardware=gpu or hardware=cpu")
+    nproc = h.nproc_per_node
+    if nproc is None:
+        nproc = hardware.default_nproc_per_node(kind)
+        if kind is HardwareKind.gpu and nproc == 0:  # no GPU visible here
+            nproc = ASSUMED_GPUS_PER_NODE
+            notes.append(f"hardware.nproc_per_node=null: no GPU visible here, assumed "
+                         f"{nproc} per node; set it to plan another count")
+    return Topology(world_size=h.num_nodes * nproc, nproc_per_node=nproc,
+                    num_nodes=h.num_nodes, device=kind), notes
+
+
+@dataclass
+class ModelFacts:
+    """What the plan needs from the model, read off its meta-device build."""
+
+    model_class: str
+    units: str  # wrap.describe's line
+    num_units: int  # the root included
+    unit_classes: dict[str, int]
+    params: list[memory.ParamShape]
+    layer: memory.LayerShape
+    num_checkpointed: int  # decoder layers under activation checkpointing
+    last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
+    vocab_source: str
+    loss: str  # the resolved loss.kind
+    loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
+    notes: list[str] = field(default_factory=list)
+
+
+def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
+    """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
+    from fsdp_lab.engine import activations, model as model_lib, wrap
+    from fsdp_lab.data import corpus
+    from fsdp_lab.train import loss as loss_lib
+
+    tokenizer = corpus.load_tokenizer(cfg)
+    model_cfg = model_lib.resolve_vocab_size(cfg.model, tokenizer)
+    vocab_source = ("model.vocab_size" if cfg.model.vocab_size is not None
+                    else "the model's config" if cfg.model.arch is None
+                    else f"the tokenizer ({type(tokenizer).__name__})" if tokenizer is not None
+                    else "synthetic data (256)")
+    hf_config = model_lib.build_hf_config(model_cfg)
+    model_lib.check_task(hf_config, cfg.model.task)
+    model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
+    model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device,
+                                 compiled=cfg.compile)
+    units = wrap.select_units(model, cfg.wrap)
+    owner: dict[int, int] = {}
+    for index in reversed(range(len(units))):  # bottom-up, as fsdp.apply_fsdp shards them
+        for p in units[index].parameters():
+            owner.setdefault(id(p), index)
+    params = [memory.ParamShape(numel=p.numel(), dim0=p.shape[0] if p.ndim else 1,
+                                group=owner.get(id(p), -1)) for p in model.parameters()]
+    layer, notes = memory.layer_shape(hf_config, cfg.model.task)
+    fused = loss in loss_lib.FUSED_KINDS
+    if loss in (LossKind.liger, LossKind.cce):
+        notes.append(f"loss={loss.name}: its working memory is estimated as loss=chunked's")
+    layers = decoder_layers(model, layer.num_layers)
+    layer_ids = {id(m) for m in layers}
+    chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
+    if any(id(units[i]) not in layer_ids for i in chosen):
+        notes.append("activation checkpointing of units that are not decoder layers is not "
+                     "modelled (use wrap=transformer for an estimate)")
+    classes: dict[str, int] = {}
+    for u in units:
+        classes[type(u).__name__] = classes.get(type(u).__name__, 0) + 1
+    last = layers[-1] if layers else None
+    return ModelFacts(model_class=type(model).__name__, units=wrap.describe(model, units),
+                      num_units=len(units) + 1, unit_classes=classes, params=params, layer=layer,
+                      num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
+                      last_checkpointed=any(units[i] is last for i in chosen),
+                      vocab_source=vocab_source, loss=loss.name,
+                      loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
+                      notes=notes)
+
+
+def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
+    """The model's stack of blocks: its first ModuleList of num_hidden_layers modules."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return list(module)
+    return []
+
+
+def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
+                  strategy: ShardingStrategy) -> dict:
+    """One strategy's figures in bytes per rank, or why this topology cannot run it."""
+    from fsdp_lab.engine.hardware import TORCH_DTYPES
+
+    s = cfg.sharding
+    chosen = strategy is s.strategy
+    row = strategy_of(strategy)
+    hybrid = row.replicas is Replicas.groups
+    variant = dataclasses.replace(
+        s, strategy=strategy, replicate_size=s.replicate_size if hybrid else None,
+        reshard_after_forward=s.reshard_after_forward if chosen else None)
+    try:
+        validate(dataclasses.replace(cfg, sharding=variant), topo)
+    except ConfigError as e:
+        if chosen:
+            raise
+        return {"available": False, "reason": str(e)}
+    mesh = mesh_shape(variant, topo)
+    reshard = reshard_after_forward(variant)
+    p = cfg.precision
+    b, rb = TORCH_DTYPES[p.param_dtype].itemsize, TORCH_DTYPES[p.reduce_dtype].itemsize
+    per_rank = memory.per_rank_state(facts.params, mesh)
+    t = cfg.trainer
+    act = memory.activations(facts.layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
+                             num_checkpointed=facts.num_checkpointed,
+                             last_checkpointed=facts.last_checkpointed,
+                             loss_chunk=facts.loss_chunk)
+    trans = memory.transient(memory.group_numels(facts.params, mesh[-1]), reshard=reshard,
+                             param_bytes=b, reduce_bytes=rb, grad_accum_steps=t.grad_accum_steps,
+                             backward=act.backward)
+    offload = cfg.offload.device is OffloadDevice.cpu
+    on_device = not (offload and topo.device is HardwareKind.gpu)
+    top = per_rank[0]  # chunk 0 is never smaller than another rank's
+    paper = memory.zero_paper(sum(q.numel for q in facts.params), stage=row.zero_stage,
+                              dp_size=mesh[-1])
+    return {
+        "available": True, "mesh": list(mesh),
+        "mesh_axes": list(row.mesh_axes),
+        "reshard_after_forward": reshard,
+        "state_location": ("host (offload=cpu)" if offload
+                           else "host" if topo.device is HardwareKind.cpu else "device"),
+        "per_rank": [dataclasses.asdict(r) for r in per_rank],
+        "rank0": dataclasses.asdict(top), "activations": act.saved,
+        "transient": {**dataclasses.asdict(trans), "total": trans.total},
+        "peak": memory.peak(top, activations=act.saved, transient_bytes=trans.total,
+                            state_on_device=on_device),
+        "sum": top.total + act.saved + trans.total,
+        "zero_paper": {"stage": row.zero_stage, "dp_size": mesh[-1],
+                       **dataclasses.asdict(paper), "total": paper.total},
+    }
+
+
+def build_plan(overrides: list[str]) -> dict:
+    """Every figure of the plan as plain data (bytes per rank), the JSON output."""
+    from fsdp_lab.engine.hardware import TORCH_DTYPES
+
+    cfg = compose(overrides)
+    topo, notes = topology(cfg)
+    validate(cfg, topo)
+    facts = inspect_model(cfg, topo.device)
+    t, p, layer = cfg.trainer, cfg.precision, facts.layer
+    b = TORCH_DTYPES[p.param_dtype].itemsize
+    acts = {name: memory.activations(layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
+                                     num_checkpointed=n, loss_chunk=facts.loss_chunk).saved
+            for name, n in (("none", 0), ("full", layer.num_layers))}
+    strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
+    mode = cfg.activation_checkpointing.mode
+    return {
+        "world_size": topo.world_size, "num_nodes": topo.num_nodes,
+        "nproc_per_node": topo.nproc_per_node, "device": topo.device.name,
+        "model_class": facts.model_class, "num_params": sum(q.numel for q in facts.params),
+        "vocab_size": layer.vocab, "vocab_source": facts.vocab_source,
+        "units": {"description": facts.units, "count": facts.num_units,
+                  "classes": facts.unit_classes},
+        "dtypes": {"params": "fp32", "grads": "fp32", "optimizer": "fp32",
+                   "compute": p.param_dtype.name, "reduce": p.reduce_dtype.name},
+        "loss": {"kind": facts.loss, "chunk_tokens": facts.loss_chunk},
+        "batch": {"micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len,
+                  "grad_accum_steps": t.grad_accum_steps},
+        "activation_checkpointing": {
+            "mode": mode.name, "checkpointed_layers": facts.num_checkpointed,
+            "every": cfg.activation_checkpointing.every
+            if mode is ActivationCheckpointingMode.selective else None},
+        "activations_by_checkpointing": acts,
+        "offload": cfg.offload.device.name, "compile": cfg.compile,
+        "chosen": cfg.sharding.strategy.name, "strategies": strategies,
+        "assumptions": notes + facts.notes, "not_counted": NOT_COUNTED,
+    }
+
+
+def print_plan(overrides: list[str], *, as_json: bool = False) -> None:
+    plan = build_plan(overrides)
+    print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
+
+
+def _size(nbytes: int, unit: int) -> str:
+    return f"{nbytes / unit:.2f}" if unit == 2**30 else f"{nbytes / unit:.1f}"
+
+
+def format_plan(plan: dict) -> str:
+    """The plan for a reader: a header, one row per strategy (rank 0, the largest), notes."""
+    rows = [s for s in plan["strategies"].values() if s["available"]]
+    chosen = plan["strategies"][plan["chosen"]]
+    biggest = max(max(s["peak"], s["zero_paper"]["total"]) for s in rows)
+    unit, unit_name = (2**30, "GiB") if biggest >= 10 * 2**30 else (2**20, "MiB")
+    d, bt, ac = plan["dtypes"], plan["batch"], plan["activation_checkpointing"]
+    acts = plan["activations_by_checkpointing"]
+    lines = [
+        f"{plan['model_class']}: {plan['num_params']:,} parameters, vocabulary "
+        f"{plan['vocab_size']:,} (from {plan['vocab_source']})",
+        f"ranks      {plan['world_size']} = {plan['num_nodes']} node(s) x "
+        f"{plan['nproc_per_node']} ({plan['device']})",
+        f"mesh       {_mesh(chosen['mesh'])} {tuple(chosen['mesh_axes'])}, reshard_after_forward="
+        f"{chosen['reshard_after_forward']} (sharding={plan['chosen']})",
+        f"units      {plan['units']['description']} ({plan['units']['count']} FSDP units)",
+        f"dtypes     sharded params, grads, AdamW state: fp32; compute {d['compute']}, "
+        f"gradient reduction {d['reduce']}",
+        f"batch      {bt['micro_batch_size']} x {bt['seq_len']} tokens per micro-batch per "
+        f"rank, {bt['grad_accum_steps']} micro-batch(es) per step",
+        f"loss       {plan['loss']['kind']}" + (
+            f" ({min(plan['loss']['chunk_tokens'], bt['micro_batch_size'] * bt['seq_len']):,} "
+            "tokens per chunk: no B x T x V logits)"
+            if plan["loss"]["chunk_tokens"] else " (B x T x V logits, upcast to fp32)"),
+        f"checkpoint activation_checkpointing={ac['mode']} ({ac['checkpointed_layers']} layers); "
+        f"activations {_size(acts['none'], unit)} {unit_name} without, "
+        f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",
+        "",
+        f"per rank, {unit_name} (rank 0; others hold the same or less)",
+        f"  {'strategy':<13} {'mesh':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+        f"{'transient':>9} {'peak':>8}   ZeRO paper",
+    ]
+    for name, s in plan["strategies"].items():
+        mark = "*" if name == plan["chosen"] else " "
+        if not s["available"]:
+            lines.append(f"{mark} {name:<13} n/a: {s['reason']}")
+            continue
+        r, z = s["rank0"], s["zero_paper"]
+        cells = [r["params"] + r["padding"] // 2, r["grads"] + r["padding"] // 2,
+                 r["optimizer"], s["activations"], s["transient"]["total"], s["peak"]]
+        lines.append(f"{mark} {name:<13} {_mesh(s['mesh']):<9} " + " ".join(
+            f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
+            + f"   {_size(z['total'], unit):>7} (stage {z['stage']}, N={z['dp_size']})")
+    notes = [
+        "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
+        "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
+        "transient: gathered params and gradient buffers of the working units, autograd's "
+        "working memory in backward; peak = params + optim + max(activ + transient, grads).",
+        f"Model state lives on: {chosen['state_location']}"
+        + ("; the peak is the device's: activations and transient." if
+           plan["offload"] == "cpu" else "."),
+        "ZeRO paper: mixed-precision Adam, 2+2+12 bytes per parameter, divided by the shard group "
+        "N per stage. FSDP2 keeps 4+4+8 (fp32 shards are the master weights), the same 16 bytes. "
+        "Its grad_op differs from the paper's stage 2: at rest it holds full's sharded state; "
+        "the unsharded params (compute dtype) stay alive from forward to backward instead, "
+        "counted as transient (no_shard too keeps a gathered copy from forward to backward).",
+        *[f"Assumed: {a}" for a in plan["assumptions"]],
+    ]
+    lines += [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
+    lines += ["not counted:"] + [textwrap.fill(n, 100, initial_indent="  - ",
+                                               subsequent_indent="    ")
+                                 for n in plan["not_counted"]]
+    return "\n".join(lines)
+
+
+def _mesh(shape: list[int]) -> str:
+    return "(" + ",".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"

@@ -1,0 +1,320 @@
+"""The training loss: cross-entropy over the vocabulary without fp32 B x T x V logits.
+
+A causal LM's own loss (transformers' ``ForCausalLMLoss``) takes ``lm_head(hidden)``, B x T x V
+logits in the compute dtype, and upcasts them to fp32 before the cross-entropy. At SmolLM2's
+49k vocabulary and 8 x 1024 tokens that is 0.8 GB of bf16 logits, 1.6 GB of fp32 ones and as
+much again for their gradient: most of a small model's step memory, and passes over it that
+cost time. The fused kinds take the final hidden states and the head's weight instead:
+
+| loss.kind | what computes it                                             | where       |
+| --------- | ------------------------------------------------------------ | ----------- |
+| hf        | the model's forward with labels (``model(**batch).loss``)    | everywhere  |
+| chunked   | ``linear_cross_entropy`` below, a chunk of tokens at a time  | everywhere  |
+| liger     | liger-kernel's ``LigerFusedLinearCrossEntropyFunction``      | GPU         |
+| cce       | cut-cross-entropy's ``linear_cross_entropy`` (exact, no filter) | GPU      |
+
+``apply_fused_loss`` gives a causal LM a forward that computes the loss from the hidden states
+as the head's own forward: FSDP2's hooks on whichever module owns the head (the root, or a unit
+of its own with wrap=size) gather its weight for the loss and reduce its gradient after. Only
+model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
+get it (``FUSED_MODEL_TYPES``: no logit scaling, soft-capping or bias; each is compared with its
+own loss in ``tests``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
+from fsdp_lab.data.loader import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+# Causal LMs whose forward is hidden = base(...); logits = lm_head(hidden) (a bias-free Linear);
+# loss = ForCausalLMLoss(logits, labels). Gemma 2/3 (soft-capping), Cohere (logit_scale) and
+# Granite (logits_scaling) are not: they keep loss=hf.
+FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+FUSED_KINDS = (LossKind.chunked, LossKind.liger, LossKind.cce)
+PACKAGES = {LossKind.liger: ("liger_kernel", "liger-kernel"),
+            LossKind.cce: ("cut_cross_entropy", "cut-cross-entropy")}
+CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
+
+
+def resolve_kind(cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *,
+                 compiled: bool) -> LossKind:
+    """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
+    A fused kind the model or device cannot take is a ConfigError naming the fix."""
+    fits = task is ModelTask.causal_lm and hf_config.model_type in FUSED_MODEL_TYPES
+    if cfg.kind is LossKind.auto:
+        if not fits or device is HardwareKind.tpu:
+            return LossKind.hf
+        # Measured on an H100 (bench_loss.py, 32k tokens x 32k vocab, fwd+bwd): liger 13.0 ms,
+        # chunked 15.4 compiled and 27.5 eager. In whole compiled steps chunked was as fast or
+        # faster (160M: 425k against 406k tokens/s; 1B: 65.4k against 64.6k): liger's many
+        # small chunks cost host time. So: compiled runs chunked, eager GPU runs liger.
+        if (device is HardwareKind.gpu and not compiled
+                and importlib.util.find_spec("liger_kernel") is not None):
+            return LossKind.liger
+        return LossKind.chunked
+    if cfg.kind is LossKind.hf:
+        return LossKind.hf
+    if not fits:
+        what = ("a masked LM" if task is ModelTask.masked_lm else
+                f"model_type={hf_config.model_type}, whose head is not known to be a plain "
+                f"linear layer (fused: {', '.join(sorted(FUSED_MODEL_TYPES))})")
+        raise ConfigError(f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
+                          f"this is {what}; use loss=hf (or loss=auto)")
+    if device is HardwareKind.tpu:
+        raise ConfigError(f"loss={cfg.kind.name} on hardware=tpu: XLA compiles the model's own "
+                          "loss into the step; use loss=hf (or loss=auto)")
+    if cfg.kind in PACKAGES:
+        module, package = PACKAGES[cfg.kind]
+        if device is not HardwareKind.gpu:
+            raise ConfigError(f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
+                              f"hardware={device.name}); use loss=chunked, which runs anywhere")
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"loss={cfg.kind.name} needs the package {package}, which is not "
+                              f"installed: pip install {package}, or use loss=chunked")
+    return cfg.kind
+
+
+def chunk_rows(cfg: LossConfig, vocab_size: int) -> int:
+    """Tokens per chunk: as set, else the largest power of two whose chunk's fp32 logits fit in
+    256 MiB (2048 at a 32k vocabulary). A power of two divides the usual batch x sequence, so
+    no ragged last chunk recompiles the compiled chunk step."""
+    if cfg.chunk_size:
+        return cfg.chunk_size
+    rows = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+    return 1 << (rows.bit_length() - 1)
+
+
+# --- the chunked linear cross-entropy ---------------------------------------------------------
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+           scale: torch.Tensor, with_grad: bool,
+           logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: the summed token losses and, with ``with_grad``, the loss's gradient over the
+    chunk's logits (softmax - one-hot, times ``scale``) in ``hidden``'s dtype. The logits are
+    rounded to the compute dtype (``logits_dtype``) before the upcast, and the losses come from
+    the same log_softmax and nll_loss kernels, exactly as HF's loss computes them."""
+    logp = torch.log_softmax((hidden @ weight.t()).to(logits_dtype).float(), dim=-1)
+    loss_sum = F.nll_loss(logp, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if not with_grad:
+        return loss_sum, None
+    valid = targets != IGNORE_INDEX
+    grad = logp.exp_()  # the softmax, in log_softmax's memory
+    grad.scatter_add_(1, torch.where(valid, targets, 0)[:, None],
+                      -valid[:, None].to(grad.dtype))
+    grad.mul_((valid.to(grad.dtype) * scale)[:, None])
+    return loss_sum, grad.to(hidden.dtype)
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    """The chunk step, compiled once per process when the run compiles (compile=true): the
+    log-softmax, softmax, one-hot and scaling fuse into two kernels over the chunk's logits
+    (measured on an H100, 32k tokens x 32k vocabulary: 15.4 ms against 27.5 eager)."""
+    global _compiled_chunk
+    if not compiled:
+        return _chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk, dynamic=False)
+    return _compiled_chunk
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of ``hidden @ weight.T`` a chunk of rows at a time. The gradients are
+    computed in forward, chunk by chunk (as Liger's fused kernel does): only one chunk's logits
+    ever exist, and backward merely scales the two saved gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, mean: bool, compiled: bool):
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+        scale = 1.0 / count if mean else torch.ones((), device=hidden.device)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with_grad = need_hidden or need_weight
+        ctx.dtypes = hidden.dtype, weight.dtype
+        logits_dtype = hidden.dtype
+        if with_grad and torch.float16 in ctx.dtypes:
+            # fp16: the gradients are made here, before backward brings the grad scaler's
+            # factor (65536 at first, past fp16's range), and unscaled they would underflow
+            # fp16. So they are made and kept in fp32, and scaled in fp32 in backward: what
+            # reaches the model is HF's scaled fp16 gradient.
+            hidden, weight = hidden.float(), weight.float()
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        step = _chunk_fn(compiled)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            loss_sum, grad = step(h, weight, t, scale, with_grad, logits_dtype)
+            total += loss_sum
+            if need_hidden:
+                torch.mm(grad, weight, out=grad_hidden[start:start + chunk_size])
+            if need_weight:
+                grad_weight.addmm_(grad.t(), h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        # Chunks summed in fp64, then a division, as nll_loss's mean: one chunk gives HF's
+        # value bit for bit; several differ from it by the fp32 chunk sums' rounding.
+        return (total / count if mean else total).float()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        # Scaled in place (backward runs once per forward: no retain_graph in training), then
+        # cast to the inputs' dtypes (a no-op but for fp16).
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk_size: int, reduction: str = "mean",
+                         compiled: bool = False) -> torch.Tensor:
+    """Cross-entropy of the logits ``hidden @ weight.T`` against ``targets`` (IGNORE_INDEX
+    skipped), mean over the counted tokens or their sum, without building all the logits.
+    ``hidden`` (N, H) and ``weight`` (V, H) in the compute dtype; ``targets`` (N,)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be mean or sum, not {reduction!r}")
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, reduction == "mean",
+                                     compiled)
+
+
+def _liger(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX,
+                                            reduction=reduction)(weight, hidden, targets)
+
+
+def _cce(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    # filter_eps=None: exact gradients (CCE's default skips those below a threshold).
+    return cce(hidden, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction,
+               filter_eps=None)
+
+
+# --- the model's forward with a fused loss ----------------------------------------------------
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t+1; the last position predicts nothing (as HF pads it)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int,
+                     compiled: bool) -> None:
+    """Replace a causal LM's forward (on this instance) by one that computes ``kind``'s loss
+    from the final hidden states and the head's weight. ``model(input_ids=..., labels=...)``
+    still returns an output whose ``.loss`` is the mean over the predicted tokens;
+    ``loss_reduction="sum"`` gives their sum (evaluation). Without labels it returns logits.
+
+    The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
+    root, or a unit of its own with wrap=size), FSDP gathers its weight before the loss reads it
+    and reduces its gradient after backward, as for any module's forward."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise RuntimeError(f"{type(model).__name__}'s output head is not a bias-free Linear; "
+                           "it cannot take a fused loss")
+
+    def head_forward(self, hidden, targets=None, reduction: str = "mean"):
+        """The logits, as the Linear computes them; given ``targets``, the loss instead."""
+        if targets is None:
+            return F.linear(hidden, self.weight)
+        hidden, targets = hidden.flatten(0, 1), targets.flatten()
+        match kind:
+            case LossKind.chunked:
+                return linear_cross_entropy(hidden, self.weight, targets, chunk_size=chunk_size,
+                                            reduction=reduction, compiled=compiled)
+            case LossKind.liger:
+                return _liger(hidden, self.weight, targets, reduction=reduction)
+            case LossKind.cce:
+                return _cce(hidden, self.weight, targets, reduction=reduction)
+            case _:
+                raise ValueError(f"unknown loss.kind {kind}")
+
+    def forward(self, input_ids=None, labels=None, loss_reduction: str = "mean", **kwargs):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        if labels is None:
+            return CausalLMOutput(logits=head(hidden))
+        return CausalLMOutput(loss=head(hidden, shifted_targets(labels), loss_reduction))
+
+    head.forward = types.MethodType(head_forward, head)
+    model.forward = types.MethodType(forward, model)
+
+
+@contextlib.contextmanager
+def default_positions(batch: dict[str, torch.Tensor]):
+    """A forward of a batch without ``position_ids``, without transformers' packed-sequence
+    check. Given no position ids, a decoder makes them (0..T-1 on every row), then asks whether
+    they restart within a row (sequences packed with position resets): ``find_packed_sequence_
+    indices`` answers by reading a device tensor on every forward, a host sync. For the ids it
+    made itself the answer is known, no; so it is given that answer. A batch that brings its
+    own position ids keeps the check."""
+    from transformers import masking_utils
+
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if "position_ids" in batch or check is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = check
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What the loop asks of the loss: the training loss of a micro-batch, and the summed token
+    losses and their count (evaluation: a mean over every token of every rank)."""
+
+    kind: LossKind  # resolved: hf, chunked, liger or cce
+    causal: bool
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with default_positions(batch):
+            return model(**batch).loss
+
+    def token_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(sum of token losses, tokens counted) in float64, on the batch's device."""
+        labels = batch["labels"]
+        targets = shifted_targets(labels) if self.causal else labels
+        count = (targets != IGNORE_INDEX).sum()
+        with default_positions(batch):
+            if self.kind in FUSED_KINDS:
+                total = model(input_ids=batch["input_ids"], labels=labels,
+                              loss_reduction="sum").loss
+            else:
+                logits = model(input_ids=batch["input_ids"]).logits.float()
+                total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+        return torch.stack([total.double(), count.double()])
+
+
+def build_loss(cfg: LossConfig, model: nn.Module, *, kind: LossKind, task: ModelTask,
+               compiled: bool) -> Loss:
+    """Install ``kind`` (resolved by ``resolve_kind``) on the meta model, before sharding."""
+    if kind in FUSED_KINDS:
+        apply_fused_loss(model, kind, chunk_size=chunk_rows(cfg, model.config.vocab_size),
+                         compiled=compiled)
+    return Loss(kind=kind, causal=task is ModelTask.causal_lm)

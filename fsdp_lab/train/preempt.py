@@ -1,0 +1,68 @@
+"""The preemption protocol shared by the launcher and the ranks (imports nothing heavy).
+
+SIGTERM (schedulers), SIGUSR1 (SLURM's --signal, as scripts/slurm/train.sbatch asks) or SIGUSR2
+(submitit's, hydra/launcher=slurm) asks a run to stop: the launcher forwards it
+to every rank, the ranks stop together at the next logging boundary (trainer.log_every), a
+checkpoint is written, and ranks and launcher exit with
+EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=auto continues it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
+EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """Every rank stopped early on a signal, with a checkpoint written if checkpointing is on."""
+
+    def __init__(self, step: int, *, signal: int | None = None) -> None:
+        super().__init__(f"stopped after step {step}")
+        self.step = step
+        self.signal = signal  # the signal that asked for the stop, where this rank saw it
+
+
+class StopFlag:
+    """Set by a preemption signal; read at the loop's next logging boundary, where every rank
+    stops together."""
+
+    def __init__(self, early_signals: list[int] | None = None) -> None:
+        self.signal: int | None = early_signals[0] if early_signals else None
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+
+class SignalForwarder:
+    """Preemption signals to the launcher go to every rank; one that arrives before the ranks
+    exist is kept and sent to them as soon as they start (they then stop at their first logging
+    boundary)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.procs: list[subprocess.Popen] = []
+        self._previous = {sig: signal.signal(sig, self._forward)
+                          for sig in SIGNALS}
+
+    def _forward(self, signum, frame) -> None:
+        self.seen.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def add(self, proc: subprocess.Popen) -> None:
+        self.procs.append(proc)
+        for signum in self.seen:
+            proc.send_signal(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

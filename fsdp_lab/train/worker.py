@@ -1,0 +1,241 @@
+"""One rank of a run, in named steps: join -> build the train state -> fit -> finish.
+
+Started by the launcher as ``python -m fsdp_lab.launch.rank_main RUN_DIR`` (local spawn: it
+reads RUN_DIR/config.yaml, the config the parent composed and validated) or called in-process
+under torchrun or srun (``launch.external``). Either way it ends with ``os._exit``: interpreter
+shutdown after ``destroy_process_group`` sometimes aborts ("terminate called without an active
+exception").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.config import Config, HardwareKind
+from fsdp_lab.config.rules import validate
+from fsdp_lab.config.topology import Topology
+from fsdp_lab.engine import hardware
+from fsdp_lab.observe.loggers import setup_rank_logging
+from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
+from fsdp_lab.train.loop import evaluate, train
+from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
+from fsdp_lab.train.reporter import Reporter, RunFacts
+from fsdp_lab.train.state import RankContext, TrainState, build_train_state
+
+log = logging.getLogger("fsdp_lab")
+
+
+@dataclass
+class RankRun:
+    """One rank's run, as the steps after ``join`` pass it along."""
+
+    cfg: Config
+    run_dir: Path
+    ctx: RankContext
+    state: TrainState
+    facts: RunFacts
+    reporter: Reporter | None  # rank 0 only
+    stop: StopFlag
+    started: float  # perf_counter at the start
+
+
+@dataclass(frozen=True)
+class FitResult:
+    end_step: int
+    preempted: bool  # stopped early by a signal, on every rank after the same step
+    saved_step: int  # the last step a checkpoint was written at; -1: none
+
+
+def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
+    started = time.perf_counter()
+    setup_rank_logging(run_dir / LOG_DIR, int(os.environ["RANK"]))
+    stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
+    ctx = join(cfg)  # 1) device, threads, the process group
+    state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
+    facts = RunFacts.collect(cfg, ctx, state)
+    reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if ctx.rank == 0 else None
+    rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
+    try:
+        result = fit(rank_run)  # 3) the loop, with its evaluations and checkpoints
+        finish(rank_run, result)  # 4) last checkpoint, export, run.json, W&B's summary
+    except BaseException:
+        if reporter is not None:
+            reporter.fail()
+        raise
+
+
+def topology_from_env(kind: HardwareKind) -> Topology:
+    """The data-parallel ranks: the processes, or on tpu the XLA devices of the one process."""
+    if kind is HardwareKind.tpu:
+        n = hardware.xla_runtime_devices()
+        return Topology(world_size=n, nproc_per_node=n, num_nodes=1, device=kind)
+    world = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Topology(world_size=world, nproc_per_node=per_node, num_nodes=world // per_node,
+                    device=kind)
+
+
+def join(cfg: Config) -> RankContext:
+    """Device, threads and the process group (under torchrun the launcher already joined it);
+    the topology's rules checked again where the ranks are real."""
+    kind = hardware.resolve_kind(cfg.hardware)
+    device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
+    topo = topology_from_env(kind)
+    threads = hardware.set_threads(cfg.hardware,
+                                   hardware.processes_per_node(kind, topo.nproc_per_node))
+    if not dist.is_initialized():
+        hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    validate(cfg, topo)
+    hardware.set_tf32(kind, cfg.precision.tf32)
+    torch.manual_seed(cfg.seed)
+    return RankContext(rank=int(os.environ["RANK"]), kind=kind, device=device, topo=topo,
+                       procs=dist.get_world_size(), threads=threads)
+
+
+def fit(r: RankRun) -> FitResult:
+    """The loop; a preemption signal ends it at the next logging boundary on every rank. A
+    fresh run is evaluated first: the starting point (a pretrained model's) is a number too."""
+    cfg, ctx, state, t = r.cfg, r.ctx, r.state, r.cfg.trainer
+    saved_step = state.start_step if cfg.resume != "never" else -1
+    # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
+    hardware.reset_peak_memory(ctx.device)
+    r.facts.memory_before_train_bytes_per_rank = _gathered(
+        hardware.current_memory_bytes(ctx.device), ctx.procs)
+
+    def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
+        r.facts.state_bytes_per_rank = state.sharded.state_bytes(state.optimizer)
+        hook.remove()
+    hook = state.optimizer.register_step_post_hook(measure_state)
+
+    def evaluates_at(step: int) -> bool:
+        return bool(state.eval_batches) and (step % t.eval_every == 0 or step == t.max_steps)
+
+    def on_boundary(step: int) -> None:  # every rank, after the window's records
+        nonlocal saved_step
+        if evaluates_at(step):
+            _evaluate(r, step)
+        state.checkpointer.poll()
+        if state.checkpointer.should_save(step):
+            state.checkpointer.save(step, _tokens_seen(state, step))
+            saved_step = step
+
+    if state.eval_batches and state.start_step == 0:
+        _evaluate(r, 0)
+    last, preempted = train(
+        state.sharded.model, data=state.data, loss=state.loss, optimizer=state.optimizer,
+        scheduler=state.scheduler, scaler=state.scaler, grad_clip=cfg.optim.grad_clip,
+        start_step=state.start_step, max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
+        tokens_per_step=state.tokens_per_step, device=ctx.device,
+        place=state.sharded.place_batch, log_every=t.log_every,
+        boundary_at=lambda step: evaluates_at(step) or state.checkpointer.should_save(step),
+        on_records=r.reporter.train_records if r.reporter is not None else lambda records: None,
+        on_boundary=on_boundary, stop_requested=r.stop)
+    if r.reporter is not None:
+        r.reporter.end_of_training()
+    end_step = last.step if last is not None else state.start_step
+    return FitResult(end_step=end_step, preempted=preempted, saved_step=saved_step)
+
+
+def _evaluate(r: RankRun, step: int) -> None:
+    result = evaluate(r.state.sharded.model, r.state.data, loss=r.state.loss,
+                      num_batches=r.state.eval_batches, device=r.ctx.device,
+                      place=r.state.sharded.place_batch)
+    if r.reporter is not None:
+        r.reporter.validation(step, result)
+
+
+def finish(r: RankRun, result: FitResult) -> None:
+    """The final (or preemption) checkpoint, the Hugging Face export, run.json and W&B's
+    summary. A preempted run raises ``Preempted`` on every rank once that is done."""
+    cfg, state, end = r.cfg, r.state, result.end_step
+    if state.checkpointer.enabled and result.saved_step != end:
+        state.checkpointer.save(end, _tokens_seen(state, end), blocking=True)
+    state.checkpointer.wait()
+    if not result.preempted and cfg.checkpoint.export_hf:
+        _export(r)
+    if r.reporter is not None:
+        r.reporter.close(end, preempted=result.preempted,
+                         total_time_s=time.perf_counter() - r.started)
+    if result.preempted:
+        if r.ctx.rank == 0:
+            log.info("stopped by signal %s after step %d", r.stop.signal, end)
+        raise Preempted(end, signal=r.stop.signal)
+
+
+def _tokens_seen(state: TrainState, step: int) -> int:
+    return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
+
+
+def _gathered(value, procs: int) -> list:
+    out = [None] * procs
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _export(r: RankRun) -> None:
+    """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
+    from fsdp_lab.state.export import export_hf
+
+    sd = r.state.sharded.full_state_dict()
+    out_dir = r.run_dir / HF_EXPORT_DIR
+    if r.ctx.rank == 0:
+        export_hf(sd, r.state.model.hf_config, out_dir, replace=True,  # this run's own export
+                  task=r.state.model.task, tokenizer=r.state.tokenizer,
+                  preset=r.cfg.model.arch is not None)
+        log.info("exported Hugging Face model: %s", out_dir)
+    dist.barrier()
+
+
+def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None,
+                 exit_process: bool = True,
+                 on_preempted: Callable[[Preempted], None] | None = None) -> int:
+    """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
+    ``exit_process`` is false (a submitit job, whose own code must record the end): then the
+    exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
+    submitit job requeues itself there)."""
+    code = 0
+    try:
+        run(cfg, run_dir, early_signals=early_signals)
+    except Preempted as e:
+        code = PREEMPTED_EXIT_CODE
+        if on_preempted is not None:
+            on_preempted(e)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        _record_failure(run_dir, e)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot block the exit
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if exit_process:
+            logging.shutdown()
+            os._exit(code)
+    return code
+
+
+def _record_failure(run_dir: Path, e: BaseException) -> None:
+    """This rank's error file, which the launcher reads to name the root cause; rank 0 also
+    marks run.json failed (the launcher refines the reason)."""
+    rank = int(os.environ.get("RANK", 0))
+    log.error("rank %d failed", rank, exc_info=True)
+    path = error_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = traceback.format_exception_only(type(e), e)[-1].strip()
+    path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
+    if rank == 0 and (run_dir / RUN_FILE).is_file():
+        update_run_file(run_dir, status="failed", error=f"rank 0: {line}")
