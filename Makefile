@@ -1,7 +1,7 @@
 # Set-up is part of every target, so each works on a fresh machine.
 PY ?= python
 
-.PHONY: setup train test test-fast test-tpu bench bench-gpu
+.PHONY: setup train lint test test-fast test-tpu bench bench-gpu
 
 # hardware=tpu needs torch-xla, which pins torch 2.9.0: it gets a virtual environment of its own.
 XLA_VENV ?= .venv-tpu
@@ -17,10 +17,15 @@ setup:
 train: setup
 	$(PY) train.py $(ARGS)
 
-test: setup
+# ruff's lint and format checks (configured in pyproject.toml); `ruff format .` fixes the format.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
 # hardware=tpu on XLA's CPU devices: builds $(XLA_VENV) (the xla-cpu extra pins torch and

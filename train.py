@@ -2,12 +2,13 @@
 
     python train.py                                          # tiny Llama, 2 CPU ranks (or all GPUs)
     python train.py sharding=hybrid precision=bf16 hardware.nproc_per_node=4
-    python train.py -m sharding=full,grad_op precision=fp32,bf16      # a local sweep (a failed
-                                                                       # job is recorded, the rest run)
+    python train.py -m sharding=full,grad_op precision=fp32,bf16      # a local sweep: a failed
+                                                                       # job is recorded, others run
     torchrun --nproc_per_node=2 train.py sharding=grad_op              # join torchrun's group
     python train.py --cfg job                                # print the composed config
 
-Groups: sharding, precision, wrap, offload, hardware, model, data, optim, trainer (see conf/).
+Groups: sharding, precision, wrap, offload, hardware, model, data, optim, loss, trainer,
+checkpoint, activation_checkpointing, logger, experiment (see conf/).
 Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log,
 wandb/ (offline W&B files); a sweep also writes report.md and plots in its multirun dir.
 """
@@ -29,8 +30,12 @@ config.register_schema()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
-    sweep.run_job(cfg, run_dir=Path(hc.runtime.output_dir),
-                  multirun=hc.mode == RunMode.MULTIRUN, job=sweep.job_info(hc))
+    sweep.run_job(
+        cfg,
+        run_dir=Path(hc.runtime.output_dir),
+        multirun=hc.mode == RunMode.MULTIRUN,
+        job=sweep.job_info(hc),
+    )
 
 
 if __name__ == "__main__":

@@ -28,18 +28,37 @@ MB = 2**20
 
 def run(tmp: Path, mode: str, a) -> tuple[int, float, list[float]]:
     run_dir = tmp / mode
-    subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", "hardware=cpu",
-                    f"activation_checkpointing={mode}", "activation_checkpointing.every=2",
-                    f"trainer.max_steps={a.steps}", f"trainer.seq_len={a.seq}",
-                    f"trainer.micro_batch_size={a.batch}", "trainer.eval_every=0",
-                    "trainer.progress_bar=false", "checkpoint=none",
-                    f"model.num_layers={a.layers}", "model.hidden_size=256",
-                    "model.intermediate_size=1024", "model.num_heads=8", "model.num_kv_heads=4",
-                    f"model.max_position_embeddings={a.seq}"], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={run_dir}",
+            "hardware=cpu",
+            f"activation_checkpointing={mode}",
+            "activation_checkpointing.every=2",
+            f"trainer.max_steps={a.steps}",
+            f"trainer.seq_len={a.seq}",
+            f"trainer.micro_batch_size={a.batch}",
+            "trainer.eval_every=0",
+            "trainer.progress_bar=false",
+            "checkpoint=none",
+            f"model.num_layers={a.layers}",
+            "model.hidden_size=256",
+            "model.intermediate_size=1024",
+            "model.num_heads=8",
+            "model.num_kv_heads=4",
+            f"model.max_position_embeddings={a.seq}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     records = read_metrics(run_dir / "metrics.jsonl")
-    return (records[-1]["peak_mem_bytes"], statistics.median(r["step_time_s"] for r in records[1:]),
-            [r["loss"] for r in records])
+    return (
+        records[-1]["peak_mem_bytes"],
+        statistics.median(r["step_time_s"] for r in records[1:]),
+        [r["loss"] for r in records],
+    )
 
 
 def main() -> None:
@@ -56,8 +75,10 @@ def main() -> None:
     print("| mode | peak RSS MB | vs none | step s | vs none | loss identical |")
     print("| --- | --- | --- | --- | --- | --- |")
     for mode, (peak, step, loss) in results.items():
-        print(f"| {mode} | {peak // MB} | {peak / peak0:.2f} | {step:.3f} | {step / time0:.2f} | "
-              f"{loss == loss0} |")
+        print(
+            f"| {mode} | {peak // MB} | {peak / peak0:.2f} | {step:.3f} | {step / time0:.2f} | "
+            f"{loss == loss0} |"
+        )
 
 
 if __name__ == "__main__":

@@ -63,33 +63,61 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
     )
 
-    from fsdp_lab.engine import model as model_lib, precision, fsdp, wrap
-    from fsdp_lab.state.checkpoint import Checkpointer
     from fsdp_lab.config import (
-        CheckpointConfig, CheckpointFormat as F, HardwareKind, ModelArch, ModelConfig,
-        OptimConfig, OptimImpl, PrecisionConfig, PrefetchConfig, ShardingConfig, WrapConfig,
+        CheckpointConfig,
+        HardwareKind,
+        ModelArch,
+        ModelConfig,
+        OptimConfig,
+        OptimImpl,
+        PrecisionConfig,
+        PrefetchConfig,
+        ShardingConfig,
+        WrapConfig,
     )
-    from fsdp_lab.train.optim import build_optimizer, build_scheduler
+    from fsdp_lab.config import (
+        CheckpointFormat as F,
+    )
     from fsdp_lab.config.topology import Topology
+    from fsdp_lab.engine import fsdp, precision, wrap
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.state.checkpoint import Checkpointer
+    from fsdp_lab.train.optim import build_optimizer, build_scheduler
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology(world_size=world, nproc_per_node=world, num_nodes=1, device=HardwareKind.cpu)
-    hf = model_lib.build_hf_config(ModelConfig(
-        arch=ModelArch.llama, vocab_size=a.vocab, hidden_size=a.hidden,
-        intermediate_size=4 * a.hidden, num_layers=a.layers, num_heads=8, num_kv_heads=8))
+    hf = model_lib.build_hf_config(
+        ModelConfig(
+            arch=ModelArch.llama,
+            vocab_size=a.vocab,
+            hidden_size=a.hidden,
+            intermediate_size=4 * a.hidden,
+            num_layers=a.layers,
+            num_heads=8,
+            num_kv_heads=8,
+        )
+    )
     model = model_lib.build_meta_model(hf)
     mesh = fsdp.build_mesh(ShardingConfig(), topo, device_type="cpu")
-    fsdp.apply_fsdp(model, wrap.select_units(model, WrapConfig()), mesh=mesh,
-                        reshard_after_forward=True,
-                        mp_policy=precision.build_mp_policy(PrecisionConfig()),
-                        offload_policy=None, prefetch=PrefetchConfig())
-    model_lib.materialize(model, device=torch.device("cpu"),
-                          source=lambda: model_lib.build_full_model(hf, seed=0))
+    fsdp.apply_fsdp(
+        model,
+        wrap.select_units(model, WrapConfig()),
+        mesh=mesh,
+        reshard_after_forward=True,
+        mp_policy=precision.build_mp_policy(PrecisionConfig()),
+        offload_policy=None,
+        prefetch=PrefetchConfig(),
+    )
+    model_lib.materialize(
+        model, device=torch.device("cpu"), source=lambda: model_lib.build_full_model(hf, seed=0)
+    )
     optimizer = build_optimizer(model, OptimConfig(), implementation=OptimImpl.fused)
     scheduler = build_scheduler(optimizer, OptimConfig(), max_steps=10)
     ids = torch.randint(0, a.vocab, (1, 32))
@@ -101,12 +129,20 @@ def worker(a: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
 
     def checkpointer(fmt, name, **kw):
-        return Checkpointer(CheckpointConfig(format=fmt, keep_last=1, **kw), root / name,
-                            model=model, optimizer=optimizer, scheduler=scheduler, scaler=None,
-                            config={}, device=torch.device("cpu"))
+        return Checkpointer(
+            CheckpointConfig(format=fmt, keep_last=1, **kw),
+            root / name,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            config={},
+            device=torch.device("cpu"),
+        )
 
-    results: dict[str, list[float]] = {k: [] for k in (
-        "sharded", "full", "torch_save", "async_blocked", "async_total")}
+    results: dict[str, list[float]] = {
+        k: [] for k in ("sharded", "full", "torch_save", "async_blocked", "async_total")
+    }
     sharded, full = checkpointer(F.sharded, "sharded"), checkpointer(F.full, "full")
     background = checkpointer(F.sharded, "async", async_enabled=True)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -122,6 +158,7 @@ def worker(a: argparse.Namespace) -> None:
                 torch.save({"model": model_sd, "optim": optim_sd}, plain)
                 with open(plain, "rb+") as f:
                     os.fsync(f.fileno())
+
         results["torch_save"].append(timed(torch_save))
         dist.barrier()
         t = time.perf_counter()
@@ -134,20 +171,30 @@ def worker(a: argparse.Namespace) -> None:
         mb = ckpt_bytes / 2**20
         disk = statistics.median(disk_write_mb_s(root / "disk.bin", ckpt_bytes) for _ in range(2))
         med = {k: statistics.median(v) for k, v in results.items()}
-        print(f"\nmodel {params / 1e6:.1f}M params, checkpoint {mb:.0f} MB (model + AdamW), "
-              f"{world} ranks, median of {a.repeats}\n")
+        print(
+            f"\nmodel {params / 1e6:.1f}M params, checkpoint {mb:.0f} MB (model + AdamW), "
+            f"{world} ranks, median of {a.repeats}\n"
+        )
         print("| save | seconds | MB/s | vs torch.save |\n|---|---|---|---|")
-        for name, label in (("torch_save", "plain torch.save (rank 0, state already gathered)"),
-                            ("full", "checkpoint=full (gather to rank 0 + save)"),
-                            ("sharded", "checkpoint=sharded (DCP, every rank writes)"),
-                            ("async_total", "sharded async: until complete")):
-            print(f"| {label} | {med[name]:.2f} | {mb / med[name]:.0f} | "
-                  f"{med[name] / med['torch_save']:.2f} |")
-        print(f"| sharded async: training blocked | {med['async_blocked']:.2f} | | "
-              f"{med['async_blocked'] / med['torch_save']:.2f} |")
+        for name, label in (
+            ("torch_save", "plain torch.save (rank 0, state already gathered)"),
+            ("full", "checkpoint=full (gather to rank 0 + save)"),
+            ("sharded", "checkpoint=sharded (DCP, every rank writes)"),
+            ("async_total", "sharded async: until complete"),
+        ):
+            print(
+                f"| {label} | {med[name]:.2f} | {mb / med[name]:.0f} | "
+                f"{med[name] / med['torch_save']:.2f} |"
+            )
+        print(
+            f"| sharded async: training blocked | {med['async_blocked']:.2f} | | "
+            f"{med['async_blocked'] / med['torch_save']:.2f} |"
+        )
         print(f"\ndisk write speed (fsynced, same size): {disk:.0f} MB/s")
-        print(f"async blocks training {med['async_blocked'] / med['sharded']:.2f}x as long as a "
-              "sync sharded save")
+        print(
+            f"async blocks training {med['async_blocked'] / med['sharded']:.2f}x as long as a "
+            "sync sharded save"
+        )
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -161,8 +208,17 @@ def main() -> None:
     own = a.dir is None
     out = Path(a.dir or tempfile.mkdtemp(prefix="fsdp_lab_bench_ckpt_"))
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={a.nproc}", __file__, *sys.argv[1:], "--dir", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={a.nproc}",
+            __file__,
+            *sys.argv[1:],
+            "--dir",
+            str(out),
+        ]
         subprocess.run(cmd, check=True)
     finally:
         if own:

@@ -52,41 +52,77 @@ SIDES = ("fsdp_lab", "fsdp_lab_chunked", "fsdp_lab_before", "hf_docs", "hf_fast"
 
 def model_args(m: dict, a) -> list[str]:
     return [f"--{k}={m[k]}" for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")] + [
-        f"--seq={a.seq}", f"--batch={a.batch or m['batch']}", f"--steps={a.steps}",
-        f"--warmup={a.warmup}"]
+        f"--seq={a.seq}",
+        f"--batch={a.batch or m['batch']}",
+        f"--steps={a.steps}",
+        f"--warmup={a.warmup}",
+    ]
 
 
 def run_fsdp_lab(m: dict, a, tmp: Path, *, side: str) -> dict:
     run_dir = tmp / side
-    speed = {"fsdp_lab": ["compile=true", f"trainer.log_every={a.warmup}"],
-             "fsdp_lab_chunked": ["compile=true", f"trainer.log_every={a.warmup}",
-                                  "loss=chunked"],
-             "fsdp_lab_before": ["loss=hf", "optim.implementation=foreach",
-                                 "trainer.log_every=1", "compile=false"]}[side]
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "hardware=gpu",
-           "hardware.nproc_per_node=1", "precision=bf16", "model=llama_tiny",
-           f"model.hidden_size={m['hidden']}", f"model.num_layers={m['layers']}",
-           f"model.num_heads={m['heads']}", f"model.num_kv_heads={m['kv_heads']}",
-           f"model.intermediate_size={m['ffn']}", f"model.vocab_size={m['vocab']}",
-           f"model.max_position_embeddings={a.seq}", f"trainer.seq_len={a.seq}",
-           f"trainer.micro_batch_size={a.batch or m['batch']}", f"trainer.max_steps={a.steps}",
-           "trainer.eval_every=0", "trainer.progress_bar=false", "checkpoint=none",
-           "logger=none", "optim.lr=3e-4", *speed, *a.fsdp_lab_args]
+    speed = {
+        "fsdp_lab": ["compile=true", f"trainer.log_every={a.warmup}"],
+        "fsdp_lab_chunked": ["compile=true", f"trainer.log_every={a.warmup}", "loss=chunked"],
+        "fsdp_lab_before": [
+            "loss=hf",
+            "optim.implementation=foreach",
+            "trainer.log_every=1",
+            "compile=false",
+        ],
+    }[side]
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "hardware=gpu",
+        "hardware.nproc_per_node=1",
+        "precision=bf16",
+        "model=llama_tiny",
+        f"model.hidden_size={m['hidden']}",
+        f"model.num_layers={m['layers']}",
+        f"model.num_heads={m['heads']}",
+        f"model.num_kv_heads={m['kv_heads']}",
+        f"model.intermediate_size={m['ffn']}",
+        f"model.vocab_size={m['vocab']}",
+        f"model.max_position_embeddings={a.seq}",
+        f"trainer.seq_len={a.seq}",
+        f"trainer.micro_batch_size={a.batch or m['batch']}",
+        f"trainer.max_steps={a.steps}",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        "checkpoint=none",
+        "logger=none",
+        "optim.lr=3e-4",
+        *speed,
+        *a.fsdp_lab_args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?")
     steps = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
-    s_per_step = (steps[a.steps]["elapsed_s"] - steps[a.warmup]["elapsed_s"]) / (
-        a.steps - a.warmup)
+    s_per_step = (steps[a.steps]["elapsed_s"] - steps[a.warmup]["elapsed_s"]) / (a.steps - a.warmup)
     run = json.loads((run_dir / "run.json").read_text())
-    return {"s_per_step": s_per_step, "tokens_per_s": run["tokens_per_step"] / s_per_step,
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in steps.values()),
-            "loss_kind": run.get("loss_kind"), "optimizer": run.get("optimizer")}
+    return {
+        "s_per_step": s_per_step,
+        "tokens_per_s": run["tokens_per_step"] / s_per_step,
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in steps.values()),
+        "loss_kind": run.get("loss_kind"),
+        "optimizer": run.get("optimizer"),
+    }
 
 
 def run_torchrun(script: str, m: dict, a, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(ROOT / "benchmarks" / script), *model_args(m, a), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(ROOT / "benchmarks" / script),
+        *model_args(m, a),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -99,13 +135,18 @@ def flops_per_token(m: dict, seq: int) -> int:
     """fsdp_lab's count (metrics.flops_per_token): 6N + 12·L·H·Q·T, embeddings excluded."""
     from transformers import LlamaConfig
 
-    from fsdp_lab.observe.metrics import flops_per_token as count
     from fsdp_lab.engine.model import build_meta_model
+    from fsdp_lab.observe.metrics import flops_per_token as count
 
-    cfg = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"],
-                      intermediate_size=m["ffn"], num_hidden_layers=m["layers"],
-                      num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
-                      max_position_embeddings=seq)
+    cfg = LlamaConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden"],
+        intermediate_size=m["ffn"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv_heads"],
+        max_position_embeddings=seq,
+    )
     return count(build_meta_model(cfg), cfg, seq)
 
 
@@ -128,8 +169,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (compile, allocator)")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=None,
-                   help="sequences per step (default: per model)")
+    p.add_argument(
+        "--batch", type=int, default=None, help="sequences per step (default: per model)"
+    )
     p.add_argument("--timeout", type=int, default=900, help="seconds per side")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--fsdp-lab-args", nargs="*", default=[], help="more train.py overrides")
@@ -137,8 +179,12 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "inductor"))
     name, peak = device_peak()
-    print(f"device: {name}; dense bf16 peak {peak / 1e12:.0f} TFLOP/s" if peak else
-          f"device: {name}; no known peak, MFU not reported", flush=True)
+    print(
+        f"device: {name}; dense bf16 peak {peak / 1e12:.0f} TFLOP/s"
+        if peak
+        else f"device: {name}; no known peak, MFU not reported",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for key in a.models.split(","):
@@ -151,8 +197,9 @@ def main() -> None:
                         case "fsdp_lab" | "fsdp_lab_chunked" | "fsdp_lab_before":
                             r = run_fsdp_lab(m, a, Path(tmp) / key, side=side)
                         case "hf_docs" | "hf_fast":
-                            r = run_torchrun("hf_trainer_side.py", m, a,
-                                             f"--mode={side.removeprefix('hf_')}")
+                            r = run_torchrun(
+                                "hf_trainer_side.py", m, a, f"--mode={side.removeprefix('hf_')}"
+                            )
                         case "ceiling":
                             r = run_torchrun("ceiling_fsdp.py", m, a)
                         case _:
@@ -160,8 +207,7 @@ def main() -> None:
                     r["status"] = "ok"
                 except Exception as e:  # noqa: BLE001 - one failed side must not end the run
                     r = {"status": f"failed: {str(e)[:300]}"}
-                r.update(model=key, side=side, wall_s=time.perf_counter() - t0,
-                         flops_per_token=fpt)
+                r.update(model=key, side=side, wall_s=time.perf_counter() - t0, flops_per_token=fpt)
                 if r["status"] == "ok" and peak:
                     r["mfu"] = r["tokens_per_s"] * fpt / peak
                 results.append(r)
@@ -185,10 +231,13 @@ def print_table(results: list[dict], device: str) -> None:
             if other not in same:
                 return "-"
             return f"{r['tokens_per_s'] / same[other]['tokens_per_s']:.2f}"
+
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_bytes'] / 2**30:.1f}" if r.get("peak_mem_bytes") else "-"
-        print(f"| {r['model']} | {r['side']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
-              f"{ratio('hf_docs')} | {ratio('hf_fast')} | {ratio('ceiling')} |")
+        print(
+            f"| {r['model']} | {r['side']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
+            f"{ratio('hf_docs')} | {ratio('hf_fast')} | {ratio('ceiling')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -25,19 +25,45 @@ MB = 2**20
 
 def fsdp_lab_rss(model: str, nproc: int, tmp: Path) -> list[int]:
     run_dir = tmp / "fsdp_lab"
-    subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", "hardware=cpu",
-                    f"hardware.nproc_per_node={nproc}", "model=local",
-                    f"model.name_or_path={model}", "trainer.max_steps=1", "trainer.seq_len=32",
-                    "trainer.micro_batch_size=1", "trainer.eval_every=0", "checkpoint=none",
-                    "trainer.progress_bar=false"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={run_dir}",
+            "hardware=cpu",
+            f"hardware.nproc_per_node={nproc}",
+            "model=local",
+            f"model.name_or_path={model}",
+            "trainer.max_steps=1",
+            "trainer.seq_len=32",
+            "trainer.micro_batch_size=1",
+            "trainer.eval_every=0",
+            "checkpoint=none",
+            "trainer.progress_bar=false",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return json.loads((run_dir / "run.json").read_text())["load_peak_rss_bytes_per_rank"]
 
 
 def naive_rss(model: str, nproc: int) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={nproc}", str(ROOT / "benchmarks" / "naive_load.py"),
-                          f"--model={model}"], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(ROOT / "benchmarks" / "naive_load.py"),
+            f"--model={model}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -56,15 +82,19 @@ def main() -> None:
         naive = naive_rss(a.model, a.nproc)
     from transformers import AutoConfig
 
-    print(f"model: {a.model} ({AutoConfig.from_pretrained(a.model).model_type}), "
-          f"{a.nproc} ranks; MB of peak RSS (minus the ~{naive[0]['base'] // MB} MB after imports)")
+    print(
+        f"model: {a.model} ({AutoConfig.from_pretrained(a.model).model_type}), "
+        f"{a.nproc} ranks; MB of peak RSS (minus the ~{naive[0]['base'] // MB} MB after imports)"
+    )
     print("| rank | fsdp_lab | every rank loads | ratio |")
     print("| --- | --- | --- | --- |")
     for r in range(a.nproc):
         base = naive[r]["base"]
         o, n = ours[r] - base, naive[r]["loaded"] - base
-        print(f"| {r} | {ours[r] // MB} ({o // MB}) | {naive[r]['loaded'] // MB} ({n // MB}) | "
-              f"{o / n:.2f} |")
+        print(
+            f"| {r} | {ours[r] // MB} ({o // MB}) | {naive[r]['loaded'] // MB} ({n // MB}) | "
+            f"{o / n:.2f} |"
+        )
 
 
 if __name__ == "__main__":

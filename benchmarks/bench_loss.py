@@ -31,14 +31,13 @@ def measure(a) -> dict:
 
     from fsdp_lab.engine import hardware
     from fsdp_lab.train import loss as loss_lib
-    from fsdp_lab.config import LossKind
 
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(a.tokens, a.hidden, generator=gen) / 4).to(device, dtype)
-    weight = (torch.randn(a.vocab, a.hidden, generator=gen) / a.hidden ** 0.5).to(device, dtype)
+    weight = (torch.randn(a.vocab, a.hidden, generator=gen) / a.hidden**0.5).to(device, dtype)
     targets = torch.randint(0, a.vocab, (a.tokens,), generator=gen).to(device)
     targets[::97] = loss_lib.IGNORE_INDEX
     hidden.requires_grad_(True)
@@ -51,8 +50,12 @@ def measure(a) -> dict:
                 return F.cross_entropy(logits, targets, ignore_index=loss_lib.IGNORE_INDEX)
             case "chunked" | "chunked_compiled":
                 return loss_lib.linear_cross_entropy(
-                    hidden, weight, targets, chunk_size=a.chunk_size or loss_lib.chunk_rows(
-                        loss_lib.LossConfig(), a.vocab), compiled=a.impl == "chunked_compiled")
+                    hidden,
+                    weight,
+                    targets,
+                    chunk_size=a.chunk_size or loss_lib.chunk_rows(loss_lib.LossConfig(), a.vocab),
+                    compiled=a.impl == "chunked_compiled",
+                )
             case "liger":
                 return loss_lib._liger(hidden, weight, targets, reduction="mean")
             case "cce":
@@ -78,18 +81,32 @@ def measure(a) -> dict:
         times.append(time.perf_counter() - start)
     peak = hardware.peak_memory_bytes(device) - base
     times.sort()
-    out = {"impl": a.impl, "ms": 1e3 * times[len(times) // 2], "peak_mib": peak / 2**20,
-           "loss": value.item()}
-    torch.save({"loss": value.detach().cpu(), "grad_hidden": hidden.grad.float().cpu(),
-                "grad_weight": weight.grad.float().cpu()}, a.save)
+    out = {
+        "impl": a.impl,
+        "ms": 1e3 * times[len(times) // 2],
+        "peak_mib": peak / 2**20,
+        "loss": value.item(),
+    }
+    torch.save(
+        {
+            "loss": value.detach().cpu(),
+            "grad_hidden": hidden.grad.float().cpu(),
+            "grad_weight": weight.grad.float().cpu(),
+        },
+        a.save,
+    )
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="default: bf16 on GPU, fp32 on CPU (bf16 matmuls are slow there)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp32"],
+        help="default: bf16 on GPU, fp32 on CPU (bf16 matmuls are slow there)",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="B x T, e.g. 4 x 1024")
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--vocab", type=int, default=49152)
@@ -109,20 +126,36 @@ def main() -> None:
 
     import torch
 
-    impls = a.impls.split(",") if a.impls else (
-        ["hf", "chunked", "chunked_compiled"] + [name for name, module in (
-            ("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))
-            if a.device != "cpu" and importlib.util.find_spec(module)])
+    impls = (
+        a.impls.split(",")
+        if a.impls
+        else (
+            ["hf", "chunked", "chunked_compiled"]
+            + [
+                name
+                for name, module in (("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))
+                if a.device != "cpu" and importlib.util.find_spec(module)
+            ]
+        )
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for impl in impls:
             save = Path(tmp) / f"{impl}.pt"
-            args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                    if v is not None and k not in ("impls", "impl", "save")]
-            proc = subprocess.run([sys.executable, __file__, *args, f"--impl={impl}",
-                                   f"--save={save}"], capture_output=True, text=True)
+            args = [
+                f"--{k.replace('_', '-')}={v}"
+                for k, v in vars(a).items()
+                if v is not None and k not in ("impls", "impl", "save")
+            ]
+            proc = subprocess.run(
+                [sys.executable, __file__, *args, f"--impl={impl}", f"--save={save}"],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
-                rows.append({"impl": impl, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+                rows.append(
+                    {"impl": impl, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+                )
                 continue
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row["grads"] = torch.load(save)
@@ -139,8 +172,10 @@ def main() -> None:
         if ref is not None:
             g, h = r["grads"], ref["grads"]
             diff = f"{abs(g['loss'] - h['loss']).item():.1e}"
-            grad = max((g[k] - h[k]).abs().max().item() / h[k].abs().max().item()
-                       for k in ("grad_hidden", "grad_weight"))
+            grad = max(
+                (g[k] - h[k]).abs().max().item() / h[k].abs().max().item()
+                for k in ("grad_hidden", "grad_weight")
+            )
             grad = f"{grad:.1e}"
             mem = f"{r['peak_mib'] / ref['peak_mib']:.2f}" if ref["peak_mib"] > 0 else "-"
         print(f"| {r['impl']} | {r['ms']:.1f} | {r['peak_mib']:.0f} | {mem} | {diff} | {grad} |")

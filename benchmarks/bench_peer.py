@@ -32,25 +32,50 @@ MODEL = dict(hidden=384, layers=4, heads=6, kv_heads=6, ffn=1024, vocab=8192)
 
 
 def run_fsdp_lab(run_dir: Path, sharding: str, a) -> float:
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "hardware=cpu",
-           f"hardware.nproc_per_node={a.nproc}", f"sharding={sharding}", "logger=none",
-           "checkpoint=none", "trainer.eval_every=0", "trainer.progress_bar=false",
-           f"trainer.max_steps={a.steps}", f"trainer.seq_len={a.seq}",
-           f"trainer.micro_batch_size={a.batch}", f"model.hidden_size={MODEL['hidden']}",
-           f"model.num_layers={MODEL['layers']}", f"model.num_heads={MODEL['heads']}",
-           f"model.num_kv_heads={MODEL['kv_heads']}", f"model.intermediate_size={MODEL['ffn']}",
-           f"model.vocab_size={MODEL['vocab']}", f"model.max_position_embeddings={a.seq}",
-           "optim.lr=1e-3"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        "hardware=cpu",
+        f"hardware.nproc_per_node={a.nproc}",
+        f"sharding={sharding}",
+        "logger=none",
+        "checkpoint=none",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        f"trainer.max_steps={a.steps}",
+        f"trainer.seq_len={a.seq}",
+        f"trainer.micro_batch_size={a.batch}",
+        f"model.hidden_size={MODEL['hidden']}",
+        f"model.num_layers={MODEL['layers']}",
+        f"model.num_heads={MODEL['heads']}",
+        f"model.num_kv_heads={MODEL['kv_heads']}",
+        f"model.intermediate_size={MODEL['ffn']}",
+        f"model.vocab_size={MODEL['vocab']}",
+        f"model.max_position_embeddings={a.seq}",
+        "optim.lr=1e-3",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     steps = read_metrics(run_dir / "metrics.jsonl")
-    return statistics.median(r["step_time_s"] for r in steps[a.warmup:])
+    return statistics.median(r["step_time_s"] for r in steps[a.warmup :])
 
 
 def run_trainer(a) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={a.nproc}", str(ROOT / "benchmarks" / "hf_trainer_side.py"),
-           "--cpu", "--threads=1", *[f"--{k}={v}" for k, v in MODEL.items()], f"--seq={a.seq}",
-           f"--batch={a.batch}", f"--steps={a.steps}", f"--warmup={a.warmup}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={a.nproc}",
+        str(ROOT / "benchmarks" / "hf_trainer_side.py"),
+        "--cpu",
+        "--threads=1",
+        *[f"--{k}={v}" for k, v in MODEL.items()],
+        f"--seq={a.seq}",
+        f"--batch={a.batch}",
+        f"--steps={a.steps}",
+        f"--warmup={a.warmup}",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
     if result["fsdp"]:
@@ -73,16 +98,23 @@ def main() -> None:
             sides["hf_trainer"].append(run_trainer(a))
             for sharding in ("no_shard", "full"):
                 sides[sharding].append(run_fsdp_lab(Path(tmp) / f"{sharding}_{r}", sharding, a))
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f} s/step" for k, v in sides.items()),
-                  flush=True)
+            print(
+                f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f} s/step" for k, v in sides.items()),
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in sides.items()}
     print(f"\n| side | s/step (median of {a.rounds} rounds) | vs Trainer |\n| --- | --- | --- |")
-    labels = {"hf_trainer": "HF Trainer (DDP on CPU)", "no_shard": "fsdp_lab sharding=no_shard",
-              "full": "fsdp_lab sharding=full"}
+    labels = {
+        "hf_trainer": "HF Trainer (DDP on CPU)",
+        "no_shard": "fsdp_lab sharding=no_shard",
+        "full": "fsdp_lab sharding=full",
+    }
     for k, v in med.items():
         print(f"| {labels[k]} | {v:.3f} | {v / med['hf_trainer']:.2f} |")
-    print(f"\nno_shard / Trainer = {med['no_shard'] / med['hf_trainer']:.3f} (target <= 1.0); "
-          f"{a.nproc} ranks, batch {a.batch}x{a.seq} per rank, steps {a.warmup + 1}..{a.steps}")
+    print(
+        f"\nno_shard / Trainer = {med['no_shard'] / med['hf_trainer']:.3f} (target <= 1.0); "
+        f"{a.nproc} ranks, batch {a.batch}x{a.seq} per rank, steps {a.warmup + 1}..{a.steps}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "batch",
-                 "steps", "warmup"):
+    for name in (
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "ffn",
+        "vocab",
+        "seq",
+        "batch",
+        "steps",
+        "warmup",
+    ):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--fsdp", type=int, default=1, help="0: no fully_shard, autocast bf16")
@@ -36,10 +46,18 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600), device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                      num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
-                      bos_token_id=0, eos_token_id=1, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=a.seq,
+        bos_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     full = AutoModelForCausalLM.from_config(cfg) if rank == 0 else None
     with torch.device("meta"):
@@ -52,18 +70,25 @@ def main() -> None:
         mesh = init_device_mesh("cuda", (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for i, layer in enumerate(model.model.layers):
-            fully_shard(layer, mesh=mesh, mp_policy=mp,
-                        reshard_after_forward=i < len(model.model.layers) - 1)
+            fully_shard(
+                layer,
+                mesh=mesh,
+                mp_policy=mp,
+                reshard_after_forward=i < len(model.model.layers) - 1,
+            )
         fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
-    set_model_state_dict(model, full.state_dict() if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True,
-                                                  broadcast_from_rank0=True))
+    set_model_state_dict(
+        model,
+        full.state_dict() if full is not None else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     with torch.no_grad():  # the rotary buffer is garbage after to_empty
         rope = model.model.rotary_emb
         rope.inv_freq.copy_(type(rope).compute_default_rope_parameters(rope.config)[0])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     gen = torch.Generator(device=device).manual_seed(rank)
     start = None
     for step in range(1, a.steps + 1):
@@ -82,10 +107,17 @@ def main() -> None:
     torch.cuda.synchronize()
     s_per_step = (time.perf_counter() - start) / (a.steps - a.warmup)
     if rank == 0:
-        print(json.dumps({"s_per_step": s_per_step,
-                          "tokens_per_s": world * a.batch * a.seq / s_per_step,
-                          "peak_mem_bytes": torch.cuda.max_memory_allocated(),
-                          "loss": loss.item()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "s_per_step": s_per_step,
+                    "tokens_per_s": world * a.batch * a.seq / s_per_step,
+                    "peak_mem_bytes": torch.cuda.max_memory_allocated(),
+                    "loss": loss.item(),
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
     os._exit(0)
 

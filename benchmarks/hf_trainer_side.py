@@ -1,4 +1,5 @@
-"""The peer side of bench_gpu.py and bench_peer.py: Hugging Face Trainer on the same model and batch.
+"""The peer side of bench_gpu.py and bench_peer.py: Hugging Face Trainer on the same model and
+batch.
 
 Run under ``torchrun`` (accelerate's FSDP needs a process group, even of one). Two setups:
 
@@ -25,8 +26,13 @@ import tempfile
 import time
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -40,8 +46,9 @@ class RandomTokens(torch.utils.data.Dataset):
         return 10**7
 
     def __getitem__(self, index: int) -> dict:
-        ids = torch.randint(0, self.vocab, (self.seq,),
-                            generator=torch.Generator().manual_seed(index))
+        ids = torch.randint(
+            0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(index)
+        )
         return {"input_ids": ids, "labels": ids}
 
 
@@ -77,50 +84,101 @@ class Timer(TrainerCallback):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "batch",
-                 "steps", "warmup"):
+    for name in (
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "ffn",
+        "vocab",
+        "seq",
+        "batch",
+        "steps",
+        "warmup",
+    ):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--mode", choices=["docs", "fast"], default="docs")
     p.add_argument("--cpu", action="store_true", help="CPU ranks: Trainer's DDP (bench_peer)")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                      num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
-                      bos_token_id=0, eos_token_id=1, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=a.seq,
+        bos_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     extra: dict = {}
     if not a.cpu:
-        extra.update(bf16=True, fsdp=True, fsdp_config={
-            "version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"})
+        extra.update(
+            bf16=True,
+            fsdp=True,
+            fsdp_config={
+                "version": 2,
+                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "reshard_after_forward": True,
+                "state_dict_type": "SHARDED_STATE_DICT",
+            },
+        )
     if a.mode == "fast":
-        extra.update(torch_compile=True, optim="adamw_torch_fused",
-                     use_liger_kernel=importlib.util.find_spec("liger_kernel") is not None)
+        extra.update(
+            torch_compile=True,
+            optim="adamw_torch_fused",
+            use_liger_kernel=importlib.util.find_spec("liger_kernel") is not None,
+        )
     timer = Timer(a.warmup, cuda=not a.cpu)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=a.batch, max_steps=a.steps,
-            learning_rate=3e-4, warmup_steps=min(20, a.steps), lr_scheduler_type="cosine",
-            weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-            logging_steps=a.steps, save_strategy="no", report_to="none", disable_tqdm=True,
-            dataloader_num_workers=0, seed=0, use_cpu=a.cpu, **extra)
-        trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(a.vocab, a.seq),
-                          callbacks=[timer])
+            output_dir=out,
+            per_device_train_batch_size=a.batch,
+            max_steps=a.steps,
+            learning_rate=3e-4,
+            warmup_steps=min(20, a.steps),
+            lr_scheduler_type="cosine",
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
+            logging_steps=a.steps,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+            use_cpu=a.cpu,
+            **extra,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=RandomTokens(a.vocab, a.seq), callbacks=[timer]
+        )
         trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         s_per_step = (timer.end - timer.start) / (a.steps - a.warmup)
-        print(json.dumps({
-            "s_per_step": s_per_step, "tokens_per_s": world * a.batch * a.seq / s_per_step,
-            "median_step_s": statistics.median(timer.steps[a.warmup:]),
-            "peak_mem_bytes": torch.cuda.max_memory_allocated() if not a.cpu else None,
-            "wrapped": type(trainer.model_wrapped).__name__,
-            "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False)),
-            "liger": bool(extra.get("use_liger_kernel")), "optim": args.optim,
-            "compile": args.torch_compile}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "s_per_step": s_per_step,
+                    "tokens_per_s": world * a.batch * a.seq / s_per_step,
+                    "median_step_s": statistics.median(timer.steps[a.warmup :]),
+                    "peak_mem_bytes": torch.cuda.max_memory_allocated() if not a.cpu else None,
+                    "wrapped": type(trainer.model_wrapped).__name__,
+                    "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False)),
+                    "liger": bool(extra.get("use_liger_kernel")),
+                    "optim": args.optim,
+                    "compile": args.torch_compile,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

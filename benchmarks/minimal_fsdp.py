@@ -18,8 +18,18 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 p = argparse.ArgumentParser()
-for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps",
-             "threads"):
+for name in (
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn",
+    "vocab",
+    "seq",
+    "batch",
+    "steps",
+    "threads",
+):
     p.add_argument(f"--{name}", type=int, required=True)
 p.add_argument("--reshard", type=int, default=1)
 a = p.parse_args()
@@ -27,10 +37,17 @@ a = p.parse_args()
 torch.set_num_threads(a.threads)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank, world = dist.get_rank(), dist.get_world_size()
-cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
-                  num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                  num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
-                  bos_token_id=0, eos_token_id=1)
+cfg = LlamaConfig(
+    vocab_size=a.vocab,
+    hidden_size=a.hidden,
+    intermediate_size=a.ffn,
+    num_hidden_layers=a.layers,
+    num_attention_heads=a.heads,
+    num_key_value_heads=a.kv_heads,
+    max_position_embeddings=a.seq,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(cfg)
 mesh = init_device_mesh("cpu", (world,))
@@ -39,8 +56,9 @@ for layer in model.model.layers:
 fully_shard(model, mesh=mesh)
 model.to_empty(device="cpu")
 full = AutoModelForCausalLM.from_config(cfg).state_dict() if rank == 0 else {}
-set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                           broadcast_from_rank0=True))
+set_model_state_dict(
+    model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+)
 with torch.no_grad():  # the rotary buffer is garbage after to_empty
     rope = model.model.rotary_emb
     rope.inv_freq.copy_(type(rope).compute_default_rope_parameters(rope.config)[0])

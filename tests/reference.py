@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.config import Config, DataKind, HardwareKind
+from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import build_data
 from fsdp_lab.engine.model import build_full_model, build_hf_config
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
@@ -28,13 +28,27 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     hf_config = build_hf_config(cfg.model)
     model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim, implementation=resolve_implementation(
-        cfg.optim, HardwareKind.cpu, grad_scaler=cfg.precision.grad_scaler_enabled))
+    optimizer = build_optimizer(
+        model,
+        cfg.optim,
+        implementation=resolve_implementation(
+            cfg.optim, HardwareKind.cpu, grad_scaler=cfg.precision.grad_scaler_enabled
+        ),
+    )
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
-    ranks = [build_data(cfg, corpus=corpus, tokenizer=tokenizer, vocab_size=hf_config.vocab_size,
-                        dp_size=world_size, dp_rank=r) for r in range(world_size)]
+    ranks = [
+        build_data(
+            cfg,
+            corpus=corpus,
+            tokenizer=tokenizer,
+            vocab_size=hf_config.vocab_size,
+            dp_size=world_size,
+            dp_rank=r,
+        )
+        for r in range(world_size)
+    ]
     losses, norms = [], []
     for step in range(t.max_steps):
         total = 0.0
@@ -44,8 +58,9 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
             loss.backward()
             total += loss.item()
         clip = cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                              clip if clip is not None else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), clip if clip is not None else math.inf
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

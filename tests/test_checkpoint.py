@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, check_ok, rank_pid, start_train, train
-from fsdp_lab.state import checkpoint as ckpt
+
 from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.state import checkpoint as ckpt
 
 STEPS, HALF = 8, 4
 
@@ -35,13 +35,17 @@ def ckpt_dir(run_dir: Path, step: int) -> Path:
 
 # ---- fast: the on-disk rules, no processes ------------------------------------------------
 
+
 def _fake_checkpoint(root: Path, step: int, *, complete: bool = True) -> Path:
     d = root / ckpt.step_dir_name(step)
     d.mkdir(parents=True)
     (d / "shard.bin").write_bytes(b"x" * 10)
     if complete:
-        (d / ckpt.MARKER).write_text(json.dumps({"step": step, "format": "sharded",
-                                                 "world_size": 2, "files": {"shard.bin": 10}}))
+        (d / ckpt.MARKER).write_text(
+            json.dumps(
+                {"step": step, "format": "sharded", "world_size": 2, "files": {"shard.bin": 10}}
+            )
+        )
     return d
 
 
@@ -64,34 +68,46 @@ def test_verify_names_a_missing_or_truncated_file(tmp_path):
     d = _fake_checkpoint(tmp_path, 4)
     ckpt.verify(d)
     (d / "shard.bin").write_bytes(b"x" * 3)
-    with pytest.raises(ckpt.CheckpointError, match="shard.bin has 3 bytes, expected 10"):
+    with pytest.raises(ckpt.CheckpointError, match=r"shard\.bin has 3 bytes, expected 10"):
         ckpt.verify(d)
     (d / "shard.bin").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="shard.bin is missing"):
+    with pytest.raises(ckpt.CheckpointError, match=r"shard\.bin is missing"):
         ckpt.verify(d)
 
 
 # ---- slow: real runs --------------------------------------------------------------------
 
 
-
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
     """2 ranks, full sharding, 8 steps, a sharded checkpoint every 4."""
     run_dir = tmp_path_factory.mktemp("base") / "run"
-    check_ok(train(run_dir, "hardware=cpu", f"trainer.max_steps={STEPS}",
-                   f"checkpoint.every_n_steps={HALF}"))
+    check_ok(
+        train(
+            run_dir,
+            "hardware=cpu",
+            f"trainer.max_steps={STEPS}",
+            f"checkpoint.every_n_steps={HALF}",
+        )
+    )
     return run_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,world", [("full", 2), ("grad_op", 2), ("no_shard", 2),
-                                            ("hybrid", 4), ("hybrid_zero2", 4)])
+@pytest.mark.parametrize(
+    "strategy,world",
+    [("full", 2), ("grad_op", 2), ("no_shard", 2), ("hybrid", 4), ("hybrid_zero2", 4)],
+)
 def test_resume_continues_exactly(tmp_path, strategy, world):
     """2k steps straight == k steps, then resume from that checkpoint for k more: bitwise."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ("hardware=cpu", f"sharding={strategy}", f"hardware.nproc_per_node={world}",
-              f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={HALF}")
+    common = (
+        "hardware=cpu",
+        f"sharding={strategy}",
+        f"hardware.nproc_per_node={world}",
+        f"trainer.max_steps={STEPS}",
+        f"checkpoint.every_n_steps={HALF}",
+    )
     check_ok(train(straight, *common))
     check_ok(train(resumed, *common, f"resume={ckpt_dir(straight, HALF)}"))
     want, got = losses(straight), losses(resumed)
@@ -102,16 +118,27 @@ def test_resume_continues_exactly(tmp_path, strategy, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    ("sharding=hybrid", "hardware.nproc_per_node=4", "trainer.micro_batch_size=2"),
-    ("sharding=grad_op",),
-    ("sharding=no_shard",),
-], ids=["full2-to-hybrid4", "full-to-grad_op", "full-to-no_shard"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("sharding=hybrid", "hardware.nproc_per_node=4", "trainer.micro_batch_size=2"),
+        ("sharding=grad_op",),
+        ("sharding=no_shard",),
+    ],
+    ids=["full2-to-hybrid4", "full-to-grad_op", "full-to-no_shard"],
+)
 def test_resume_reshards_to_another_strategy_or_world_size(base_run, tmp_path, overrides):
     # Same global batch (8 sequences) at either world size, so the losses must agree.
     resumed = tmp_path / "resumed"
-    check_ok(train(resumed, "hardware=cpu", f"trainer.max_steps={STEPS}",
-                   f"resume={ckpt_dir(base_run, HALF)}", *overrides))
+    check_ok(
+        train(
+            resumed,
+            "hardware=cpu",
+            f"trainer.max_steps={STEPS}",
+            f"resume={ckpt_dir(base_run, HALF)}",
+            *overrides,
+        )
+    )
     want, got = losses(base_run), losses(resumed)
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) <= 2e-6
@@ -120,8 +147,12 @@ def test_resume_reshards_to_another_strategy_or_world_size(base_run, tmp_path, o
 @pytest.mark.slow
 def test_full_format_resumes_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ("hardware=cpu", "checkpoint=full", f"trainer.max_steps={STEPS}",
-              f"checkpoint.every_n_steps={HALF}")
+    common = (
+        "hardware=cpu",
+        "checkpoint=full",
+        f"trainer.max_steps={STEPS}",
+        f"checkpoint.every_n_steps={HALF}",
+    )
     check_ok(train(straight, *common))
     assert {p.name for p in ckpt_dir(straight, HALF).iterdir()} >= {"model.pt", "optim.pt"}
     check_ok(train(resumed, *common, f"resume={ckpt_dir(straight, HALF)}"))
@@ -132,8 +163,15 @@ def test_full_format_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
-    check_ok(train(run_dir, "hardware=cpu", "trainer.max_steps=8", "checkpoint.every_n_steps=2",
-                   "checkpoint.keep_last=2"))
+    check_ok(
+        train(
+            run_dir,
+            "hardware=cpu",
+            "trainer.max_steps=8",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=2",
+        )
+    )
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006", "step_00000008"]
     assert (root / "latest").read_text() == "step_00000008"
@@ -161,7 +199,7 @@ def test_async_save_writes_what_sync_writes(tmp_path):
 def _bad_resume(run_dir: Path, *overrides: str) -> str:
     proc = train(run_dir, "hardware=cpu", f"trainer.max_steps={STEPS}", *overrides, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("fsdp_lab: error:")]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("fsdp_lab: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
     assert not (run_dir / "logs").exists()  # refused before any rank started
     return errors[0]
@@ -179,8 +217,9 @@ def test_damaged_or_foreign_checkpoints_fail_before_training(base_run, tmp_path)
     assert "__1_0.distcp has 100 bytes" in error
     shard.unlink()
     assert "__1_0.distcp is missing" in _bad_resume(tmp_path / "r2", f"resume={damaged}")
-    error = _bad_resume(tmp_path / "r3", f"resume={ckpt_dir(base_run, HALF)}",
-                        "model.hidden_size=128")
+    error = _bad_resume(
+        tmp_path / "r3", f"resume={ckpt_dir(base_run, HALF)}", "model.hidden_size=128"
+    )
     assert "of another model" in error and "shape" in error
 
 
@@ -222,9 +261,15 @@ def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path
 def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # A larger model makes each save long enough to be caught in the middle.
-    medium = ("checkpoint.every_n_steps=3", "model.hidden_size=256", "model.num_layers=4",
-              "model.intermediate_size=1024", "model.vocab_size=8192", "trainer.seq_len=32",
-              "trainer.micro_batch_size=1")
+    medium = (
+        "checkpoint.every_n_steps=3",
+        "model.hidden_size=256",
+        "model.num_layers=4",
+        "model.intermediate_size=1024",
+        "model.vocab_size=8192",
+        "trainer.seq_len=32",
+        "trainer.micro_batch_size=1",
+    )
     proc = start_train(run_dir, "hardware=cpu", "trainer.max_steps=400", *medium)
     root = run_dir / "checkpoints"
     try:
@@ -255,18 +300,37 @@ def test_kill_9_of_one_rank_during_save_leaves_the_previous_checkpoint(tmp_path)
 def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_lab.state.export import load_checkpoint_weights
     from fsdp_lab.engine.model import build_full_model
+    from fsdp_lab.state.export import load_checkpoint_weights
 
     run_dir = tmp_path / "run"
-    check_ok(train(run_dir, "hardware=cpu", "model=qwen2_tiny", "trainer.max_steps=5",
-                   "checkpoint.export_hf=true"))
+    check_ok(
+        train(
+            run_dir,
+            "hardware=cpu",
+            "model=qwen2_tiny",
+            "trainer.max_steps=5",
+            "checkpoint.export_hf=true",
+        )
+    )
     hf_dir = run_dir / "hf"
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {
-        p.name for p in hf_dir.iterdir()}
-    cli = subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir),
-                          str(tmp_path / "cli_export")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+        p.name for p in hf_dir.iterdir()
+    }
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_lab.tools.cli",
+            "export",
+            str(run_dir),
+            str(tmp_path / "cli_export"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert cli.returncode == 0, cli.stderr
     # The trained weights as the ranks left them: the final sharded checkpoint, read back.
     sd, hf_config, _ = load_checkpoint_weights(run_dir)
@@ -280,6 +344,11 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied stays tied
     # The initial weights are not what was exported: training changed them.
     assert not torch.equal(build_full_model(hf_config, seed=0).eval()(ids).logits, want)
-    proc = subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir),
-                           str(hf_dir)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir), str(hf_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not empty" in proc.stderr  # never overwrites

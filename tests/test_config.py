@@ -10,8 +10,15 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from fsdp_lab.config import (
-    ConfigError, Config, Dtype, HardwareKind, LossKind, OptimImpl, ShardingStrategy,
-    register_schema, to_typed,
+    Config,
+    ConfigError,
+    Dtype,
+    HardwareKind,
+    LossKind,
+    OptimImpl,
+    ShardingStrategy,
+    register_schema,
+    to_typed,
 )
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
@@ -20,9 +27,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 # Options that need a value the user must supply (marked ??? in their YAML).
-REQUIRED = {("model", "local"): ["model.name_or_path={tiny_model_dir}"],
-            ("data", "text"): ["data.files=[corpus.txt]"],
-            ("data", "hub"): ["data.name=roneneldan/TinyStories"]}
+REQUIRED = {
+    ("model", "local"): ["model.name_or_path={tiny_model_dir}"],
+    ("data", "text"): ["data.files=[corpus.txt]"],
+    ("data", "hub"): ["data.name=roneneldan/TinyStories"],
+}
 
 register_schema()
 
@@ -33,8 +42,20 @@ def compose_cfg(*overrides: str):
 
 
 def test_groups_are_the_documented_ones():
-    assert {"sharding", "precision", "wrap", "offload", "hardware", "model", "data", "optim",
-            "trainer", "checkpoint", "activation_checkpointing", "loss"} <= set(GROUPS)
+    assert {
+        "sharding",
+        "precision",
+        "wrap",
+        "offload",
+        "hardware",
+        "model",
+        "data",
+        "optim",
+        "trainer",
+        "checkpoint",
+        "activation_checkpointing",
+        "loss",
+    } <= set(GROUPS)
     assert {o for g, o in OPTIONS if g == "loss"} == {k.value for k in LossKind}
     assert {o for g, o in OPTIONS if g == "sharding"} == {s.value for s in ShardingStrategy}
 
@@ -51,7 +72,8 @@ def test_every_option_composes_and_types(group, option, tmp_path):
 
 def test_group_options_map_to_their_enum():
     assert to_typed(compose_cfg("sharding=hybrid_zero2")).sharding.strategy is (
-        ShardingStrategy.hybrid_zero2)
+        ShardingStrategy.hybrid_zero2
+    )
     p = to_typed(compose_cfg("precision=bf16")).precision
     assert (p.param_dtype, p.reduce_dtype, p.grad_scaler_enabled) == (Dtype.bf16, Dtype.fp32, False)
     p = to_typed(compose_cfg("precision=bf16_pure")).precision
@@ -66,11 +88,18 @@ def test_speed_settings_compose_with_their_defaults():
     assert cfg.optim.implementation is OptimImpl.auto and cfg.trainer.log_every == 10
     assert (cfg.sharding.prefetch.forward, cfg.sharding.prefetch.backward) == (0, 1)
     assert cfg.precision.tf32 is True
-    cfg = to_typed(compose_cfg("loss=chunked", "loss.chunk_size=512", "trainer.log_every=1",
-                               "optim.implementation=for_loop", "sharding.prefetch.forward=2",
-                               "sharding.prefetch.backward=3", "precision.tf32=false"))
-    assert (cfg.loss.kind, cfg.loss.chunk_size, cfg.trainer.log_every) == (
-        LossKind.chunked, 512, 1)
+    cfg = to_typed(
+        compose_cfg(
+            "loss=chunked",
+            "loss.chunk_size=512",
+            "trainer.log_every=1",
+            "optim.implementation=for_loop",
+            "sharding.prefetch.forward=2",
+            "sharding.prefetch.backward=3",
+            "precision.tf32=false",
+        )
+    )
+    assert (cfg.loss.kind, cfg.loss.chunk_size, cfg.trainer.log_every) == (LossKind.chunked, 512, 1)
     assert cfg.optim.implementation is OptimImpl.for_loop and not cfg.precision.tf32
     assert (cfg.sharding.prefetch.forward, cfg.sharding.prefetch.backward) == (2, 3)
 
@@ -83,45 +112,56 @@ def test_unknown_option_fails_listing_the_valid_ones():
     assert all(option in message for option in ("grad_op", "no_shard", "hybrid_zero2"))
 
 
-@pytest.mark.parametrize("override", ["trainer.max_step=3", "sharding.strategy=zero3",
-                                      "trainer.seq_len=abc", "precision.param_dtype=fp8"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.max_step=3",
+        "sharding.strategy=zero3",
+        "trainer.seq_len=abc",
+        "precision.param_dtype=fp8",
+    ],
+)
 def test_typos_and_wrong_types_fail_at_compose(override):
     with pytest.raises((ConfigCompositionException, ConfigKeyError, ValidationError)):
         compose_cfg(override)
 
 
 def topo(world: int, nodes: int = 1) -> Topology:
-    return Topology(world_size=world, nproc_per_node=world // nodes, num_nodes=nodes,
-                    device=HardwareKind.cpu)
+    return Topology(
+        world_size=world, nproc_per_node=world // nodes, num_nodes=nodes, device=HardwareKind.cpu
+    )
 
 
-@pytest.mark.parametrize("overrides,world,fragment", [
-    (["trainer.seq_len=0"], 2, "trainer.seq_len"),
-    (["trainer.micro_batch_size=-1"], 2, "trainer.micro_batch_size"),
-    (["trainer.max_steps=0"], 2, "trainer.max_steps"),
-    (["hardware.nproc_per_node=0"], 2, "hardware.nproc_per_node"),
-    (["model.num_heads=3"], 2, "model.num_heads"),
-    (["precision.param_dtype=fp16"], 2, "grad_scaler_enabled"),
-    (["sharding.reshard_after_forward=1"], 2, "reshard_after_forward"),
-    (["sharding.reshard_after_forward=maybe"], 2, "reshard_after_forward"),
-    (["model.arch=null"], 2, "model.arch"),
-    (["seed=-1"], 2, "seed"),
-    (["trainer.seq_len=1"], 2, "trainer.seq_len"),
-    (["model.hidden_size=12", "model.num_heads=4"], 2, "must be even"),
-    (["optim.beta1=1.5"], 2, "optim.beta1"),
-    (["optim.eps=-1"], 2, "optim.eps"),
-    (["checkpoint=full", "checkpoint.async_enabled=true"], 2, "checkpoint=sharded"),
-    (["checkpoint.keep_last=0"], 2, "checkpoint.keep_last"),
-    (["model=local", "model.name_or_path=/nonexistent"], 2, "config.json"),
-    (["sharding=hybrid"], 2, "shard groups of 1"),
-    (["sharding=hybrid", "sharding.replicate_size=3"], 4, "does not divide"),
-    (["sharding=full", "sharding.replicate_size=2"], 4, "only to sharding=hybrid"),
-    (["sharding=full", "sharding.reshard_after_forward=3"], 4, "divisor"),
-    (["trainer.log_every=0"], 2, "trainer.log_every=0 must be > 0"),
-    (["loss.chunk_size=-4"], 2, "loss.chunk_size=-4 must be > 0"),
-    (["sharding.prefetch.forward=-1"], 2, "sharding.prefetch.forward=-1 must be >= 0"),
-    (["sharding.prefetch.backward=0"], 2, "FSDP2 always prefetches the next unit"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,fragment",
+    [
+        (["trainer.seq_len=0"], 2, "trainer.seq_len"),
+        (["trainer.micro_batch_size=-1"], 2, "trainer.micro_batch_size"),
+        (["trainer.max_steps=0"], 2, "trainer.max_steps"),
+        (["hardware.nproc_per_node=0"], 2, "hardware.nproc_per_node"),
+        (["model.num_heads=3"], 2, "model.num_heads"),
+        (["precision.param_dtype=fp16"], 2, "grad_scaler_enabled"),
+        (["sharding.reshard_after_forward=1"], 2, "reshard_after_forward"),
+        (["sharding.reshard_after_forward=maybe"], 2, "reshard_after_forward"),
+        (["model.arch=null"], 2, "model.arch"),
+        (["seed=-1"], 2, "seed"),
+        (["trainer.seq_len=1"], 2, "trainer.seq_len"),
+        (["model.hidden_size=12", "model.num_heads=4"], 2, "must be even"),
+        (["optim.beta1=1.5"], 2, "optim.beta1"),
+        (["optim.eps=-1"], 2, "optim.eps"),
+        (["checkpoint=full", "checkpoint.async_enabled=true"], 2, "checkpoint=sharded"),
+        (["checkpoint.keep_last=0"], 2, "checkpoint.keep_last"),
+        (["model=local", "model.name_or_path=/nonexistent"], 2, "config.json"),
+        (["sharding=hybrid"], 2, "shard groups of 1"),
+        (["sharding=hybrid", "sharding.replicate_size=3"], 4, "does not divide"),
+        (["sharding=full", "sharding.replicate_size=2"], 4, "only to sharding=hybrid"),
+        (["sharding=full", "sharding.reshard_after_forward=3"], 4, "divisor"),
+        (["trainer.log_every=0"], 2, "trainer.log_every=0 must be > 0"),
+        (["loss.chunk_size=-4"], 2, "loss.chunk_size=-4 must be > 0"),
+        (["sharding.prefetch.forward=-1"], 2, "sharding.prefetch.forward=-1 must be >= 0"),
+        (["sharding.prefetch.backward=0"], 2, "FSDP2 always prefetches the next unit"),
+    ],
+)
 def test_bad_values_fail_naming_the_setting(overrides, world, fragment):
     with pytest.raises(ConfigError) as e:
         validate(to_typed(compose_cfg(*overrides)), topo(world))
@@ -146,22 +186,25 @@ def test_reshard_after_forward_accepts_bool_and_divisor():
     validate(to_typed(compose_cfg("sharding.reshard_after_forward=2")), topo(8))
 
 
-@pytest.mark.parametrize("overrides,fragment", [
-    (["sharding=grad_op"], "use sharding=full"),
-    (["sharding=hybrid_zero2"], "use sharding=hybrid"),
-    (["sharding.reshard_after_forward=false"], "sharding.reshard_after_forward"),
-    (["offload=cpu"], "offload=cpu"),
-    (["precision=fp16"], "precision=fp16"),
-    (["precision=bf16_pure"], "precision.reduce_dtype=bf16"),
-    (["precision=bf16", "precision.output_dtype=fp32"], "precision.output_dtype"),
-    (["compile=true"], "compile=true"),
-    (["checkpoint=full"], "checkpoint=full"),
-    (["checkpoint.async_enabled=true"], "checkpoint.async_enabled"),
-    (["hardware.num_nodes=2"], "multi-host"),
-    (["loss=chunked"], "use loss=hf"),
-    (["optim.implementation=fused"], "optim.implementation=foreach"),
-    (["sharding.prefetch.forward=1"], "sharding.prefetch"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["sharding=grad_op"], "use sharding=full"),
+        (["sharding=hybrid_zero2"], "use sharding=hybrid"),
+        (["sharding.reshard_after_forward=false"], "sharding.reshard_after_forward"),
+        (["offload=cpu"], "offload=cpu"),
+        (["precision=fp16"], "precision=fp16"),
+        (["precision=bf16_pure"], "precision.reduce_dtype=bf16"),
+        (["precision=bf16", "precision.output_dtype=fp32"], "precision.output_dtype"),
+        (["compile=true"], "compile=true"),
+        (["checkpoint=full"], "checkpoint=full"),
+        (["checkpoint.async_enabled=true"], "checkpoint.async_enabled"),
+        (["hardware.num_nodes=2"], "multi-host"),
+        (["loss=chunked"], "use loss=hf"),
+        (["optim.implementation=fused"], "optim.implementation=foreach"),
+        (["sharding.prefetch.forward=1"], "sharding.prefetch"),
+    ],
+)
 def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
     """Checked with the topology, before any process starts: one line naming setting and fix."""
     tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
@@ -172,8 +215,15 @@ def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("overrides", [[], ["sharding=hybrid"], ["sharding=no_shard"],
-                                       ["precision=bf16", "activation_checkpointing=full"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["sharding=hybrid"],
+        ["sharding=no_shard"],
+        ["precision=bf16", "activation_checkpointing=full"],
+    ],
+)
 def test_tpu_accepts_what_xla_maps(overrides):
     tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
     validate(to_typed(compose_cfg("hardware=tpu", *overrides)), tpu)

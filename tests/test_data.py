@@ -3,14 +3,16 @@ masking, and one clear line for each kind of bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 
 import numpy as np
 import pytest
 import torch
 
-from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask, to_typed
+from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import IGNORE_INDEX, Masking, PackedData, SyntheticData, build_data
 from fsdp_lab.engine.model import resolve_vocab_size
 
@@ -23,8 +25,9 @@ def make_cfg(tmp_path, **data) -> Config:
 @pytest.fixture
 def jsonl(tmp_path):
     path = tmp_path / "docs.jsonl"
-    rows = [{"text": f"document number {i} " + "lorem ipsum " * (i % 7 + 1), "id": i}
-            for i in range(60)]
+    rows = [
+        {"text": f"document number {i} " + "lorem ipsum " * (i % 7 + 1), "id": i} for i in range(60)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -57,8 +60,9 @@ def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypat
     tok = corpus_lib.load_tokenizer(cfg)
     assert type(tok).__name__ == "ByT5Tokenizer"  # no model dir: byte-level
     first = corpus_lib.prepare(cfg, tok)
-    total = sum(len(json.loads(line)["text"].encode()) + 1 for line in jsonl.read_text().split("\n")
-                if line)
+    total = sum(
+        len(json.loads(line)["text"].encode()) + 1 for line in jsonl.read_text().split("\n") if line
+    )
     assert first.num_tokens + first.num_documents == total and first.num_documents == 60
     # train and validation are packed apart: each may drop a partial block
     assert total // 16 - 1 <= len(first.train) + len(first.val) <= total // 16
@@ -69,6 +73,7 @@ def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypat
 
     def no_rebuild(*a, **k):
         raise AssertionError("cache miss")
+
     monkeypatch.setattr(corpus_lib, "_build", no_rebuild)
     again = corpus_lib.prepare(cfg, tok)
     assert again.fingerprint == first.fingerprint
@@ -97,21 +102,35 @@ def test_other_formats_read_the_same_way(tmp_path, fmt):
     assert corpus.num_tokens == sum(len(d.encode()) for d in docs)
 
 
-@pytest.mark.parametrize("data,expected", [
-    ({"files": ["/nonexistent/*.jsonl"]}, "matches no file"),
-    ({"files": ["{dir}/docs.jsonl"], "text_column": "body"},
-     "data.text_column='body' is not a column of the dataset; its columns are ['text', 'id']"),
-    ({"files": ["{dir}/empty.jsonl"]}, "no non-empty text"),
-    ({"files": ["{dir}/tiny.jsonl"]}, "too few for a training split"),
-    ({"files": ["{dir}/notes.docx"]}, "has an extension fsdp_lab does not read"),
-    ({"files": ["{dir}/docs.jsonl"], "tokenizer": "{dir}"}, "data.tokenizer="),
-])
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({"files": ["/nonexistent/*.jsonl"]}, "matches no file"),
+        (
+            {"files": ["{dir}/docs.jsonl"], "text_column": "body"},
+            "data.text_column='body' is not a column of the dataset; "
+            "its columns are ['text', 'id']",
+        ),
+        ({"files": ["{dir}/empty.jsonl"]}, "no non-empty text"),
+        ({"files": ["{dir}/tiny.jsonl"]}, "too few for a training split"),
+        ({"files": ["{dir}/notes.docx"]}, "has an extension fsdp_lab does not read"),
+        ({"files": ["{dir}/docs.jsonl"], "tokenizer": "{dir}"}, "data.tokenizer="),
+    ],
+)
 def test_bad_data_is_one_clear_error(tmp_path, jsonl, data, expected):
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
     (tmp_path / "notes.docx").write_text("x")
     (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "shorter than a block"}) + "\n")
-    data = {k: ([f.format(dir=tmp_path) for f in v] if isinstance(v, list) else
-                v.format(dir=tmp_path) if isinstance(v, str) else v) for k, v in data.items()}
+    data = {
+        k: (
+            [f.format(dir=tmp_path) for f in v]
+            if isinstance(v, list)
+            else v.format(dir=tmp_path)
+            if isinstance(v, str)
+            else v
+        )
+        for k, v in data.items()
+    }
     cfg = make_cfg(tmp_path, **data)
     with pytest.raises(ConfigError) as e:
         corpus_lib.prepare(cfg, corpus_lib.load_tokenizer(cfg))
@@ -126,9 +145,17 @@ def test_shakespeare_reads_one_edition_of_each_work():
 
 def packed(train_blocks=37, *, dp_size=1, dp_rank=0, micro=2, accum=1, seed=0):
     train = np.arange(train_blocks * 4, dtype=np.int32).reshape(train_blocks, 4)
-    return PackedData(train=train, val=train[:5], fingerprint="f", seed=seed,
-                      micro_batch_size=micro, grad_accum_steps=accum, dp_size=dp_size,
-                      dp_rank=dp_rank, masking=None)
+    return PackedData(
+        train=train,
+        val=train[:5],
+        fingerprint="f",
+        seed=seed,
+        micro_batch_size=micro,
+        grad_accum_steps=accum,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        masking=None,
+    )
 
 
 def block_ids(batch) -> list[int]:
@@ -164,8 +191,11 @@ def test_restore_continues_at_the_saved_row_even_on_another_world_size():
     wider = [packed(dp_size=4, dp_rank=r, micro=1, accum=2) for r in range(4)]
     for w in wider:
         w.restore(straight.state(4), 4)
-    got = [sum((block_ids(w.batch(s, m)) for w in wider), []) for s in range(4, 10)
-           for m in range(2)]
+    got = [
+        functools.reduce(operator.iadd, (block_ids(w.batch(s, m)) for w in wider), [])
+        for s in range(4, 10)
+        for m in range(2)
+    ]
     assert got == rows[8:]
     other = packed(dp_size=2, micro=2, accum=2)
     other.restore({**straight.state(4), "fingerprint": "other data"}, 4)
@@ -216,8 +246,9 @@ def test_preset_vocabulary_follows_the_tokenizer(tmp_path):
     tok = corpus_lib.load_tokenizer(cfg)
     assert resolve_vocab_size(cfg.model, tok).vocab_size == len(tok) == 259
     assert resolve_vocab_size(cfg.model, None).vocab_size == 256
-    bert = to_typed({"model": {"arch": "bert", "task": "masked_lm"},
-                     "data": {"kind": "shakespeare"}})
+    bert = to_typed(
+        {"model": {"arch": "bert", "task": "masked_lm"}, "data": {"kind": "shakespeare"}}
+    )
     assert len(corpus_lib.load_tokenizer(bert)) == 260  # byte-level plus a mask token
 
 
@@ -234,9 +265,13 @@ def test_the_model_directory_tokenizer_is_used(tmp_path):
     for f in model_dir.iterdir():
         if f.name != "config.json":
             f.unlink()
-    pretrained = to_typed({"model": {"name_or_path": str(model_dir), "pretrained": True},
-                           "data": {"kind": "shakespeare"}})
-    with pytest.raises(ConfigError, match="has no tokenizer.*data.tokenizer="):
+    pretrained = to_typed(
+        {
+            "model": {"name_or_path": str(model_dir), "pretrained": True},
+            "data": {"kind": "shakespeare"},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"has no tokenizer.*data\.tokenizer="):
         corpus_lib.load_tokenizer(pretrained)
 
 
@@ -244,8 +279,12 @@ def test_paths_are_made_absolute_for_later_use(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    cfg = to_typed({"model": {"name_or_path": "model"},
-                    "data": {"kind": "text", "files": ["docs/*.txt"], "tokenizer": "model"}})
+    cfg = to_typed(
+        {
+            "model": {"name_or_path": "model"},
+            "data": {"kind": "text", "files": ["docs/*.txt"], "tokenizer": "model"},
+        }
+    )
     out = corpus_lib.absolute_paths(cfg)
     assert out.model.name_or_path == str(tmp_path / "model") == out.data.tokenizer
     assert out.data.files == [str(tmp_path / "docs" / "*.txt")]
@@ -258,7 +297,7 @@ def test_an_encoder_is_not_trained_as_a_causal_lm():
 
     from fsdp_lab.engine.model import check_task
 
-    with pytest.raises(ConfigError, match="encoder.*model.task=masked_lm"):
+    with pytest.raises(ConfigError, match=r"encoder.*model\.task=masked_lm"):
         check_task(BertConfig(), ModelTask.causal_lm)
     check_task(BertConfig(), ModelTask.masked_lm)
     check_task(BertConfig(is_decoder=True), ModelTask.causal_lm)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fsdp_lab.tools.cli import main
 from fsdp_lab.config import ConfigError, register_schema, to_typed
+from fsdp_lab.tools.cli import main
 from fsdp_lab.tools.from_accelerate import translate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -87,9 +87,16 @@ def test_fsdp1_config_becomes_train_py_overrides(tmp_path, capsys):
     assert code == 0
     words = shlex.split(out.strip())
     assert words[:2] == ["python", "train.py"]
-    assert words[2:] == ["sharding=full", "wrap=transformer", "wrap.classes=[LlamaDecoderLayer]",
-                         "offload=none", "checkpoint=sharded", "sharding.prefetch.forward=0",
-                         "precision=bf16", "hardware.nproc_per_node=8"]
+    assert words[2:] == [
+        "sharding=full",
+        "wrap=transformer",
+        "wrap.classes=[LlamaDecoderLayer]",
+        "offload=none",
+        "checkpoint=sharded",
+        "sharding.prefetch.forward=0",
+        "precision=bf16",
+        "hardware.nproc_per_node=8",
+    ]
     assert "note: fsdp_backward_prefetch=BACKWARD_PRE: FSDP2's default" in err
     assert "warning" not in err
     assert "note: fsdp_cpu_ram_efficient_loading=True" in err
@@ -103,55 +110,83 @@ def test_fsdp2_config_with_every_knob(tmp_path, capsys):
     words = shlex.split(out.strip())
     assert words[0] == "torchrun"  # two machines: a multi-node launch
     overrides = [w for w in words if "=" in w and not w.startswith("--")]
-    assert overrides == ["sharding=grad_op", "wrap=size", "wrap.min_num_params=100000000",
-                         "offload=cpu", "checkpoint=full", "activation_checkpointing=full",
-                         "precision=fp16", "hardware.nproc_per_node=8", "hardware.num_nodes=2"]
+    assert overrides == [
+        "sharding=grad_op",
+        "wrap=size",
+        "wrap.min_num_params=100000000",
+        "offload=cpu",
+        "checkpoint=full",
+        "activation_checkpointing=full",
+        "precision=fp16",
+        "hardware.nproc_per_node=8",
+        "hardware.num_nodes=2",
+    ]
     assert "fsdp_version=2: fsdp_lab always uses FSDP2" in err and "warning" not in err
     cfg = composes(overrides)
     assert cfg.offload.device.name == "cpu" and cfg.hardware.num_nodes == 2
 
 
-@pytest.mark.parametrize("fsdp,want", [
-    ({"fsdp_sharding_strategy": 4}, "sharding=hybrid"),  # accelerate's 1-based numbers
-    ({"fsdp_sharding_strategy": "5"}, "sharding=hybrid_zero2"),
-    ({"fsdp_reshard_after_forward": "NO_SHARD"}, "sharding=no_shard"),  # FSDP1 under the v2 key
-    ({"fsdp_reshard_after_forward": True}, "sharding=full"),
-    ({"fsdp_auto_wrap_policy": "NO_WRAP"}, "wrap=none"),
-    ({"fsdp_forward_prefetch": True}, "sharding.prefetch.forward=1"),
-    ({"fsdp_forward_prefetch": "false"}, "sharding.prefetch.forward=0"),
-])
+@pytest.mark.parametrize(
+    "fsdp,want",
+    [
+        ({"fsdp_sharding_strategy": 4}, "sharding=hybrid"),  # accelerate's 1-based numbers
+        ({"fsdp_sharding_strategy": "5"}, "sharding=hybrid_zero2"),
+        ({"fsdp_reshard_after_forward": "NO_SHARD"}, "sharding=no_shard"),  # FSDP1 under the v2 key
+        ({"fsdp_reshard_after_forward": True}, "sharding=full"),
+        ({"fsdp_auto_wrap_policy": "NO_WRAP"}, "wrap=none"),
+        ({"fsdp_forward_prefetch": True}, "sharding.prefetch.forward=1"),
+        ({"fsdp_forward_prefetch": "false"}, "sharding.prefetch.forward=0"),
+    ],
+)
 def test_each_spelling_of_a_setting(fsdp, want):
     out = translate({"distributed_type": "FSDP", "fsdp_config": fsdp})
     assert want in out.overrides
 
 
-@pytest.mark.parametrize("value,fragment", [
-    ("BACKWARD_POST", "no post-gradient prefetch"), ("NO_PREFETCH", "always prefetches")])
+@pytest.mark.parametrize(
+    "value,fragment",
+    [("BACKWARD_POST", "no post-gradient prefetch"), ("NO_PREFETCH", "always prefetches")],
+)
 def test_backward_prefetch_without_an_fsdp2_equivalent_is_warned_about(value, fragment):
-    out = translate({"distributed_type": "FSDP",
-                     "fsdp_config": {"fsdp_backward_prefetch": value}})
+    out = translate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_backward_prefetch": value}})
     assert fragment in "\n".join(out.warnings)
     assert not any("prefetch" in o for o in out.overrides)
 
 
 def test_keys_without_an_equivalent_are_warned_about():
-    out = translate({"distributed_type": "FSDP", "mixed_precision": "fp8", "new_key": 1,
-                     "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_foo": 3,
-                                     "fsdp_state_dict_type": "LOCAL_STATE_DICT"}})
+    out = translate(
+        {
+            "distributed_type": "FSDP",
+            "mixed_precision": "fp8",
+            "new_key": 1,
+            "fsdp_config": {
+                "fsdp_sharding_strategy": "FULL_SHARD",
+                "fsdp_foo": 3,
+                "fsdp_state_dict_type": "LOCAL_STATE_DICT",
+            },
+        }
+    )
     text = "\n".join(out.warnings)
     assert "mixed_precision=fp8: no equivalent" in text
     assert "fsdp_config.fsdp_foo=3: not known" in text and "new_key: not known" in text
     assert "LOCAL_STATE_DICT" in text and "checkpoint=sharded" in out.overrides
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("distributed_type: MULTI_GPU\nnum_processes: 2\n", "no fsdp_config section"),
-    ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: ZERO3\n",
-     "fsdp_sharding_strategy: 'ZERO3' is not one of"),
-    ("distributed_type: FSDP\nfsdp_config: {}\nnum_processes: 3\nnum_machines: 2\n",
-     "num_processes=3 is not a multiple of num_machines=2"),
-    ("[not, a, mapping]\n", "not an accelerate config"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("distributed_type: MULTI_GPU\nnum_processes: 2\n", "no fsdp_config section"),
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: ZERO3\n",
+            "fsdp_sharding_strategy: 'ZERO3' is not one of",
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config: {}\nnum_processes: 3\nnum_machines: 2\n",
+            "num_processes=3 is not a multiple of num_machines=2",
+        ),
+        ("[not, a, mapping]\n", "not an accelerate config"),
+    ],
+)
 def test_bad_files_are_one_line_errors(tmp_path, capsys, text, fragment):
     code, out, err = run_cli(tmp_path, text, capsys)
     assert code == 2 and out == ""

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_lab.engine import hardware
 from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
+from fsdp_lab.engine import hardware
 
 
 @pytest.fixture
@@ -17,6 +17,7 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+
     return install
 
 
@@ -44,7 +45,7 @@ def test_gpu_backend_pinning_and_rank_counts(fake_gpus):
 
 def test_bf16_needs_a_gpu_that_has_it(fake_gpus):
     fake_gpus(1, bf16=False)
-    with pytest.raises(ConfigError, match="precision.param_dtype=bf16"):
+    with pytest.raises(ConfigError, match=r"precision\.param_dtype=bf16"):
         hardware.check_dtype(HardwareKind.gpu, Dtype.bf16, "precision.param_dtype")
     hardware.check_dtype(HardwareKind.gpu, Dtype.fp16, "precision.param_dtype")
     hardware.check_dtype(HardwareKind.cpu, Dtype.bf16, "precision.param_dtype")
@@ -87,14 +88,13 @@ def _solo_work_rank(rank: int, port: int, result_dir: str) -> None:
     from fsdp_lab.engine import hardware
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=2))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
     if rank == 0:
         time.sleep(4)  # rank 0's solo work outlasts the 2 s collective timeout
     hardware.after_rank0("solo")
     t = torch.tensor([float(rank == 0)])
     dist.broadcast(t, src=0)
-    open(f"{result_dir}/rank{rank}", "w").write(str(t.item()))
+    Path(f"{result_dir}/rank{rank}").write_text(str(t.item()))
     dist.destroy_process_group()
 
 
@@ -116,8 +116,11 @@ def test_tpu_without_torch_xla_names_the_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torch_xla" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch_xla" else real(name, *a),
+    )
     with pytest.raises(ConfigError, match=r"pip install 'fsdp_lab\[tpu\]'.*torch==2.9.0"):
         hardware.resolve_kind(HardwareConfig(kind=HardwareKind.tpu))
 
@@ -129,7 +132,7 @@ def test_tpu_with_a_mismatched_torch_names_the_pair(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0")
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    with pytest.raises(ConfigError, match="torch-xla 2.9.0 needs torch 2.9.0.*torch 2.13.0"):
+    with pytest.raises(ConfigError, match=r"torch-xla 2\.9\.0 needs torch 2\.9\.0.*torch 2\.13\.0"):
         hardware.resolve_kind(HardwareConfig(kind=HardwareKind.tpu))
 
 
@@ -169,8 +172,10 @@ def importlib_util_has(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-@pytest.mark.parametrize("compute,tf32,peak", [(Dtype.bf16, True, 989.0), (Dtype.fp32, True, 494.7),
-                                              (Dtype.fp32, False, 67.0)])
+@pytest.mark.parametrize(
+    "compute,tf32,peak",
+    [(Dtype.bf16, True, 989.0), (Dtype.fp32, True, 494.7), (Dtype.fp32, False, 67.0)],
+)
 def test_mfu_peak_follows_the_compute_dtype_and_tf32(fake_gpus, monkeypatch, compute, tf32, peak):
     fake_gpus(1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
@@ -192,11 +197,14 @@ def test_tf32_is_set_on_gpu_only(monkeypatch):
 def test_a_cpu_without_native_bf16_is_named_before_a_slow_run(monkeypatch):
     """An AVX2 CPU computes bf16/fp16 matmuls in generic kernels, tens of times slower than
     fp32: the launch warns. Decided by oneDNN's own probe, and only for CPU compute."""
-    for dtype, probe in ((Dtype.bf16, "_is_mkldnn_bf16_supported"),
-                         (Dtype.fp16, "_is_mkldnn_fp16_supported")):
+    for dtype, probe in (
+        (Dtype.bf16, "_is_mkldnn_bf16_supported"),
+        (Dtype.fp16, "_is_mkldnn_fp16_supported"),
+    ):
         monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: False, raising=False)
-        assert f"no native {dtype.value} matmuls" in hardware.slow_cpu_dtype(HardwareKind.cpu,
-                                                                           dtype)
+        assert f"no native {dtype.value} matmuls" in hardware.slow_cpu_dtype(
+            HardwareKind.cpu, dtype
+        )
         assert hardware.slow_cpu_dtype(HardwareKind.gpu, dtype) is None
         monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: True, raising=False)
         assert hardware.slow_cpu_dtype(HardwareKind.cpu, dtype) is None

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.engine import hardware, model as model_lib
-from fsdp_lab.train import loop, loss as loss_lib
-from fsdp_lab.observe import metrics
-from fsdp_lab.tools import plan
-from fsdp_lab.engine import fsdp
 from fsdp_lab.config import OptimImpl
 from fsdp_lab.data.loader import build_data
+from fsdp_lab.engine import fsdp, hardware
+from fsdp_lab.engine import model as model_lib
+from fsdp_lab.observe import metrics
+from fsdp_lab.tools import plan
+from fsdp_lab.train import loop
+from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
@@ -32,23 +33,30 @@ def build_run(*overrides: str, implementation: OptimImpl | None = None):
     topo, _ = plan.topology(cfg)
     hf = model_lib.build_hf_config(cfg.model)
     meta = model_lib.build_meta_model(hf, cfg.model.task)
-    loss = loss_lib.build_loss(cfg.loss, meta, task=cfg.model.task, compiled=False,
-                        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device,
-                                                   compiled=False))
+    loss = loss_lib.build_loss(
+        cfg.loss,
+        meta,
+        task=cfg.model.task,
+        compiled=False,
+        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
+    )
     device = torch.device("cpu")
-    sharded = fsdp.build_model(cfg, topo, device, meta_model=meta,
-                                   source=lambda: model_lib.build_full_model(hf, seed=0))
+    sharded = fsdp.build_model(
+        cfg, topo, device, meta_model=meta, source=lambda: model_lib.build_full_model(hf, seed=0)
+    )
     impl = implementation or resolve_implementation(cfg.optim, topo.device, grad_scaler=False)
     optimizer = build_optimizer(sharded.model, cfg.optim, implementation=impl)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.trainer.max_steps)
-    data = build_data(cfg, corpus=None, tokenizer=None, vocab_size=hf.vocab_size, dp_size=1,
-                      dp_rank=0)
+    data = build_data(
+        cfg, corpus=None, tokenizer=None, vocab_size=hf.vocab_size, dp_size=1, dp_rank=0
+    )
     return cfg, sharded, optimizer, scheduler, data, loss
 
 
 def run_loop(*overrides: str, stop: bool = False, implementation=None, on_records=None):
-    cfg, sharded, optimizer, scheduler, data, loss = build_run(*overrides,
-                                                              implementation=implementation)
+    cfg, sharded, optimizer, scheduler, data, loss = build_run(
+        *overrides, implementation=implementation
+    )
     t = cfg.trainer
     records, boundaries = [], []
 
@@ -56,13 +64,27 @@ def run_loop(*overrides: str, stop: bool = False, implementation=None, on_record
         records.extend(batch)
         if on_records is not None:
             on_records(batch)
-    last, stopped = loop.train(
-        sharded.model, data=data, loss=loss, optimizer=optimizer, scheduler=scheduler, scaler=None,
-        grad_clip=1.0, start_step=0, max_steps=t.max_steps, grad_accum_steps=1,
-        tokens_per_step=t.micro_batch_size * t.seq_len, device=torch.device("cpu"),
-        place=sharded.place_batch, log_every=t.log_every, boundary_at=lambda step: step == 6,
-        on_records=collect, on_boundary=boundaries.append,
-        stop_requested=lambda: stop)
+
+    _last, stopped = loop.train(
+        sharded.model,
+        data=data,
+        loss=loss,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=None,
+        grad_clip=1.0,
+        start_step=0,
+        max_steps=t.max_steps,
+        grad_accum_steps=1,
+        tokens_per_step=t.micro_batch_size * t.seq_len,
+        device=torch.device("cpu"),
+        place=sharded.place_batch,
+        log_every=t.log_every,
+        boundary_at=lambda step: step == 6,
+        on_records=collect,
+        on_boundary=boundaries.append,
+        stop_requested=lambda: stop,
+    )
     return records, boundaries, stopped
 
 
@@ -70,8 +92,7 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 
 
 @pytest.mark.parametrize("loss", ["loss=chunked", "loss=hf"])
-def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, monkeypatch,
-                                                                   loss):
+def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, monkeypatch, loss):
     """Every read of a tensor's value (a host sync on a GPU) happens inside the window's flush
     at a boundary: none in the steps between (transformers' own packed-sequence check, one
     read per forward, included: see loss.default_positions)."""
@@ -83,6 +104,7 @@ def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, m
             if not state["flushing"]:
                 reads.append((state["step"], name))
             return original(self, *args, **kwargs)
+
         return read
 
     step, flush = loop.train_step, metrics.StepWindow.flush
@@ -97,18 +119,33 @@ def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, m
             return flush(self, **kwargs)
         finally:
             state["flushing"] = False
-    cfg, sharded, optimizer, scheduler, data, run_loss = build_run("trainer.max_steps=10", loss)
+
+    _cfg, sharded, optimizer, scheduler, data, run_loss = build_run("trainer.max_steps=10", loss)
     monkeypatch.setattr(loop, "train_step", counted_step)
     monkeypatch.setattr(metrics.StepWindow, "flush", counted_flush)
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     windows = []
-    loop.train(sharded.model, data=data, loss=run_loss, optimizer=optimizer, scheduler=scheduler,
-               scaler=None, grad_clip=1.0, start_step=0, max_steps=10, grad_accum_steps=1,
-               tokens_per_step=256, device=torch.device("cpu"), place=sharded.place_batch,
-               log_every=4, boundary_at=lambda s: False,
-               on_records=lambda batch: windows.append([m.step for m in batch]),
-               on_boundary=lambda s: None, stop_requested=lambda: False)
+    loop.train(
+        sharded.model,
+        data=data,
+        loss=run_loss,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=None,
+        grad_clip=1.0,
+        start_step=0,
+        max_steps=10,
+        grad_accum_steps=1,
+        tokens_per_step=256,
+        device=torch.device("cpu"),
+        place=sharded.place_batch,
+        log_every=4,
+        boundary_at=lambda s: False,
+        on_records=lambda batch: windows.append([m.step for m in batch]),
+        on_boundary=lambda s: None,
+        stop_requested=lambda: False,
+    )
     assert state["step"] == 10 and reads == []
     assert windows == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
 
@@ -132,39 +169,50 @@ def test_every_step_is_recorded_whatever_log_every_is(gloo_group):
 def test_a_stop_request_is_acted_on_at_the_next_boundary(gloo_group):
     """A signal during step 1 stops every rank after step 4 (log_every=4): at most
     log_every - 1 steps later, all of them recorded."""
-    records, boundaries, stopped = run_loop("trainer.max_steps=20", "trainer.log_every=4",
-                                            stop=True)
+    records, boundaries, stopped = run_loop(
+        "trainer.max_steps=20", "trainer.log_every=4", stop=True
+    )
     assert stopped and [m.step for m in records] == [1, 2, 3, 4] and boundaries == [4]
 
 
 def test_a_non_finite_loss_fails_at_the_boundary_naming_its_step(gloo_group):
     seen = []
     with pytest.raises(FloatingPointError, match=r"loss is nan at step \d+"):
-        run_loop("trainer.max_steps=8", "trainer.log_every=8", "optim.lr=1e30",
-                 "optim.warmup_steps=0", "optim.grad_clip=null",
-                 on_records=lambda batch: seen.extend(m.step for m in batch))
+        run_loop(
+            "trainer.max_steps=8",
+            "trainer.log_every=8",
+            "optim.lr=1e30",
+            "optim.warmup_steps=0",
+            "optim.grad_clip=null",
+            on_records=lambda batch: seen.extend(m.step for m in batch),
+        )
     assert seen == list(range(1, len(seen) + 1))  # the finite steps before it, recorded
     assert all(math.isfinite(m) for m in seen)
 
 
 def test_fused_foreach_and_for_loop_adamw_agree(gloo_group):
-    losses = {impl: [m.loss for m in run_loop("trainer.max_steps=4",
-                                              implementation=impl)[0]]
-              for impl in (OptimImpl.fused, OptimImpl.foreach, OptimImpl.for_loop)}
+    losses = {
+        impl: [m.loss for m in run_loop("trainer.max_steps=4", implementation=impl)[0]]
+        for impl in (OptimImpl.fused, OptimImpl.foreach, OptimImpl.for_loop)
+    }
     ref = losses[OptimImpl.for_loop]
     for impl, values in losses.items():
-        assert max(abs(a - b) for a, b in zip(values, ref)) <= 1e-6, impl
+        assert max(abs(a - b) for a, b in zip(values, ref, strict=True)) <= 1e-6, impl
 
 
-@pytest.mark.parametrize("device,scaler,want", [
-    ("cpu", False, OptimImpl.fused), ("gpu", False, OptimImpl.fused),
-    ("tpu", False, OptimImpl.foreach), ("gpu", True, OptimImpl.foreach),
-])
+@pytest.mark.parametrize(
+    "device,scaler,want",
+    [
+        ("cpu", False, OptimImpl.fused),
+        ("gpu", False, OptimImpl.fused),
+        ("tpu", False, OptimImpl.foreach),
+        ("gpu", True, OptimImpl.foreach),
+    ],
+)
 def test_auto_optimizer_implementation(device, scaler, want):
     from fsdp_lab.config import HardwareKind, OptimConfig
 
-    assert resolve_implementation(OptimConfig(), HardwareKind[device],
-                                  grad_scaler=scaler) is want
+    assert resolve_implementation(OptimConfig(), HardwareKind[device], grad_scaler=scaler) is want
 
 
 def test_step_clock_reads_cuda_events_only_at_a_boundary(monkeypatch):
@@ -184,6 +232,7 @@ def test_step_clock_reads_cuda_events_only_at_a_boundary(monkeypatch):
 
         def elapsed_time(self, end):
             return 250.0
+
     monkeypatch.setattr(torch.cuda, "Event", Event)
     clock = hardware.StepClock(torch.device("cuda", 0))
     start, end = clock.mark(), clock.mark()

@@ -8,20 +8,26 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import train
-from fsdp_lab.train import loss as loss_lib
+
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
+from fsdp_lab.train import loss as loss_lib
 
 
 def tiny_config(model_type: str):
     """A 2-layer model of each type the fused loss takes (dropout off: it is not an fp32 run's
     randomness that is compared)."""
-    from transformers import (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3Config)
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     match model_type:
         case "llama":
             return LlamaConfig(**common)
@@ -32,8 +38,16 @@ def tiny_config(model_type: str):
         case "qwen3":
             return Qwen3Config(**common, head_dim=16)
         case "gpt2":
-            return GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, use_cache=False,
-                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            return GPT2Config(
+                vocab_size=300,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                use_cache=False,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
     raise ValueError(model_type)
 
 
@@ -55,15 +69,19 @@ def model_and_batch(model_type: str):
 def test_chunked_loss_equals_the_models_own(model_type, chunk):
     ref, batch = model_and_batch(model_type)
     fused = copy.deepcopy(ref)
-    loss_lib.apply_fused_loss(fused, LossKind.chunked, compiled=False,
-                              chunk_size=chunk or loss_lib.chunk_rows(LossConfig(), 300))
+    loss_lib.apply_fused_loss(
+        fused,
+        LossKind.chunked,
+        compiled=False,
+        chunk_size=chunk or loss_lib.chunk_rows(LossConfig(), 300),
+    )
     want, got = ref(**batch).loss, fused(**batch).loss
     want.backward()
     got.backward()
     assert abs(got.item() - want.item()) <= 1e-6
     if chunk is None:
         assert got.item() == want.item()
-    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters(), strict=True):
         assert torch.allclose(q.grad, p.grad, rtol=1e-5, atol=1e-7), name
     total = fused(**batch, loss_reduction="sum").loss
     count = (loss_lib.shifted_targets(batch["labels"]) != loss_lib.IGNORE_INDEX).sum()
@@ -74,12 +92,17 @@ def test_chunked_loss_equals_the_models_own(model_type, chunk):
 def test_evaluation_sums_are_the_same_whatever_the_loss(kind):
     model, batch = model_and_batch("llama")
     ref = copy.deepcopy(model)
-    loss = loss_lib.build_loss(LossConfig(kind=kind), model, kind=kind,
-                               task=ModelTask.causal_lm, compiled=False)
+    loss = loss_lib.build_loss(
+        LossConfig(kind=kind), model, kind=kind, task=ModelTask.causal_lm, compiled=False
+    )
     total, count = loss.token_sums(model, batch).tolist()
     logits = ref(input_ids=batch["input_ids"]).logits[:, :-1]
-    want = F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                           ignore_index=loss_lib.IGNORE_INDEX, reduction="sum")
+    want = F.cross_entropy(
+        logits.flatten(0, 1),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=loss_lib.IGNORE_INDEX,
+        reduction="sum",
+    )
     assert count == 3 * 19 - 4 and abs(total - want.item()) <= 1e-4
 
 
@@ -125,7 +148,8 @@ def test_chunk_size_default_is_a_power_of_two_within_the_budget():
     for vocab in (256, 32000, 49152, 128256, 151936):
         rows = loss_lib.chunk_rows(LossConfig(), vocab)
         assert rows & (rows - 1) == 0 and rows * vocab * 4 <= loss_lib.CHUNK_LOGITS_BYTES < (
-            2 * rows * vocab * 4)
+            2 * rows * vocab * 4
+        )
     assert loss_lib.chunk_rows(LossConfig(chunk_size=100), 32000) == 100
 
 
@@ -142,6 +166,7 @@ def test_batches_without_a_mask_take_sdpa_causal_path(model_type, monkeypatch):
     def spy(*args, **kwargs):
         calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
         return sdpa(*args, **kwargs)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     plain = model(**batch).loss
     assert calls and all(mask is None and causal for mask, causal in calls)
@@ -149,20 +174,23 @@ def test_batches_without_a_mask_take_sdpa_causal_path(model_type, monkeypatch):
     assert abs(plain.item() - masked.item()) <= 1e-6
 
 
-
-@pytest.mark.parametrize("kind,model_type,task,device,compiled,want", [
-    (LossKind.auto, "llama", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.chunked),
-    (LossKind.auto, "gpt2", ModelTask.causal_lm, HardwareKind.gpu, True, LossKind.chunked),
-    (LossKind.auto, "llama", ModelTask.causal_lm, HardwareKind.tpu, False, LossKind.hf),
-    (LossKind.auto, "bert", ModelTask.masked_lm, HardwareKind.cpu, False, LossKind.hf),
-    (LossKind.auto, "gemma2", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.hf),
-    (LossKind.hf, "llama", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.hf),
-    (LossKind.chunked, "qwen2", ModelTask.causal_lm, HardwareKind.gpu, False, LossKind.chunked),
-])
+@pytest.mark.parametrize(
+    "kind,model_type,task,device,compiled,want",
+    [
+        (LossKind.auto, "llama", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.chunked),
+        (LossKind.auto, "gpt2", ModelTask.causal_lm, HardwareKind.gpu, True, LossKind.chunked),
+        (LossKind.auto, "llama", ModelTask.causal_lm, HardwareKind.tpu, False, LossKind.hf),
+        (LossKind.auto, "bert", ModelTask.masked_lm, HardwareKind.cpu, False, LossKind.hf),
+        (LossKind.auto, "gemma2", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.hf),
+        (LossKind.hf, "llama", ModelTask.causal_lm, HardwareKind.cpu, False, LossKind.hf),
+        (LossKind.chunked, "qwen2", ModelTask.causal_lm, HardwareKind.gpu, False, LossKind.chunked),
+    ],
+)
 def test_the_loss_a_run_computes(kind, model_type, task, device, compiled, want):
     cfg = type("C", (), {"model_type": model_type})()
-    assert loss_lib.resolve_kind(LossConfig(kind=kind), cfg, task, device,
-                                 compiled=compiled) is want
+    assert (
+        loss_lib.resolve_kind(LossConfig(kind=kind), cfg, task, device, compiled=compiled) is want
+    )
 
 
 def test_auto_takes_liger_on_an_eager_gpu_run_where_installed(monkeypatch):
@@ -170,31 +198,59 @@ def test_auto_takes_liger_on_an_eager_gpu_run_where_installed(monkeypatch):
 
     cfg = type("C", (), {"model_type": "llama"})()
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "liger_kernel" else real(name, *a),
+    )
     auto = LossConfig(kind=LossKind.auto)
-    assert loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu,
-                                 compiled=False) is LossKind.liger
-    assert loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu,
-                                 compiled=True) is LossKind.chunked
-    assert loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.cpu,
-                                 compiled=False) is LossKind.chunked
+    assert (
+        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=False)
+        is LossKind.liger
+    )
+    assert (
+        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=True)
+        is LossKind.chunked
+    )
+    assert (
+        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.cpu, compiled=False)
+        is LossKind.chunked
+    )
 
 
-@pytest.mark.parametrize("kind,model_type,task,device,fragment", [
-    (LossKind.chunked, "bert", ModelTask.masked_lm, HardwareKind.cpu, "a masked LM; use loss=hf"),
-    (LossKind.chunked, "gemma2", ModelTask.causal_lm, HardwareKind.cpu, "model_type=gemma2"),
-    (LossKind.liger, "llama", ModelTask.causal_lm, HardwareKind.cpu, "use loss=chunked"),
-    (LossKind.cce, "llama", ModelTask.causal_lm, HardwareKind.tpu, "use loss=hf"),
-    (LossKind.cce, "llama", ModelTask.causal_lm, HardwareKind.gpu, "pip install cut-cross-entropy"),
-])
-def test_a_loss_the_model_or_device_cannot_take_is_refused(kind, model_type, task, device,
-                                                            fragment, monkeypatch):
+@pytest.mark.parametrize(
+    "kind,model_type,task,device,fragment",
+    [
+        (
+            LossKind.chunked,
+            "bert",
+            ModelTask.masked_lm,
+            HardwareKind.cpu,
+            "a masked LM; use loss=hf",
+        ),
+        (LossKind.chunked, "gemma2", ModelTask.causal_lm, HardwareKind.cpu, "model_type=gemma2"),
+        (LossKind.liger, "llama", ModelTask.causal_lm, HardwareKind.cpu, "use loss=chunked"),
+        (LossKind.cce, "llama", ModelTask.causal_lm, HardwareKind.tpu, "use loss=hf"),
+        (
+            LossKind.cce,
+            "llama",
+            ModelTask.causal_lm,
+            HardwareKind.gpu,
+            "pip install cut-cross-entropy",
+        ),
+    ],
+)
+def test_a_loss_the_model_or_device_cannot_take_is_refused(
+    kind, model_type, task, device, fragment, monkeypatch
+):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
-        "liger_kernel", "cut_cross_entropy") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("liger_kernel", "cut_cross_entropy") else real(name, *a),
+    )
     cfg = type("C", (), {"model_type": model_type})()
     with pytest.raises(ConfigError) as e:
         loss_lib.resolve_kind(LossConfig(kind=kind), cfg, task, device, compiled=False)
@@ -202,11 +258,14 @@ def test_a_loss_the_model_or_device_cannot_take_is_refused(kind, model_type, tas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,fragment", [
-    (["loss=liger"], "loss=liger runs Triton kernels on a GPU"),
-    (["loss=chunked", "model=bert_tiny"], "this is a masked LM; use loss=hf"),
-    (["loss.chunk_size=0"], "loss.chunk_size=0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["loss=liger"], "loss=liger runs Triton kernels on a GPU"),
+        (["loss=chunked", "model=bert_tiny"], "this is a masked LM; use loss=hf"),
+        (["loss.chunk_size=0"], "loss.chunk_size=0 must be > 0"),
+    ],
+)
 def test_train_py_refuses_before_launch(run_dir, overrides, fragment):
     proc = train(run_dir, "hardware=cpu", *overrides)
     assert proc.returncode == 2

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import check_ok, train
+
 from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -24,15 +24,30 @@ def facts(run_dir) -> dict:
 
 def save_tiny(path, *, arch: str = "llama", tied: bool = False, seed: int = 123):
     """A small pretrained-looking directory: config, safetensors and a tokenizer."""
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
-    from transformers import Qwen2ForCausalLM
+    from transformers import (
+        ByT5Tokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig),
-                       "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[arch]
-    config = config_cls(vocab_size=259, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, tie_word_embeddings=tied,
-                        bos_token_id=0, eos_token_id=1)
+    cls, config_cls = {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+    }[arch]
+    config = config_cls(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(seed)
     model = cls(config)
     model.save_pretrained(path)
@@ -55,8 +70,17 @@ def test_pretrained_weights_reach_every_shard_exactly(tmp_path, arch, tied):
     run = tmp_path / "run"
     # An lr of 1e-30 moves a weight by at most 1e-30 (zero biases become +-1e-30; every other
     # fp32 weight stays bitwise the same): the export must be the loaded weights.
-    check_ok(train(run, "model=local", f"model.name_or_path={source}", "trainer.max_steps=1",
-                   "optim.lr=1e-30", "optim.warmup_steps=0", "checkpoint.export_hf=true"))
+    check_ok(
+        train(
+            run,
+            "model=local",
+            f"model.name_or_path={source}",
+            "trainer.max_steps=1",
+            "optim.lr=1e-30",
+            "optim.warmup_steps=0",
+            "checkpoint.export_hf=true",
+        )
+    )
     got = hf_weights(run / "hf")
     assert got.keys() == want.keys()
     for name in want:
@@ -64,12 +88,22 @@ def test_pretrained_weights_reach_every_shard_exactly(tmp_path, arch, tied):
     assert facts(run)["pretrained"] is True
     assert (run / "hf" / "tokenizer_config.json").is_file()  # the model's tokenizer comes along
     # The same directory with pretrained=false: its architecture, seeded random weights.
-    check_ok(train(tmp_path / "random", "model=local", f"model.name_or_path={source}",
-                   "model.pretrained=false", "trainer.max_steps=1", "optim.lr=1e-30",
-                   "optim.warmup_steps=0", "checkpoint.export_hf=true"))
+    check_ok(
+        train(
+            tmp_path / "random",
+            "model=local",
+            f"model.name_or_path={source}",
+            "model.pretrained=false",
+            "trainer.max_steps=1",
+            "optim.lr=1e-30",
+            "optim.warmup_steps=0",
+            "checkpoint.export_hf=true",
+        )
+    )
     fresh = hf_weights(tmp_path / "random" / "hf")
-    assert not torch.equal(fresh["model.layers.0.mlp.up_proj.weight"],
-                           want["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        fresh["model.layers.0.mlp.up_proj.weight"], want["model.layers.0.mlp.up_proj.weight"]
+    )
 
 
 def test_pretrained_without_weights_fails_before_launch(tmp_path):
@@ -81,25 +115,44 @@ def test_pretrained_without_weights_fails_before_launch(tmp_path):
     assert "model.pretrained=false" in proc.stderr
 
 
-@pytest.mark.parametrize("sharding,nproc,model", [
-    ("full", 2, "qwen2_tiny"), ("grad_op", 2, "qwen2_tiny"), ("no_shard", 2, "qwen2_tiny"),
-    ("hybrid", 4, "qwen2_tiny"), ("hybrid_zero2", 4, "gpt2_tiny"), ("full", 2, "gpt2_tiny"),
-])
+@pytest.mark.parametrize(
+    "sharding,nproc,model",
+    [
+        ("full", 2, "qwen2_tiny"),
+        ("grad_op", 2, "qwen2_tiny"),
+        ("no_shard", 2, "qwen2_tiny"),
+        ("hybrid", 4, "qwen2_tiny"),
+        ("hybrid_zero2", 4, "gpt2_tiny"),
+        ("full", 2, "gpt2_tiny"),
+    ],
+)
 def test_tied_embeddings_stay_tied_through_training_checkpoint_and_export(
-        tmp_path, sharding, nproc, model):
+    tmp_path, sharding, nproc, model
+):
     from transformers import AutoModelForCausalLM
 
     from fsdp_lab.state.export import load_checkpoint_weights
 
     run = tmp_path / "run"
-    check_ok(train(run, f"model={model}", f"sharding={sharding}",
-                   f"hardware.nproc_per_node={nproc}", "trainer.max_steps=4",
-                   "checkpoint.export_hf=true",
-                   # units by size: the embedding alone would qualify; it must stay with the head
-                   "wrap=size", "wrap.min_num_params=10000"))
+    check_ok(
+        train(
+            run,
+            f"model={model}",
+            f"sharding={sharding}",
+            f"hardware.nproc_per_node={nproc}",
+            "trainer.max_steps=4",
+            "checkpoint.export_hf=true",
+            # units by size: the embedding alone would qualify; it must stay with the head
+            "wrap=size",
+            "wrap.min_num_params=10000",
+        )
+    )
     sd, _, _ = load_checkpoint_weights(run)
-    head, embed = ("lm_head.weight", "model.embed_tokens.weight") if model == "qwen2_tiny" else (
-        "lm_head.weight", "transformer.wte.weight")
+    head, embed = (
+        ("lm_head.weight", "model.embed_tokens.weight")
+        if model == "qwen2_tiny"
+        else ("lm_head.weight", "transformer.wte.weight")
+    )
     if head in sd:  # DCP may store the shared tensor under both names: then they must agree
         assert torch.equal(sd[head], sd[embed])
     exported = AutoModelForCausalLM.from_pretrained(run / "hf")
@@ -113,8 +166,17 @@ def test_masked_lm_encoder_trains_on_text_and_exports(tmp_path):
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     run = tmp_path / "run"
-    check_ok(train(run, "model=bert_tiny", "data=shakespeare", "trainer.seq_len=128",
-                   "trainer.max_steps=40", "trainer.eval_every=20", "checkpoint.export_hf=true"))
+    check_ok(
+        train(
+            run,
+            "model=bert_tiny",
+            "data=shakespeare",
+            "trainer.seq_len=128",
+            "trainer.max_steps=40",
+            "trainer.eval_every=20",
+            "checkpoint.export_hf=true",
+        )
+    )
     got = losses(run)
     assert got[-1] < 0.7 * got[0], got  # 5.6 (uniform over 260 ids) -> byte statistics
     val = read_metrics(run / "metrics.jsonl", split="val")
@@ -135,8 +197,14 @@ def test_activation_checkpointing_leaves_the_loss_unchanged(tmp_path):
     common = ("trainer.max_steps=5", "model.num_layers=4", "hardware=cpu", "checkpoint=none")
     check_ok(train(tmp_path / "none", *common))
     for mode, chosen in [("full", [0, 1, 2, 3]), ("selective", [0, 3])]:
-        check_ok(train(tmp_path / mode, *common, f"activation_checkpointing={mode}",
-                       "activation_checkpointing.every=3"))
+        check_ok(
+            train(
+                tmp_path / mode,
+                *common,
+                f"activation_checkpointing={mode}",
+                "activation_checkpointing.every=3",
+            )
+        )
         assert losses(tmp_path / mode) == losses(tmp_path / "none"), mode
         assert facts(tmp_path / mode)["activation_checkpointing"] == chosen
 
@@ -146,30 +214,51 @@ def test_activation_checkpointed_run_resumes_from_a_plain_checkpoint(tmp_path):
     first = tmp_path / "first"
     check_ok(train(first, "trainer.max_steps=6", "checkpoint.every_n_steps=3"))
     resumed = tmp_path / "resumed"
-    check_ok(train(resumed, "trainer.max_steps=6", "activation_checkpointing=full",
-                   f"resume={first / 'checkpoints' / 'step_00000003'}"))
+    check_ok(
+        train(
+            resumed,
+            "trainer.max_steps=6",
+            "activation_checkpointing=full",
+            f"resume={first / 'checkpoints' / 'step_00000003'}",
+        )
+    )
     assert losses(resumed) == losses(first)[3:]
 
 
 def test_compile_matches_eager(tmp_path):
     common = ("trainer.max_steps=4", "hardware=cpu", "checkpoint=none")
     check_ok(train(tmp_path / "eager", *common))
-    check_ok(train(tmp_path / "compiled", *common, "compile=true",
-                   "activation_checkpointing=full", timeout=900))
+    check_ok(
+        train(
+            tmp_path / "compiled",
+            *common,
+            "compile=true",
+            "activation_checkpointing=full",
+            timeout=900,
+        )
+    )
     assert facts(tmp_path / "compiled")["compiled"] is True
-    diffs = [abs(a - b) for a, b in zip(losses(tmp_path / "compiled"), losses(tmp_path / "eager"))]
+    diffs = [
+        abs(a - b)
+        for a, b in zip(losses(tmp_path / "compiled"), losses(tmp_path / "eager"), strict=True)
+    ]
     assert len(diffs) == 4 and max(diffs) < 1e-4, diffs
 
 
 def test_text_data_resumes_on_exactly_the_batches_of_an_uninterrupted_run(tmp_path):
-    common = ("data=shakespeare", "trainer.seq_len=32", "trainer.max_steps=8",
-              "trainer.eval_every=4")
+    common = (
+        "data=shakespeare",
+        "trainer.seq_len=32",
+        "trainer.max_steps=8",
+        "trainer.eval_every=4",
+    )
     straight = tmp_path / "straight"
     check_ok(train(straight, *common, "checkpoint.every_n_steps=4"))
     resumed = tmp_path / "resumed"
-    check_ok(train(resumed, *common,
-                   f"resume={straight / 'checkpoints' / 'step_00000004'}"))
+    check_ok(train(resumed, *common, f"resume={straight / 'checkpoints' / 'step_00000004'}"))
     assert losses(resumed) == losses(straight)[4:]
+
     def val(run):
         return [(r["step"], r["val_loss"]) for r in read_metrics(run / "metrics.jsonl", "val")]
+
     assert val(resumed) == val(straight)[2:]  # steps 0 and 4 were before the checkpoint

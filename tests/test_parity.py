@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import OmegaConf
-
 from conftest import check_ok, train
+from omegaconf import OmegaConf
+from reference import reference_run
+
 from fsdp_lab.config import to_typed
 from fsdp_lab.observe.loggers import read_metrics
-from reference import reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,15 @@ STEPS = 8
 
 
 def run_and_compare(run_dir, world: int, *overrides: str) -> tuple[float, dict]:
-    check_ok(train(run_dir, f"hardware.nproc_per_node={world}", f"trainer.max_steps={STEPS}",
-                   "hardware=cpu", *overrides))
+    check_ok(
+        train(
+            run_dir,
+            f"hardware.nproc_per_node={world}",
+            f"trainer.max_steps={STEPS}",
+            "hardware=cpu",
+            *overrides,
+        )
+    )
     cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
     records = read_metrics(run_dir / "metrics.jsonl")
     want, want_norms = reference_run(cfg, world_size=world)
@@ -37,23 +44,34 @@ def run_and_compare(run_dir, world: int, *overrides: str) -> tuple[float, dict]:
     assert facts["status"] == "completed" and facts["world_size"] == world
     # The global gradient norm (over every rank's shards) is what clipping uses: it must be the
     # unsharded model's norm, not one rank's part of it.
-    norm_diff = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms))
+    norm_diff = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
     assert norm_diff <= NORM_RTOL[cfg.precision.param_dtype.name], norm_diff
-    return max(abs(r["loss"] - w) for r, w in zip(records, want)), facts
+    return max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True)), facts
 
 
-@pytest.mark.parametrize("strategy,world,shard_ways", [
-    ("full", 2, 2), ("grad_op", 2, 2), ("no_shard", 2, 1),
-    ("hybrid", 4, 2), ("hybrid_zero2", 4, 2),
-])
+@pytest.mark.parametrize(
+    "strategy,world,shard_ways",
+    [
+        ("full", 2, 2),
+        ("grad_op", 2, 2),
+        ("no_shard", 2, 1),
+        ("hybrid", 4, 2),
+        ("hybrid_zero2", 4, 2),
+    ],
+)
 def test_every_strategy_matches_one_unsharded_process(run_dir, strategy, world, shard_ways):
     diff, facts = run_and_compare(run_dir, world, f"sharding={strategy}")
     assert diff <= FP32_TOL, f"{strategy}: max |loss diff| {diff:.2e}"
     # Each rank stores 1/shard_ways of every parameter (dim-0 chunks; sizes here divide evenly).
     total = facts["total_params"]
     assert facts["local_params_per_rank"] == [total // shard_ways] * world
-    expected_mesh = {"full": [2], "grad_op": [2], "no_shard": [2, 1],
-                     "hybrid": [2, 2], "hybrid_zero2": [2, 2]}[strategy]
+    expected_mesh = {
+        "full": [2],
+        "grad_op": [2],
+        "no_shard": [2, 1],
+        "hybrid": [2, 2],
+        "hybrid_zero2": [2, 2],
+    }[strategy]
     assert facts["mesh_shape"] == expected_mesh
 
 
@@ -65,18 +83,22 @@ def test_mixed_precision_stays_close_to_fp32_reference(run_dir, precision, tol):
     assert diff > FP32_TOL
 
 
-@pytest.mark.parametrize("overrides", [
-    ("model=qwen2_tiny",),  # tied embeddings, sharded in the root unit
-    ("model=gpt2_tiny", "wrap=none"),
-    ("trainer.grad_accum_steps=3",),
-    ("offload=cpu",),
-    ("wrap=size", "wrap.min_num_params=5000"),
-    ("sharding.reshard_after_forward=false",),
-    ("optim.grad_clip=0.05",),  # clipping active on every step (norms are ~0.7)
-    ("model=bert_tiny",),  # masked LM: the ranks' masks differ, their mean losses are averaged
-    ("data=shakespeare", "trainer.seq_len=32"),  # packed text, each rank its own rows
-    ("activation_checkpointing=full",),
-], ids=lambda o: ",".join(o))
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=qwen2_tiny",),  # tied embeddings, sharded in the root unit
+        ("model=gpt2_tiny", "wrap=none"),
+        ("trainer.grad_accum_steps=3",),
+        ("offload=cpu",),
+        ("wrap=size", "wrap.min_num_params=5000"),
+        ("sharding.reshard_after_forward=false",),
+        ("optim.grad_clip=0.05",),  # clipping active on every step (norms are ~0.7)
+        ("model=bert_tiny",),  # masked LM: the ranks' masks differ, their mean losses are averaged
+        ("data=shakespeare", "trainer.seq_len=32"),  # packed text, each rank its own rows
+        ("activation_checkpointing=full",),
+    ],
+    ids=lambda o: ",".join(o),
+)
 def test_models_and_knobs_match_the_reference(run_dir, overrides):
     diff, _ = run_and_compare(run_dir, 2, "sharding=full", *overrides)
     assert diff <= FP32_TOL, f"{overrides}: max |loss diff| {diff:.2e}"

@@ -8,23 +8,34 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import check_ok, train
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import check_ok, train
-from fsdp_lab.config import strategies, topology
-from fsdp_lab.engine import activations, model as model_lib
-from fsdp_lab.tools import cli, memory, plan
+from fsdp_lab.config import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    LossKind,
+    ModelArch,
+    ModelConfig,
+    ModelTask,
+    strategies,
+)
 from fsdp_lab.data import corpus
-from fsdp_lab.observe import metrics
+from fsdp_lab.engine import activations, fsdp, precision, wrap
+from fsdp_lab.engine import model as model_lib
+from fsdp_lab.tools import cli, memory, plan
 from fsdp_lab.train import loss as loss_lib
-from fsdp_lab.engine import precision, fsdp, wrap
-from fsdp_lab.config import (ActivationCheckpointingConfig, LossKind, ActivationCheckpointingMode, ModelArch,
-                             ModelConfig, ModelTask)
 from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 
-MEDIUM = ["hardware=cpu", "model.hidden_size=256", "model.intermediate_size=1024",
-          "model.num_layers=4", "trainer.seq_len=256", "trainer.micro_batch_size=8"]
+MEDIUM = [
+    "hardware=cpu",
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "model.num_layers=4",
+    "trainer.seq_len=256",
+    "trainer.micro_batch_size=8",
+]
 
 
 def test_zero_paper_figure_1():
@@ -57,34 +68,57 @@ def test_fsdp2_state_is_the_papers_16_bytes_regrouped():
     p = plan.build_plan(["hardware=cpu"])
     psi, tensors = p["num_params"], 21  # 9 per layer x 2, norm, embedding, head
     full, grad_op, no_shard = (p["strategies"][s] for s in ("full", "grad_op", "no_shard"))
-    assert full["per_rank"] == [{"params": 2 * psi, "grads": 2 * psi,
-                                 "optimizer": 4 * psi + 4 * tensors, "padding": 0}] * 2
+    assert (
+        full["per_rank"]
+        == [{"params": 2 * psi, "grads": 2 * psi, "optimizer": 4 * psi + 4 * tensors, "padding": 0}]
+        * 2
+    )
     assert full["zero_paper"]["total"] == 8 * psi
     assert full["rank0"]["params"] + full["rank0"]["grads"] + full["rank0"]["optimizer"] == (
-        full["zero_paper"]["total"] + 4 * tensors)
+        full["zero_paper"]["total"] + 4 * tensors
+    )
     # FSDP2's grad_op holds full's state at rest; its gathered params are the transient.
     assert grad_op["per_rank"] == full["per_rank"]
     assert grad_op["transient"]["kept_params"] == 4 * psi > full["transient"]["kept_params"]
-    assert no_shard["rank0"] == {"params": 4 * psi, "grads": 4 * psi,
-                                 "optimizer": 8 * psi + 4 * tensors, "padding": 0}
+    assert no_shard["rank0"] == {
+        "params": 4 * psi,
+        "grads": 4 * psi,
+        "optimizer": 8 * psi + 4 * tensors,
+        "padding": 0,
+    }
     assert not p["strategies"]["hybrid"]["available"]
     assert "4+ ranks" in p["strategies"]["hybrid"]["reason"]
 
 
 def test_128_ranks_planned_on_a_laptop():
-    p = plan.build_plan(["hardware=gpu", "hardware.num_nodes=16", "hardware.nproc_per_node=8",
-                         "sharding=hybrid", "precision=bf16"])
+    p = plan.build_plan(
+        [
+            "hardware=gpu",
+            "hardware.num_nodes=16",
+            "hardware.nproc_per_node=8",
+            "sharding=hybrid",
+            "precision=bf16",
+        ]
+    )
     assert (p["world_size"], p["device"]) == (128, "gpu")
     s = p["strategies"]
     assert (s["hybrid"]["mesh"], s["full"]["mesh"], s["no_shard"]["mesh"]) == (
-        [16, 8], [128], [128, 1])
+        [16, 8],
+        [128],
+        [128, 1],
+    )
     assert len(s["hybrid"]["per_rank"]) == 128
     assert all(s["hybrid"]["per_rank"][r] == s["hybrid"]["per_rank"][r % 8] for r in range(128))
     # Dims of 64 over 128 ranks: the last ranks hold empty shards but padded storage.
     last, first = s["full"]["per_rank"][127], s["full"]["per_rank"][0]
     assert last["params"] < first["params"] and last["padding"] > 0 == first["padding"]
     assert [(s[k]["zero_paper"]["stage"], s[k]["zero_paper"]["dp_size"]) for k in s] == [
-        (3, 128), (2, 128), (0, 1), (3, 8), (2, 8)]
+        (3, 128),
+        (2, 128),
+        (0, 1),
+        (3, 8),
+        (2, 8),
+    ]
     assert not any("assumed" in a and "per node" in a for a in p["assumptions"])
     assumed = plan.build_plan(["hardware=gpu"])["assumptions"]
     if not torch.cuda.is_available():
@@ -94,24 +128,34 @@ def test_128_ranks_planned_on_a_laptop():
 def test_cli_text_and_json(capsys):
     assert cli.main(["plan", "sharding=grad_op", "hardware.nproc_per_node=4"]) == 0
     text = capsys.readouterr().out
-    rows = [line for line in text.splitlines() if line[2:].split(" ")[0] in
-            {"full", "grad_op", "no_shard", "hybrid", "hybrid_zero2"}]
+    rows = [
+        line
+        for line in text.splitlines()
+        if line[2:].split(" ")[0] in {"full", "grad_op", "no_shard", "hybrid", "hybrid_zero2"}
+    ]
     assert len(rows) == 5 and rows[1].startswith("* grad_op") and "(4,)" in rows[1]
     assert "ZeRO paper" in text and "not counted:" in text
     assert cli.main(["plan", "--json", "sharding=hybrid", "hardware.nproc_per_node=4"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["chosen"] == "hybrid" and data["strategies"]["hybrid"]["mesh"] == [2, 2]
-    assert set(data["strategies"]["hybrid"]["per_rank"][3]) == {"params", "grads", "optimizer",
-                                                                "padding"}
+    assert set(data["strategies"]["hybrid"]["per_rank"][3]) == {
+        "params",
+        "grads",
+        "optimizer",
+        "padding",
+    }
     assert data["not_counted"] and data["units"]["count"] == 3
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["sharding=nope"], "sharding"),
-    (["hardware=cpu", "sharding=hybrid"], "4+ ranks"),
-    (["trainer.no_such_key=1"], "no_such_key"),
-    (["trainer.seq_len=4096"], "trainer.seq_len"),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["sharding=nope"], "sharding"),
+        (["hardware=cpu", "sharding=hybrid"], "4+ ranks"),
+        (["trainer.no_such_key=1"], "no_such_key"),
+        (["trainer.seq_len=4096"], "trainer.seq_len"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, overrides, words):
     assert cli.main(["plan", *overrides]) == 2
     err = capsys.readouterr().err
@@ -120,12 +164,14 @@ def test_bad_input_is_one_line_exit_2(capsys, overrides, words):
 
 # --- exact per-rank state on a fake process group (any world size, one process) ------------
 
+
 @pytest.fixture
 def fake_group():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    yield lambda rank, world: dist.init_process_group("fake", store=FakeStore(), rank=rank,
-                                                      world_size=world)
+    yield lambda rank, world: dist.init_process_group(
+        "fake", store=FakeStore(), rank=rank, world_size=world
+    )
     dist.destroy_process_group()
 
 
@@ -133,19 +179,29 @@ def sharded_rank(overrides: list[str]):
     """The worker's recipe (steps 2-4 and 7) on the current fake group, weights random."""
     cfg = plan.compose(overrides)
     topo, _ = plan.topology(cfg)
-    hf = model_lib.build_hf_config(model_lib.resolve_vocab_size(cfg.model,
-                                                                corpus.load_tokenizer(cfg)))
+    hf = model_lib.build_hf_config(
+        model_lib.resolve_vocab_size(cfg.model, corpus.load_tokenizer(cfg))
+    )
     model = model_lib.build_meta_model(hf, cfg.model.task)
-    loss_lib.build_loss(cfg.loss, model, task=cfg.model.task, compiled=False,
-                        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device,
-                                                   compiled=False))
+    loss_lib.build_loss(
+        cfg.loss,
+        model,
+        task=cfg.model.task,
+        compiled=False,
+        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
+    )
     units = activations.apply_activation_checkpointing(
-        model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing)
-    fsdp.apply_fsdp(model, units, mesh=fsdp.build_mesh(cfg.sharding, topo,
-                                                               device_type="cpu"),
-                        reshard_after_forward=strategies.reshard_after_forward(cfg.sharding),
-                        mp_policy=precision.build_mp_policy(cfg.precision), offload_policy=None,
-                        prefetch=cfg.sharding.prefetch)
+        model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing
+    )
+    fsdp.apply_fsdp(
+        model,
+        units,
+        mesh=fsdp.build_mesh(cfg.sharding, topo, device_type="cpu"),
+        reshard_after_forward=strategies.reshard_after_forward(cfg.sharding),
+        mp_policy=precision.build_mp_policy(cfg.precision),
+        offload_policy=None,
+        prefetch=cfg.sharding.prefetch,
+    )
     model.to_empty(device="cpu")
     buffers = dict(model_lib.build_full_model(hf, seed=0, task=cfg.model.task).named_buffers())
     with torch.no_grad():
@@ -154,24 +210,34 @@ def sharded_rank(overrides: list[str]):
         for name, b in model.named_buffers():  # rotary inv_freq, BERT's position ids
             b.copy_(buffers[activations.clean_name(name)])
     ids = torch.randint(0, hf.vocab_size - 1, (cfg.trainer.micro_batch_size, cfg.trainer.seq_len))
-    optimizer = build_optimizer(model, cfg.optim, implementation=resolve_implementation(
-        cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled))
+    optimizer = build_optimizer(
+        model,
+        cfg.optim,
+        implementation=resolve_implementation(
+            cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled
+        ),
+    )
     return model, optimizer, dict(input_ids=ids, labels=ids), cfg
 
 
 def storage_bytes(tensors) -> int:
-    seen = {t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage().nbytes()
-            for t in tensors}
+    seen = {
+        t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage().nbytes()
+        for t in tensors
+    }
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("overrides,rank", [
-    (["hardware=cpu", "hardware.nproc_per_node=3"], 2),  # uneven shards: 64 rows over 3
-    (["model=bert_tiny", "hardware.nproc_per_node=7", "precision=bf16"], 6),  # empty shards
-    (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=5"], 4),
-    (["sharding=hybrid_zero2", "hardware.nproc_per_node=6", "precision=bf16_pure"], 5),
-    (["hardware=cpu", "model=qwen2_tiny", "sharding=no_shard"], 1),
-])
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        (["hardware=cpu", "hardware.nproc_per_node=3"], 2),  # uneven shards: 64 rows over 3
+        (["model=bert_tiny", "hardware.nproc_per_node=7", "precision=bf16"], 6),  # empty shards
+        (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=5"], 4),
+        (["sharding=hybrid_zero2", "hardware.nproc_per_node=6", "precision=bf16_pure"], 5),
+        (["hardware=cpu", "model=qwen2_tiny", "sharding=no_shard"], 1),
+    ],
+)
 def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     expected = plan.build_plan(overrides)
     expected = expected["strategies"][expected["chosen"]]["per_rank"][rank]
@@ -180,7 +246,8 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     model(**batch).loss.backward()
     optimizer.step()
     assert fsdp.state_bytes(model, optimizer) == {
-        k: expected[k] for k in ("params", "grads", "optimizer")}
+        k: expected[k] for k in ("params", "grads", "optimizer")
+    }
     params = list(model.parameters())
     # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
     assert storage_bytes(params) == expected["params"] + expected["padding"] // 2
@@ -194,12 +261,15 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
 PEAK_TOLERANCE = 0.08
 
 
-@pytest.mark.parametrize("overrides,rank", [
-    (["sharding=full"], 0),
-    (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=3"], 2),
-    (["model=bert_tiny", "precision=bf16", "activation_checkpointing=full"], 0),
-    (["model=qwen2_tiny", "trainer.grad_accum_steps=2", "precision=bf16_pure"], 0),
-])
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        (["sharding=full"], 0),
+        (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=3"], 2),
+        (["model=bert_tiny", "precision=bf16", "activation_checkpointing=full"], 0),
+        (["model=qwen2_tiny", "trainer.grad_accum_steps=2", "precision=bf16_pure"], 0),
+    ],
+)
 def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank):
     from torch.profiler import ProfilerActivity, profile
 
@@ -211,11 +281,18 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank)
     model, optimizer, batch, cfg = sharded_rank(MEDIUM + overrides)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(2):
-            train_step(model, [batch] * cfg.trainer.grad_accum_steps, optimizer=optimizer,
-                       scaler=None, grad_clip=1.0)
+            train_step(
+                model,
+                [batch] * cfg.trainer.grad_accum_steps,
+                optimizer=optimizer,
+                scaler=None,
+                grad_clip=1.0,
+            )
     live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
+    for e in sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    ):
         live += e.nbytes()
         peak = max(peak, live)
     estimate = peak_less_params(s, rank)
@@ -225,19 +302,31 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank)
 def peak_less_params(s: dict, rank: int) -> int:
     """The plan's peak for ``rank`` less what was there before the first step (its params)."""
     mine = memory.StateBytes(**s["per_rank"][rank])
-    return (memory.peak(mine, activations=s["activations"], transient_bytes=s["transient"]["total"])
-            - mine.params - mine.padding // 2)
+    return (
+        memory.peak(mine, activations=s["activations"], transient_bytes=s["transient"]["total"])
+        - mine.params
+        - mine.padding // 2
+    )
 
 
 # --- activations against what autograd saves ------------------------------------------------
+
 
 def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
     """A preset on CPU with params in ``dtype`` (as FSDP2's param_dtype casts them; buffers stay
     fp32), its layers checkpointed as fsdp_lab does, and the plan's layer shape."""
     task = ModelTask.masked_lm if arch is ModelArch.bert else ModelTask.causal_lm
-    cfg = ModelConfig(arch=arch, task=task, vocab_size=256, hidden_size=128,
-                      intermediate_size=384, num_layers=3, num_heads=8, num_kv_heads=2,
-                      tie_word_embeddings=arch is not ModelArch.llama)
+    cfg = ModelConfig(
+        arch=arch,
+        task=task,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        tie_word_embeddings=arch is not ModelArch.llama,
+    )
     hf = model_lib.build_hf_config(cfg)
     model = model_lib.build_full_model(hf, seed=0, task=task)
     for p in model.parameters():
@@ -256,6 +345,7 @@ def saved_bytes(model, batch) -> int:
         if t.untyped_storage().data_ptr() not in weights:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**batch).loss
     loss.backward()
@@ -299,14 +389,16 @@ def test_activations_are_what_autograd_saves(arch, dtype):
     model, shape, _ = small_model(arch, dtype)
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize,
-                                  num_checkpointed=0).saved
+    estimate = memory.activations(
+        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+    ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", [ModelArch.llama, ModelArch.qwen2, ModelArch.gpt2],
-                         ids=["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize(
+    "arch", [ModelArch.llama, ModelArch.qwen2, ModelArch.gpt2], ids=["llama", "qwen2", "gpt2"]
+)
 def test_activations_with_a_fused_loss(arch, dtype):
     """loss=chunked saves the head weight's gradient and the hidden states' instead of the
     log-softmax over the vocabulary; in forward it holds one chunk's logits at a time."""
@@ -315,24 +407,31 @@ def test_activations_with_a_fused_loss(arch, dtype):
     loss_lib.apply_fused_loss(model, LossKind.chunked, chunk_size=chunk, compiled=False)
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    fused = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0,
-                               loss_chunk=chunk)
+    fused = memory.activations(
+        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0, loss_chunk=chunk
+    )
     hf = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0)
     assert abs(fused.saved / measured - 1) <= ACTIVATION_TOLERANCE, (fused.saved, measured)
     assert fused.loss_grad == chunk * shape.vocab * 8 < hf.loss_grad
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
-@pytest.mark.parametrize("arch,dtype", [(ModelArch.llama, torch.bfloat16),
-                                        (ModelArch.gpt2, torch.float32),
-                                        (ModelArch.bert, torch.bfloat16)], ids=["llama", "gpt2",
-                                                                               "bert"])
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [
+        (ModelArch.llama, torch.bfloat16),
+        (ModelArch.gpt2, torch.float32),
+        (ModelArch.bert, torch.bfloat16),
+    ],
+    ids=["llama", "gpt2", "bert"],
+)
 def test_activations_with_checkpointing(arch, dtype, ac):
     model, shape, num_checkpointed = small_model(arch, dtype, ac)
     ids = torch.randint(0, 250, (3, 96))
     measured = live_bytes_after_forward(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize,
-                                  num_checkpointed=num_checkpointed).saved
+    estimate = memory.activations(
+        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=num_checkpointed
+    ).saved
     assert abs(estimate / measured - 1) <= 2 * ACTIVATION_TOLERANCE, (estimate, measured)
 
 
@@ -350,17 +449,20 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    ["sharding=full"],
-    ["sharding=grad_op"],
-    ["sharding=hybrid", "hardware.nproc_per_node=4"],
-    ["sharding=full", "precision=bf16"],
-], ids=["full", "grad_op", "hybrid", "full-bf16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sharding=full"],
+        ["sharding=grad_op"],
+        ["sharding=hybrid", "hardware.nproc_per_node=4"],
+        ["sharding=full", "precision=bf16"],
+    ],
+    ids=["full", "grad_op", "hybrid", "full-bf16"],
+)
 def test_measured_runs_match_the_plan(run_dir, monkeypatch, overrides):
     for k, v in MALLOC_ENV.items():
         monkeypatch.setenv(k, v)
-    args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none",
-            *overrides]
+    args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none", *overrides]
     check_ok(train(run_dir, *args))
     run = json.loads((run_dir / "run.json").read_text())
     expected = plan.build_plan(args)
@@ -372,8 +474,11 @@ def test_measured_runs_match_the_plan(run_dir, monkeypatch, overrides):
     for rank, before in enumerate(run["memory_before_train_bytes_per_rank"]):
         peak = max(r["peak_mem_bytes_per_rank"][rank] for r in steps if r["split"] == "train")
         estimate = peak_less_params(s, rank)
-        assert ((1 - RSS_TOLERANCE) * estimate <= peak - before
-                <= (1 + RSS_TOLERANCE) * estimate + RSS_SLACK), (rank, peak - before, estimate)
+        assert (
+            (1 - RSS_TOLERANCE) * estimate
+            <= peak - before
+            <= (1 + RSS_TOLERANCE) * estimate + RSS_SLACK
+        ), (rank, peak - before, estimate)
 
 
 def test_tpu_is_not_planned(capsys):

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, check_ok
+
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.tools.report import write_report
@@ -33,25 +33,45 @@ hydra:
 """
 
 
-def write_job(sweep: Path, num: int, *, status: str = "completed", error: str | None = None,
-              overrides: tuple[str, ...] = (), steps: int = 0, val_steps: tuple[int, ...] = (),
-              peaks: tuple[int, ...] = (400 * MIB, 410 * MIB), extra: dict | None = None,
-              **facts) -> Path:
+def write_job(
+    sweep: Path,
+    num: int,
+    *,
+    status: str = "completed",
+    error: str | None = None,
+    overrides: tuple[str, ...] = (),
+    steps: int = 0,
+    val_steps: tuple[int, ...] = (),
+    peaks: tuple[int, ...] = (400 * MIB, 410 * MIB),
+    extra: dict | None = None,
+    **facts,
+) -> Path:
     """A job dir as a sweep leaves it: run.json (with the "job" record), and metrics.jsonl
     when the job trained (loss 5 - step/10, tokens/s 1000 * step, peaks growing by 1 MiB)."""
     job_dir = sweep / str(num)
     job_dir.mkdir(parents=True)
-    choices = {**CHOICES, **{o.split("=")[0]: o.split("=")[1] for o in overrides
-                             if o.split("=")[0] in CHOICES}}
+    choices = {
+        **CHOICES,
+        **{o.split("=")[0]: o.split("=")[1] for o in overrides if o.split("=")[0] in CHOICES},
+    }
     record = {"overrides": list(overrides), "choices": choices, "num": num}
     run = {"status": status, "job": record, **facts}
     if error is not None:
         run["error"] = error
     (job_dir / "run.json").write_text(json.dumps(run))
-    lines = [{"split": "train", "step": s, "loss": 5 - s / 10, "tokens_per_s": 1000.0 * s,
-              "step_time_s": 1 / s, "peak_mem_bytes_per_rank": [p + s * MIB for p in peaks],
-              "peak_mem_bytes": max(peaks) + s * MIB, **(extra or {})}
-             for s in range(1, steps + 1)]
+    lines = [
+        {
+            "split": "train",
+            "step": s,
+            "loss": 5 - s / 10,
+            "tokens_per_s": 1000.0 * s,
+            "step_time_s": 1 / s,
+            "peak_mem_bytes_per_rank": [p + s * MIB for p in peaks],
+            "peak_mem_bytes": max(peaks) + s * MIB,
+            **(extra or {}),
+        }
+        for s in range(1, steps + 1)
+    ]
     lines += [{"split": "val", "step": s, "val_loss": 6 - s / 10} for s in val_steps]
     if lines:
         (job_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -63,7 +83,7 @@ def read_table(report: Path) -> tuple[list[str], list[dict[str, str]]]:
     rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
     split = [[c.strip() for c in row.strip("| ").split(" | ")] for row in rows]
     header = split[0]
-    return header, [dict(zip(header, cells)) for cells in split[2:]]
+    return header, [dict(zip(header, cells, strict=True)) for cells in split[2:]]
 
 
 def fixed_line(report: Path) -> str:
@@ -83,19 +103,39 @@ def small_sweep(tmp_path: Path) -> Path:
     """Three jobs over sharding: two trained, one refused before launch (only run.json)."""
     sweep = tmp_path / "sweep"
     common = ("trainer.max_steps=4",)
-    write_job(sweep, 0, overrides=("sharding=full", *common), steps=4, val_steps=(0, 4),
-              hardware="cpu: 2 cores", world_size=2, final_loss=4.6)
-    write_job(sweep, 1, overrides=("sharding=grad_op", *common), steps=4, val_steps=(0, 4),
-              hardware="cpu: 2 cores", world_size=2, final_loss=4.6)
-    write_job(sweep, 2, overrides=("sharding=hybrid", *common), status="failed",
-              error="sharding=hybrid on 2 ranks leaves shard groups of 1 | set replicate_size")
+    write_job(
+        sweep,
+        0,
+        overrides=("sharding=full", *common),
+        steps=4,
+        val_steps=(0, 4),
+        hardware="cpu: 2 cores",
+        world_size=2,
+        final_loss=4.6,
+    )
+    write_job(
+        sweep,
+        1,
+        overrides=("sharding=grad_op", *common),
+        steps=4,
+        val_steps=(0, 4),
+        hardware="cpu: 2 cores",
+        world_size=2,
+        final_loss=4.6,
+    )
+    write_job(
+        sweep,
+        2,
+        overrides=("sharding=hybrid", *common),
+        status="failed",
+        error="sharding=hybrid on 2 ranks leaves shard groups of 1 | set replicate_size",
+    )
     return sweep
 
 
 def test_the_table_has_a_row_per_job_and_a_column_per_varying_option(small_sweep):
     paths = write_report(small_sweep)
-    assert [p.name for p in paths] == ["report.md", "throughput_vs_memory.png",
-                                       "loss_curves.png"]
+    assert [p.name for p in paths] == ["report.md", "throughput_vs_memory.png", "loss_curves.png"]
     header, rows = read_table(paths[0])
     assert header[:3] == ["job", "sharding", "status"]
     assert [r["job"] for r in rows] == ["0", "1", "2"]
@@ -121,8 +161,13 @@ def test_a_failed_job_shows_its_error_and_no_figures(small_sweep):
 
 def test_a_sweep_whose_every_job_was_refused_still_gets_a_report(tmp_path):
     for num in range(2):
-        write_job(tmp_path, num, overrides=(f"sharding=hybrid_{num}",), status="failed",
-                  error="sharding=hybrid on 2 ranks")
+        write_job(
+            tmp_path,
+            num,
+            overrides=(f"sharding=hybrid_{num}",),
+            status="failed",
+            error="sharding=hybrid on 2 ranks",
+        )
     paths = write_report(tmp_path)
     _, rows = read_table(paths[0])
     assert [r["status"] for r in rows] == ["failed: sharding=hybrid on 2 ranks"] * 2
@@ -139,14 +184,23 @@ def test_a_long_error_is_shortened(tmp_path):
 def test_preempted_running_and_diverged_jobs(tmp_path):
     write_job(tmp_path, 0, overrides=("optim.lr=1",), status="preempted", steps=3, step=3)
     write_job(tmp_path, 1, overrides=("optim.lr=2",), status="running", steps=2)
-    diverged = write_job(tmp_path, 2, overrides=("optim.lr=1e30",), status="failed",
-                         error="FloatingPointError: loss is nan", steps=2)
+    diverged = write_job(
+        tmp_path,
+        2,
+        overrides=("optim.lr=1e30",),
+        status="failed",
+        error="FloatingPointError: loss is nan",
+        steps=2,
+    )
     with (diverged / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"split": "train", "step": 3, "loss": float("nan")}) + "\n")
         f.write('{"split": "train", "step": 4, "lo')  # a line cut by a killed run
     _, rows = read_table(write_report(tmp_path)[0])
-    assert [r["status"] for r in rows] == ["preempted at step 3", "running",
-                                           "failed: FloatingPointError: loss is nan"]
+    assert [r["status"] for r in rows] == [
+        "preempted at step 3",
+        "running",
+        "failed: FloatingPointError: loss is nan",
+    ]
     assert [r["optim.lr"] for r in rows] == ["1", "2", "1e30"]
     assert rows[2]["final loss"] == "nan" and rows[2]["steps"] == "3"
 
@@ -170,7 +224,11 @@ def test_an_old_sweep_without_job_records_reads_multirun_yaml(tmp_path):
     assert header[1:3] == ["sharding", "precision"]
     # Hydra's basic sweeper runs the product with the last override varying fastest.
     assert [(r["sharding"], r["precision"]) for r in rows] == [
-        ("full", "fp32"), ("full", "bf16"), ("grad_op", "fp32"), ("grad_op", "bf16")]
+        ("full", "fp32"),
+        ("full", "bf16"),
+        ("grad_op", "fp32"),
+        ("grad_op", "bf16"),
+    ]
     assert fixed_line(report) == "fixed: trainer.max_steps=2, model=llama_tiny"
 
 
@@ -181,8 +239,11 @@ def test_a_sweep_still_running_lists_the_jobs_to_come(tmp_path):
     header, rows = read_table(write_report(tmp_path)[0])
     assert header[1:3] == ["sharding", "precision"]  # not "fixed: sharding=full"
     assert [(r["job"], r["sharding"], r["status"]) for r in rows] == [
-        ("0", "full", "completed"), ("1", "full", "running"),
-        ("2", "grad_op", "not started"), ("3", "grad_op", "not started")]
+        ("0", "full", "completed"),
+        ("1", "full", "running"),
+        ("2", "grad_op", "not started"),
+        ("3", "grad_op", "not started"),
+    ]
 
 
 def test_options_unknown_without_job_record_or_multirun_yaml(tmp_path):
@@ -204,12 +265,15 @@ def test_rerunning_replaces_the_report(small_sweep):
     assert not list(small_sweep.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("make,fragment", [
-    (lambda d: None, "is not a directory"),
-    (lambda d: d.mkdir(), "holds no job dir with a run.json"),
-    (lambda d: (d / "0").mkdir(parents=True), "holds no job dir with a run.json"),
-    (lambda d: d.mkdir() or (d / "run.json").write_text("{}"), "is a single run's dir"),
-])
+@pytest.mark.parametrize(
+    "make,fragment",
+    [
+        (lambda d: None, "is not a directory"),
+        (lambda d: d.mkdir(), "holds no job dir with a run.json"),
+        (lambda d: (d / "0").mkdir(parents=True), "holds no job dir with a run.json"),
+        (lambda d: d.mkdir() or (d / "run.json").write_text("{}"), "is a single run's dir"),
+    ],
+)
 def test_a_dir_that_is_not_a_sweep_is_a_config_error(tmp_path, make, fragment):
     target = tmp_path / "target"
     make(target)
@@ -219,15 +283,22 @@ def test_a_dir_that_is_not_a_sweep_is_a_config_error(tmp_path, make, fragment):
 
 
 def cli_report(sweep: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "report", str(sweep)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_lab.tools.cli", "report", str(sweep)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
     proc = cli_report(small_sweep)
     check_ok(proc)
-    assert proc.stdout.split() == [str(small_sweep / name) for name in (
-        "report.md", "throughput_vs_memory.png", "loss_curves.png")]
+    assert proc.stdout.split() == [
+        str(small_sweep / name)
+        for name in ("report.md", "throughput_vs_memory.png", "loss_curves.png")
+    ]
     proc = cli_report(tmp_path / "nowhere")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("fsdp-lab: error:") and len(proc.stderr.splitlines()) == 1
@@ -235,14 +306,28 @@ def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
 
 # ---- one real sweep, run as a user runs it ----
 
+
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory) -> Path:
     sweep = tmp_path_factory.mktemp("report") / "sweep"
     proc = subprocess.run(
-        [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "sharding=full,grad_op",
-         "precision=fp32,bf16", "trainer.max_steps=6", "trainer.progress_bar=false",
-         "trainer.eval_every=3", "checkpoint=none"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            f"hydra.sweep.dir={sweep}",
+            "sharding=full,grad_op",
+            "precision=fp32,bf16",
+            "trainer.max_steps=6",
+            "trainer.progress_bar=false",
+            "trainer.eval_every=3",
+            "checkpoint=none",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     check_ok(proc)
     return sweep
 
@@ -253,8 +338,11 @@ def test_real_sweep_table_matches_the_metrics(real_sweep):
     header, rows = read_table(report)
     assert header[:4] == ["job", "sharding", "precision", "status"]
     assert [(r["job"], r["sharding"], r["precision"], r["status"]) for r in rows] == [
-        ("0", "full", "fp32", "completed"), ("1", "full", "bf16", "completed"),
-        ("2", "grad_op", "fp32", "completed"), ("3", "grad_op", "bf16", "completed")]
+        ("0", "full", "fp32", "completed"),
+        ("1", "full", "bf16", "completed"),
+        ("2", "grad_op", "fp32", "completed"),
+        ("3", "grad_op", "bf16", "completed"),
+    ]
     fixed = fixed_line(report)
     assert "trainer.max_steps=6" in fixed and "checkpoint=none" in fixed
     assert "model=llama_tiny" in fixed and "sharding" not in fixed and "precision" not in fixed
@@ -267,8 +355,7 @@ def test_real_sweep_table_matches_the_metrics(real_sweep):
         assert row["tokens/s"] == f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}"
         step_ms = statistics.median(r["step_time_s"] for r in steady) * 1000
         assert row["step time (ms)"] == f"{step_ms:.1f}"
-        peaks = [max(r["peak_mem_bytes_per_rank"][rank] for r in train) / MIB
-                 for rank in range(2)]
+        peaks = [max(r["peak_mem_bytes_per_rank"][rank] for r in train) / MIB for rank in range(2)]
         assert row["peak MiB per rank"] == " / ".join(f"{p:.0f}" for p in peaks)
         assert row["peak MiB (max rank)"] == f"{max(peaks):.0f}"
         final_loss = json.loads((job_dir / "run.json").read_text())["final_loss"]

@@ -7,28 +7,42 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_lab.config import strategies, topology
-from fsdp_lab.engine import precision, fsdp, wrap
 from fsdp_lab.config import (
-    Dtype, HardwareKind, ModelArch, ModelConfig, PrecisionConfig, PrefetchConfig, ShardingConfig,
-    ShardingStrategy as S, WrapConfig,
+    Dtype,
+    HardwareKind,
+    ModelArch,
+    ModelConfig,
+    PrecisionConfig,
+    PrefetchConfig,
+    ShardingConfig,
+    WrapConfig,
+    strategies,
+    topology,
+)
+from fsdp_lab.config import (
+    ShardingStrategy as S,
 )
 from fsdp_lab.config.topology import Topology
+from fsdp_lab.engine import fsdp, precision, wrap
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
 
 
 def topo(world: int, nodes: int = 1) -> Topology:
-    return Topology(world_size=world, nproc_per_node=world // nodes, num_nodes=nodes,
-                    device=HardwareKind.cpu)
+    return Topology(
+        world_size=world, nproc_per_node=world // nodes, num_nodes=nodes, device=HardwareKind.cpu
+    )
 
 
-@pytest.mark.parametrize("strategy,world,shape,reshard", [
-    (S.full, 8, (8,), True),
-    (S.grad_op, 8, (8,), False),
-    (S.no_shard, 8, (8, 1), False),
-    (S.hybrid, 8, (2, 4), True),
-    (S.hybrid_zero2, 8, (2, 4), False),
-])
+@pytest.mark.parametrize(
+    "strategy,world,shape,reshard",
+    [
+        (S.full, 8, (8,), True),
+        (S.grad_op, 8, (8,), False),
+        (S.no_shard, 8, (8, 1), False),
+        (S.hybrid, 8, (2, 4), True),
+        (S.hybrid_zero2, 8, (2, 4), False),
+    ],
+)
 def test_strategy_maps_to_mesh_and_reshard(strategy, world, shape, reshard):
     cfg = ShardingConfig(strategy=strategy)
     assert topology.mesh_shape(cfg, topo(world)) == shape
@@ -41,12 +55,19 @@ def test_hybrid_across_nodes_replicates_over_nodes_and_override_wins():
     assert strategies.reshard_after_forward(cfg) == 4
 
 
-@pytest.mark.parametrize("cfg,dtypes", [
-    (PrecisionConfig(), (torch.float32, torch.float32, None)),
-    (PrecisionConfig(param_dtype=Dtype.bf16), (torch.bfloat16, torch.float32, None)),
-    (PrecisionConfig(param_dtype=Dtype.bf16, reduce_dtype=Dtype.bf16, output_dtype=Dtype.fp32),
-     (torch.bfloat16, torch.bfloat16, torch.float32)),
-])
+@pytest.mark.parametrize(
+    "cfg,dtypes",
+    [
+        (PrecisionConfig(), (torch.float32, torch.float32, None)),
+        (PrecisionConfig(param_dtype=Dtype.bf16), (torch.bfloat16, torch.float32, None)),
+        (
+            PrecisionConfig(
+                param_dtype=Dtype.bf16, reduce_dtype=Dtype.bf16, output_dtype=Dtype.fp32
+            ),
+            (torch.bfloat16, torch.bfloat16, torch.float32),
+        ),
+    ],
+)
 def test_precision_maps_to_mp_policy(cfg, dtypes):
     policy = precision.build_mp_policy(cfg)
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == dtypes
@@ -57,7 +78,8 @@ def test_fp16_gets_a_sharded_grad_scaler():
 
     assert precision.build_grad_scaler(PrecisionConfig(), torch.device("cpu")) is None
     scaler = precision.build_grad_scaler(
-        PrecisionConfig(param_dtype=Dtype.fp16, grad_scaler_enabled=True), torch.device("cpu"))
+        PrecisionConfig(param_dtype=Dtype.fp16, grad_scaler_enabled=True), torch.device("cpu")
+    )
     assert isinstance(scaler, ShardedGradScaler)
 
 
@@ -67,15 +89,19 @@ def fake_group():
 
     def init(rank: int, world: int):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
     yield init
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy,placements,rows_div", [
-    (S.hybrid, (Replicate(), Shard(0)), 8),
-    (S.no_shard, (Replicate(), Shard(0)), 1),
-    (S.full, (Shard(0),), 64),
-])
+@pytest.mark.parametrize(
+    "strategy,placements,rows_div",
+    [
+        (S.hybrid, (Replicate(), Shard(0)), 8),
+        (S.no_shard, (Replicate(), Shard(0)), 1),
+        (S.full, (Shard(0),), 64),
+    ],
+)
 def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows_div):
     """8 nodes x 8 ranks: hybrid shards each param 8 ways inside a node and replicates across."""
     rank = 13
@@ -83,12 +109,23 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
     t = topo(64, nodes=8)
     cfg = ShardingConfig(strategy=strategy)
     mesh = fsdp.build_mesh(cfg, t, device_type="cpu")
-    model = build_meta_model(build_hf_config(ModelConfig(
-        arch=ModelArch.llama, vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=4)))
+    model = build_meta_model(
+        build_hf_config(
+            ModelConfig(
+                arch=ModelArch.llama, vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=4
+            )
+        )
+    )
     units = wrap.select_units(model, WrapConfig())
-    fsdp.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
-                        mp_policy=precision.build_mp_policy(PrecisionConfig()),
-                        offload_policy=None, prefetch=PrefetchConfig())
+    fsdp.apply_fsdp(
+        model,
+        units,
+        mesh=mesh,
+        reshard_after_forward=True,
+        mp_policy=precision.build_mp_policy(PrecisionConfig()),
+        offload_policy=None,
+        prefetch=PrefetchConfig(),
+    )
     if len(placements) == 2:
         assert mesh.mesh_dim_names == ("replicate", "shard")
         assert mesh.shape == (64 // rows_div, rows_div)
@@ -105,26 +142,41 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
     assert emb.to_local().shape == (1024 // rows_div, 256)
 
 
-@pytest.mark.parametrize("prefetch,forward,backward", [
-    (PrefetchConfig(), [[], [], [], []], [[], [], [], []]),  # FSDP2's implicit defaults
-    (PrefetchConfig(forward=2, backward=2), [[1, 2], [2, 3], [3], []], [[], [0], [1, 0], [2, 1]]),
-    (PrefetchConfig(forward=1, backward=1), [[1], [2], [3], []], [[], [], [], []]),
-])
+@pytest.mark.parametrize(
+    "prefetch,forward,backward",
+    [
+        (PrefetchConfig(), [[], [], [], []], [[], [], [], []]),  # FSDP2's implicit defaults
+        (
+            PrefetchConfig(forward=2, backward=2),
+            [[1, 2], [2, 3], [3], []],
+            [[], [0], [1, 0], [2, 1]],
+        ),
+        (PrefetchConfig(forward=1, backward=1), [[1], [2], [3], []], [[], [], [], []]),
+    ],
+)
 def test_prefetch_and_the_last_unit_on_a_fake_group(fake_group, prefetch, forward, backward):
     """sharding.prefetch becomes each unit's explicit prefetch list (units ahead in forward,
     behind in backward, nearest first); the last unit keeps its parameters after forward."""
     fake_group(1, 4)
     mesh = fsdp.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
-    model = build_meta_model(build_hf_config(ModelConfig(arch=ModelArch.llama, vocab_size=256,
-                                                         num_layers=4)))
+    model = build_meta_model(
+        build_hf_config(ModelConfig(arch=ModelArch.llama, vocab_size=256, num_layers=4))
+    )
     units = wrap.select_units(model, WrapConfig())
-    fsdp.apply_fsdp(model, units, mesh=mesh, reshard_after_forward=True,
-                        mp_policy=precision.build_mp_policy(PrecisionConfig()),
-                        offload_policy=None, prefetch=prefetch)
+    fsdp.apply_fsdp(
+        model,
+        units,
+        mesh=mesh,
+        reshard_after_forward=True,
+        mp_policy=precision.build_mp_policy(PrecisionConfig()),
+        offload_policy=None,
+        prefetch=prefetch,
+    )
     states = [u._get_fsdp_state() for u in units]
 
     def indices(targets):
         return [states.index(t) for t in targets]
+
     assert [indices(s._states_to_forward_prefetch) for s in states] == forward
     assert [indices(s._states_to_backward_prefetch) for s in states] == backward
     # Resharding after forward shows as a mesh to reshard onto; the last unit has none.

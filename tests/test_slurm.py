@@ -11,20 +11,29 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, check_ok, train
+from wandb_files import offline_runs
+
+from fsdp_lab.config import Config, ConfigError, HardwareConfig, HardwareKind
 from fsdp_lab.launch import external, slurm
 from fsdp_lab.observe.loggers import read_metrics
-from wandb_files import offline_runs
-from fsdp_lab.config import Config, ConfigError, HardwareConfig, HardwareKind
 
-STEP = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4711",
-        "MASTER_ADDR": "node1"}
+STEP = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_ID": "4711",
+    "MASTER_ADDR": "node1",
+}
 
 
-@pytest.mark.parametrize("spec,node,want", [("2(x3),1", 0, 2), ("2(x3),1", 2, 2),
-                                            ("2(x3),1", 3, 1), ("8", 0, 8), ("4,2", 1, 2)])
+@pytest.mark.parametrize(
+    "spec,node,want",
+    [("2(x3),1", 0, 2), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("8", 0, 8), ("4,2", 1, 2)],
+)
 def test_tasks_per_node_is_read_as_slurm_writes_it(spec, node, want):
     assert slurm.tasks_on_node(spec, node) == want
 
@@ -33,15 +42,22 @@ def test_an_srun_task_becomes_a_rank():
     env = dict(STEP)
     assert slurm.adopt_srun_env(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
-        "3", "4", "1", "2")
+        "3",
+        "4",
+        "1",
+        "2",
+    )
     assert env["MASTER_PORT"] == str(20000 + 4711)  # one port per job, the same on every task
 
 
-@pytest.mark.parametrize("env", [
-    {**STEP, "SLURM_STEP_ID": "4294967294"},  # the batch script: spawn locally as on a laptop
-    {k: v for k, v in STEP.items() if k != "SLURM_STEP_ID"},  # salloc shell, no step
-    {**STEP, "RANK": "0"},  # torchrun inside srun set the ranks itself
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {**STEP, "SLURM_STEP_ID": "4294967294"},  # the batch script: spawn locally as on a laptop
+        {k: v for k, v in STEP.items() if k != "SLURM_STEP_ID"},  # salloc shell, no step
+        {**STEP, "RANK": "0"},  # torchrun inside srun set the ranks itself
+    ],
+)
 def test_outside_an_srun_step_nothing_changes(env):
     before = dict(env)
     assert not slurm.adopt_srun_env(env)
@@ -50,8 +66,9 @@ def test_outside_an_srun_step_nothing_changes(env):
 
 def test_an_srun_step_without_slurms_task_variables_is_one_clear_line():
     env = {k: v for k, v in STEP.items() if k != "SLURM_TASKS_PER_NODE"}
-    with pytest.raises(ConfigError, match="srun step without SLURM_TASKS_PER_NODE: launch "
-                                          "fsdp_lab with sbatch"):
+    with pytest.raises(
+        ConfigError, match="srun step without SLURM_TASKS_PER_NODE: launch fsdp_lab with sbatch"
+    ):
         slurm.adopt_srun_env(env)
 
 
@@ -63,12 +80,14 @@ def test_only_submitits_signal_under_submitit_requeues():
     assert not slurm.requeue_for_submitit(None, {"SUBMITIT_EXECUTOR": "slurm"})
 
 
-@pytest.mark.parametrize("hw,fragment", [
-    (HardwareConfig(nproc_per_node=8), "hardware.nproc_per_node=8 but the launcher started 2"),
-    (HardwareConfig(num_nodes=4), "hardware.num_nodes=4 but the launcher started 2 node(s)"),
-])
-def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeypatch, hw,
-                                                                         fragment):
+@pytest.mark.parametrize(
+    "hw,fragment",
+    [
+        (HardwareConfig(nproc_per_node=8), "hardware.nproc_per_node=8 but the launcher started 2"),
+        (HardwareConfig(num_nodes=4), "hardware.num_nodes=4 but the launcher started 2 node(s)"),
+    ],
+)
+def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeypatch, hw, fragment):
     from fsdp_lab.train.worker import topology_from_env
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -76,22 +95,38 @@ def test_a_config_asking_for_other_ranks_than_the_launcher_started_fails(monkeyp
     topo = topology_from_env(HardwareKind.cpu)
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         external._check_launcher_topology(Config(hardware=hw), topo)
-    external._check_launcher_topology(Config(hardware=HardwareConfig(nproc_per_node=2,
-                                                                     num_nodes=2)), topo)
+    external._check_launcher_topology(
+        Config(hardware=HardwareConfig(nproc_per_node=2, num_nodes=2)), topo
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,fragment", [
-    (["hardware=auto"], "set hardware=gpu or hardware=cpu"),
-    (["hardware=gpu"], "set hardware.nproc_per_node to the GPUs per node"),
-    (["hardware=cpu", "hardware.partition=nope"], "hardware.partition=nope is not a partition"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["hardware=auto"], "set hardware=gpu or hardware=cpu"),
+        (["hardware=gpu"], "set hardware.nproc_per_node to the GPUs per node"),
+        (["hardware=cpu", "hardware.partition=nope"], "hardware.partition=nope is not a partition"),
+    ],
+)
 def test_a_slurm_sweep_that_cannot_be_sized_is_one_line_before_submitting(
-        slurm_cluster, tmp_path, overrides, fragment):
+    slurm_cluster, tmp_path, overrides, fragment
+):
     proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "hydra/launcher=slurm",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides], cwd=ROOT, env=slurm_cluster,
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and fragment in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "sweep" / ".submitit").exists()  # nothing was submitted
@@ -99,29 +134,51 @@ def test_a_slurm_sweep_that_cannot_be_sized_is_one_line_before_submitting(
 
 # --- a real single-node SLURM (scripts/ci/slurm_up.sh) ------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     """Start a localhost SLURM for this module (installing it with apt if needed), stop it
     after. Where it cannot be had, the tests skip and say so loudly."""
     prefix = tmp_path_factory.mktemp("slurm")
-    up = subprocess.run(["bash", str(ROOT / "scripts/ci/slurm_up.sh"), str(prefix)],
-                        capture_output=True, text=True, timeout=600)
+    up = subprocess.run(
+        ["bash", str(ROOT / "scripts/ci/slurm_up.sh"), str(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if up.returncode != 0:
-        message = (f"SLURM TESTS SKIPPED: scripts/ci/slurm_up.sh could not start a local SLURM: "
-                   f"{(up.stderr.strip().splitlines() or ['no output'])[-1]}")
+        message = (
+            f"SLURM TESTS SKIPPED: scripts/ci/slurm_up.sh could not start a local SLURM: "
+            f"{(up.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
         print(f"\n{'!' * 20} {message}", file=sys.stderr)
         pytest.skip(message)
     conf = up.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
-    env = {**os.environ, "SLURM_CONF": conf, "FSDP_LAB_ROOT": str(ROOT),
-           "FSDP_LAB_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "SLURM_CONF": conf,
+        "FSDP_LAB_ROOT": str(ROOT),
+        "FSDP_LAB_PYTHON": sys.executable,
+        "HF_HUB_OFFLINE": "1",
+    }
     yield env
-    subprocess.run(["bash", str(ROOT / "scripts/ci/slurm_down.sh"), str(prefix)],
-                   capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        ["bash", str(ROOT / "scripts/ci/slurm_down.sh"), str(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def sbatch(env: dict, cwd: Path, *args: str) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -136,15 +193,18 @@ def wait_gone(env: dict, job: str, timeout: float = 600) -> None:
     with SLURM's reason, instead of after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True
+        ).stdout
         if not out.strip():
             return
         state, _, reason = out.strip().splitlines()[0].partition(" ")
         if state == "PENDING" and reason in NEVER_STARTS:
             subprocess.run(["scancel", job], env=env, capture_output=True)
-            raise AssertionError(f"job {job} can never start: SLURM says {reason} "
-                                 "(sinfo -N -o '%N %c' shows the node's CPUs)")
+            raise AssertionError(
+                f"job {job} can never start: SLURM says {reason} "
+                "(sinfo -N -o '%N %c' shows the node's CPUs)"
+            )
         time.sleep(1)
     raise AssertionError(f"job {job} still queued after {timeout} s")
 
@@ -155,8 +215,15 @@ COMMON = ("hardware=cpu", "trainer.progress_bar=false", "checkpoint.every_n_step
 
 @pytest.mark.slow
 def test_an_sbatch_job_trains_on_two_srun_ranks_in_its_job_run_dir(slurm_cluster, tmp_path):
-    job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *COMMON, "trainer.max_steps=4",
-                 "sharding=grad_op")
+    job = sbatch(
+        slurm_cluster,
+        tmp_path,
+        "--ntasks=2",
+        SCRIPT,
+        *COMMON,
+        "trainer.max_steps=4",
+        "sharding=grad_op",
+    )
     wait_gone(slurm_cluster, job)
     out = (tmp_path / f"slurm-{job}.out").read_text()
     run_dir = tmp_path / "outputs" / "slurm" / job
@@ -170,18 +237,24 @@ def test_an_sbatch_job_trains_on_two_srun_ranks_in_its_job_run_dir(slurm_cluster
 
 
 @pytest.mark.slow
-def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(slurm_cluster,
-                                                                             tmp_path):
+def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(
+    slurm_cluster, tmp_path
+):
     steps = 150
-    overrides = (*COMMON, f"trainer.max_steps={steps}", "logger.mode=offline",
-                 "trainer.eval_every=0")
+    overrides = (
+        *COMMON,
+        f"trainer.max_steps={steps}",
+        "logger.mode=offline",
+        "trainer.eval_every=0",
+    )
     straight = tmp_path / "straight"
     check_ok(train(straight, *overrides))
     job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *overrides)
     run_dir = tmp_path / "outputs" / "slurm" / job
     deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").is_file()
-               and len(read_metrics(run_dir / "metrics.jsonl")) >= 5):
+    while not (
+        (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir / "metrics.jsonl")) >= 5
+    ):
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_cluster, check=True)
@@ -203,10 +276,24 @@ def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(slu
 def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
-         "hardware=cpu", "trainer.max_steps=3", "trainer.progress_bar=false", "checkpoint=none",
-         "sharding=full,no_shard"],
-        cwd=ROOT, env=slurm_cluster, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            f"hydra.sweep.dir={sweep}",
+            "hardware=cpu",
+            "trainer.max_steps=3",
+            "trainer.progress_bar=false",
+            "checkpoint=none",
+            "sharding=full,no_shard",
+        ],
+        cwd=ROOT,
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     check_ok(proc)
     for num, strategy in enumerate(["full", "no_shard"]):
         facts = json.loads((sweep / str(num) / "run.json").read_text())
@@ -221,22 +308,39 @@ def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_pa
 @pytest.mark.slow
 def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     steps, sweep = 150, tmp_path / "sweep"
-    overrides = ("hardware=cpu", "trainer.progress_bar=false", f"trainer.max_steps={steps}",
-                 "trainer.eval_every=0")
+    overrides = (
+        "hardware=cpu",
+        "trainer.progress_bar=false",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_every=0",
+    )
     straight = tmp_path / "straight"
     check_ok(train(straight, *overrides))
     proc = subprocess.Popen(
-        [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
-         *overrides], cwd=ROOT, env=slurm_cluster, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            f"hydra.sweep.dir={sweep}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=slurm_cluster,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run_dir, deadline = sweep / "0", time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").is_file()
-               and len(read_metrics(run_dir / "metrics.jsonl")) >= 5):
+    while not (
+        (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir / "metrics.jsonl")) >= 5
+    ):
         assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
         time.sleep(0.2)
     job = json.loads((run_dir / "run.json").read_text())
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster,
-                            capture_output=True, text=True).stdout.split()
+    squeue = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True
+    ).stdout.split()
     assert len(squeue) == 1, squeue
     # What submitit's sbatch asks for before the time limit (--signal=USR2@...): to every task.
     subprocess.run(["scancel", "--signal=USR2", squeue[0]], env=slurm_cluster, check=True)
@@ -247,5 +351,4 @@ def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(slurm_clus
     assert facts["job"] == job["job"]
     got = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, steps + 1))
-    assert [r["loss"] for r in got] == [r["loss"] for r in read_metrics(straight /
-                                                                        "metrics.jsonl")]
+    assert [r["loss"] for r in got] == [r["loss"] for r in read_metrics(straight / "metrics.jsonl")]

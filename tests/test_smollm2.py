@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, check_ok, train
+
 from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,23 @@ def test_smollm2_fine_tunes_on_shakespeare_and_exports(tmp_path, smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    check_ok(train(run, "model=local", f"model.name_or_path={smollm2}", "data=shakespeare",
-                   "trainer.seq_len=128", "trainer.micro_batch_size=2",
-                   "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_batches=2",
-                   "optim.lr=1e-4", "optim.warmup_steps=0", "checkpoint.export_hf=true",
-                   timeout=900))
+    check_ok(
+        train(
+            run,
+            "model=local",
+            f"model.name_or_path={smollm2}",
+            "data=shakespeare",
+            "trainer.seq_len=128",
+            "trainer.micro_batch_size=2",
+            "trainer.max_steps=6",
+            "trainer.eval_every=3",
+            "trainer.eval_batches=2",
+            "optim.lr=1e-4",
+            "optim.warmup_steps=0",
+            "checkpoint.export_hf=true",
+            timeout=900,
+        )
+    )
     val = [(r["step"], r["val_loss"]) for r in read_metrics(run / "metrics.jsonl", "val")]
     assert [s for s, _ in val] == [0, 3, 6]
     assert val[-1][1] < val[0][1], val  # fine-tuning lowers the held-out loss
@@ -57,6 +69,6 @@ def test_smollm2_fine_tunes_on_shakespeare_and_exports(tmp_path, smollm2):
     prompt = tok("ROMEO:\n", return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=16, do_sample=False)
-    text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert len(text.strip()) > 5, text
     print("generated:", repr(text))

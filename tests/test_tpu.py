@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("torch_xla", reason="hardware=tpu tests run in `make test-tpu`")
 
-from conftest import ROOT, check_ok  # noqa: E402
+from conftest import ROOT, check_ok
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,23 @@ COMMON = ("trainer.progress_bar=false", "logger=none", "trainer.eval_every=2")
 FP32_LOSS_TOL, FP32_NORM_RTOL, BF16_LOSS_TOL = 1e-5, 1e-5, 5e-4
 
 
-def train(run_dir: Path, *overrides: str, devices: int | None = None,
-          timeout: int = 400) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, *overrides: str, devices: int | None = None, timeout: int = 400
+) -> subprocess.CompletedProcess:
     """train.py as a user runs it; ``devices``: hardware=tpu on that many XLA CPU devices."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     extra = ()
     if devices is not None:
         env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
         extra = ("hardware=tpu",)
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *COMMON, *extra,
-           *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        *COMMON,
+        *extra,
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -53,8 +60,9 @@ def records(run_dir: Path) -> dict[tuple[str, int], dict]:
     return out
 
 
-def assert_same_run(xla: Path, gloo: Path, *, loss_tol: float, norm_rtol: float | None,
-                    extra: set = frozenset()) -> None:
+def assert_same_run(
+    xla: Path, gloo: Path, *, loss_tol: float, norm_rtol: float | None, extra: set = frozenset()
+) -> None:
     """Every record of the gloo run, equal within the tolerances (``extra``: records only the
     XLA run has, such as the final evaluation of a run that was later resumed)."""
     a, b = records(xla), records(gloo)
@@ -77,16 +85,19 @@ def run_file(run_dir: Path) -> dict:
 def gloo(tmp_path_factory) -> dict[str, Path]:
     """The cpu (gloo, FSDP2) runs the XLA runs must reproduce, keyed by what they are."""
     root = tmp_path_factory.mktemp("gloo")
-    runs = {"2": ("hardware.nproc_per_node=2", "trainer.max_steps=6"),  # the round trip's
-            "4": ("hardware.nproc_per_node=4", "trainer.max_steps=4"),
-            "2-bf16": ("hardware.nproc_per_node=2", "trainer.max_steps=4", "precision=bf16")}
+    runs = {
+        "2": ("hardware.nproc_per_node=2", "trainer.max_steps=6"),  # the round trip's
+        "4": ("hardware.nproc_per_node=4", "trainer.max_steps=4"),
+        "2-bf16": ("hardware.nproc_per_node=2", "trainer.max_steps=4", "precision=bf16"),
+    }
     for name, overrides in runs.items():
         check_ok(train(root / name, "hardware=cpu", *overrides))
     return {name: root / name for name in runs}
 
 
-@pytest.mark.parametrize("devices,strategy", [(4, "full"), (4, "hybrid"), (4, "no_shard"),
-                                              (2, "no_shard")])
+@pytest.mark.parametrize(
+    "devices,strategy", [(4, "full"), (4, "hybrid"), (4, "no_shard"), (2, "no_shard")]
+)
 def test_strategy_matches_gloo(tmp_path, gloo, devices, strategy):
     """Each strategy on 4 devices and on 2 (there sharding=full is test_checkpoint_round_trip's
     run, and hybrid needs 4: rows of one device are refused)."""
@@ -128,8 +139,11 @@ def test_strategy_matches_gloo(tmp_path, gloo, devices, strategy):
 
 def test_bf16_with_activation_checkpointing_matches_gloo(tmp_path, gloo):
     run = tmp_path / "run"
-    check_ok(train(run, "precision=bf16", "activation_checkpointing=full",
-                   "trainer.max_steps=4", devices=2))
+    check_ok(
+        train(
+            run, "precision=bf16", "activation_checkpointing=full", "trainer.max_steps=4", devices=2
+        )
+    )
     assert_same_run(run, gloo["2-bf16"], loss_tol=BF16_LOSS_TOL, norm_rtol=None)
     facts = run_file(run)
     assert facts["activation_checkpointing"] == [0, 1]
@@ -140,9 +154,9 @@ def test_tied_embeddings_stay_tied(tmp_path):
     each module a Parameter of its own: untied, the two copies train apart (the loss drifted by
     5e-4 after one step). Compared with the unsharded single-process reference."""
     from omegaconf import OmegaConf
+    from reference import reference_run
 
     from fsdp_lab.config import to_typed
-    from reference import reference_run
 
     run = tmp_path / "run"
     check_ok(train(run, "model=gpt2_tiny", "trainer.max_steps=3", devices=2))
@@ -167,8 +181,9 @@ def test_checkpoint_round_trip(tmp_path, gloo):
     proc = train(run, "trainer.max_steps=6", "checkpoint.export_hf=true", devices=2)
     check_ok(proc)
     assert "resuming" in proc.stderr + proc.stdout
-    assert_same_run(run, gloo["2"], loss_tol=FP32_LOSS_TOL, norm_rtol=FP32_NORM_RTOL,
-                    extra={("val", 3)})
+    assert_same_run(
+        run, gloo["2"], loss_tol=FP32_LOSS_TOL, norm_rtol=FP32_NORM_RTOL, extra={("val", 3)}
+    )
 
     # The run's export (gathered from the devices) equals the final checkpoint's export, and
     # loads into transformers.
@@ -177,17 +192,30 @@ def test_checkpoint_round_trip(tmp_path, gloo):
     from transformers import AutoModelForCausalLM
 
     exported = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run), str(exported)],
-                   check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run), str(exported)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     a = load_file(next((run / "hf").glob("*.safetensors")))
     b = load_file(next(exported.glob("*.safetensors")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert AutoModelForCausalLM.from_pretrained(run / "hf").num_parameters() == \
-        run_file(run)["total_params"]
+    assert (
+        AutoModelForCausalLM.from_pretrained(run / "hf").num_parameters()
+        == run_file(run)["total_params"]
+    )
 
     on_cpu = tmp_path / "cpu"
-    check_ok(train(on_cpu, "hardware=cpu", "hardware.nproc_per_node=2", f"resume={ckpt}",
-                   "trainer.max_steps=6"))
+    check_ok(
+        train(
+            on_cpu,
+            "hardware=cpu",
+            "hardware.nproc_per_node=2",
+            f"resume={ckpt}",
+            "trainer.max_steps=6",
+        )
+    )
     steps = {k: v for k, v in records(gloo["2"]).items() if k[1] > 3}
     resumed = records(on_cpu)
     assert resumed.keys() == steps.keys()
@@ -200,11 +228,28 @@ def test_preemption_checkpoints_after_the_step(tmp_path):
     """SIGTERM to train.py reaches the one XLA process: it finishes the step, checkpoints and
     exits 75 (the cpu/gpu protocol), and the run dir says where it stopped."""
     run = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PJRT_DEVICE": "CPU",
-           "CPU_NUM_DEVICES": "2"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}",
-                             *COMMON, "hardware=tpu", "trainer.max_steps=100000"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": "2",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"hydra.run.dir={run}",
+            *COMMON,
+            "hardware=tpu",
+            "trainer.max_steps=100000",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
@@ -219,11 +264,17 @@ def test_preemption_checkpoints_after_the_step(tmp_path):
     assert latest == f"step_{facts['step']:08d}"
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("sharding=grad_op",), "sharding=grad_op on hardware=tpu"),
-    (("offload=cpu",), "hardware=tpu cannot run offload=cpu"),
-    (("hardware.nproc_per_node=3",), "hardware.nproc_per_node=3 but this host has 2 XLA devices"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("sharding=grad_op",), "sharding=grad_op on hardware=tpu"),
+        (("offload=cpu",), "hardware=tpu cannot run offload=cpu"),
+        (
+            ("hardware.nproc_per_node=3",),
+            "hardware.nproc_per_node=3 but this host has 2 XLA devices",
+        ),
+    ],
+)
 def test_refused_before_start(tmp_path, overrides, message):
     run = tmp_path / "run"
     proc = train(run, *overrides, devices=2, timeout=120)

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, check_ok, train
+from wandb_files import offline_runs
+
 from fsdp_lab.config import Config, LoggerConfig, WandbMode
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.observe.wandb_logger import flatten, resolve_mode, run_identity
-from wandb_files import offline_runs
 
 OFFLINE = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=3", "checkpoint=none")
 
@@ -30,7 +30,9 @@ def no_credentials(monkeypatch, tmp_path):
 
 def test_auto_mode_is_offline_without_credentials_and_says_why(no_credentials, monkeypatch):
     assert resolve_mode(WandbMode.auto) == (
-        "offline", "no W&B credentials (WANDB_API_KEY or `wandb login`)")
+        "offline",
+        "no W&B credentials (WANDB_API_KEY or `wandb login`)",
+    )
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert resolve_mode(WandbMode.auto) == ("online", "W&B credentials are configured")
     monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch is honoured by auto
@@ -39,23 +41,36 @@ def test_auto_mode_is_offline_without_credentials_and_says_why(no_credentials, m
 
 
 def test_auto_mode_finds_a_wandb_login_netrc(no_credentials, tmp_path):
-    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " +
-                                     "k" * 40 + "\n")
+    (tmp_path / ".netrc").write_text(
+        "machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n"
+    )
     (tmp_path / ".netrc").chmod(0o600)
     assert resolve_mode(WandbMode.auto)[0] == "online"
 
 
 def test_config_is_flattened_and_a_sweep_job_is_named_grouped_and_tagged(tmp_path):
     assert flatten({"sharding": {"strategy": "full"}, "seed": 0}) == {
-        "sharding.strategy": "full", "seed": 0}
-    job = {"overrides": ["hydra.sweep.dir=/x", "sharding=hybrid", "precision=bf16"],
-           "choices": {"sharding": "hybrid", "precision": "bf16"},
-           "sweep_dir": "/home/u/multirun/2026-11-22/06-00-00", "num": 3}
+        "sharding.strategy": "full",
+        "seed": 0,
+    }
+    job = {
+        "overrides": ["hydra.sweep.dir=/x", "sharding=hybrid", "precision=bf16"],
+        "choices": {"sharding": "hybrid", "precision": "bf16"},
+        "sweep_dir": "/home/u/multirun/2026-11-22/06-00-00",
+        "num": 3,
+    }
     ident = run_identity(Config(), tmp_path / "3", job)
-    assert ident == {"name": "sharding=hybrid,precision=bf16", "group": "2026-11-22/06-00-00",
-                     "job_type": "sweep", "tags": ["precision=bf16", "sharding=hybrid"]}
-    single = run_identity(Config(logger=LoggerConfig(group="mine", tags=["x"])),
-                          tmp_path / "run", {"overrides": [], "choices": {}})
+    assert ident == {
+        "name": "sharding=hybrid,precision=bf16",
+        "group": "2026-11-22/06-00-00",
+        "job_type": "sweep",
+        "tags": ["precision=bf16", "sharding=hybrid"],
+    }
+    single = run_identity(
+        Config(logger=LoggerConfig(group="mine", tags=["x"])),
+        tmp_path / "run",
+        {"overrides": [], "choices": {}},
+    )
     assert single == {"name": "run", "group": "mine", "job_type": "train", "tags": ["x"]}
 
 
@@ -67,8 +82,10 @@ def test_an_offline_run_logs_every_step_its_config_and_summary(tmp_path):
     [run] = offline_runs(run_dir)  # the W&B files live in the run dir
     assert run.run_id == facts["wandb"]["id"] and facts["wandb"]["mode"] == "offline"
     assert (run.project, run.job_type, run.group) == ("fsdp_lab", "train", "")
-    assert run.name == "trainer.progress_bar=false,hardware=cpu,logger.mode=offline," \
-                       "trainer.eval_every=3,checkpoint=none,trainer.max_steps=6,sharding=grad_op"
+    assert (
+        run.name == "trainer.progress_bar=false,hardware=cpu,logger.mode=offline,"
+        "trainer.eval_every=3,checkpoint=none,trainer.max_steps=6,sharding=grad_op"
+    )
     assert "sharding=grad_op" in run.tags and "model=llama_tiny" in run.tags
     # The fully resolved config, flat, with the chosen options and the system's facts.
     assert run.config["sharding.strategy"] == "grad_op"
@@ -83,14 +100,20 @@ def test_an_offline_run_logs_every_step_its_config_and_summary(tmp_path):
     assert sorted(train_rows) == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
     for record in want:
         row = train_rows[record["step"]]
-        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank",
-                    "step_time_s", "tflops_per_s_per_rank"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "lr",
+            "tokens_per_s",
+            "tokens_per_s_per_rank",
+            "step_time_s",
+            "tflops_per_s_per_rank",
+        ):
             assert row[f"train/{key}"] == record[key], key
         assert row["train/peak_mem_gib"] == max(record["peak_mem_bytes_per_rank"]) / 2**30
         assert "train/mfu" not in row  # no known peak FLOP/s for a CPU
     val = {h["_step"]: h["val/loss"] for h in run.history if "val/loss" in h}
-    assert val == {r["step"]: r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl",
-                                                                  "val")}
+    assert val == {r["step"]: r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl", "val")}
     assert sorted(val) == [0, 3, 6]
     s = run.summary
     assert s["status"] == "completed" and s["final_loss"] == want[-1]["loss"]
@@ -102,8 +125,12 @@ def test_an_offline_run_logs_every_step_its_config_and_summary(tmp_path):
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run_without_repeating_steps(tmp_path):
     run_dir = tmp_path / "run"
-    common = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=0",
-              "checkpoint.every_n_steps=2")
+    common = (
+        "hardware=cpu",
+        "logger.mode=offline",
+        "trainer.eval_every=0",
+        "checkpoint.every_n_steps=2",
+    )
     check_ok(train(run_dir, *common, "trainer.max_steps=6"))
     first_id = json.loads((run_dir / "run.json").read_text())["wandb"]["id"]
     # A crash after step 6 whose last complete checkpoint is step 4: steps 5 and 6 run again,
@@ -123,9 +150,21 @@ def test_a_resumed_run_continues_the_same_wandb_run_without_repeating_steps(tmp_
 def test_a_sweep_is_one_wandb_group_with_a_run_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3",
-         "trainer.progress_bar=false", *OFFLINE, "sharding=full,no_shard"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            f"hydra.sweep.dir={sweep}",
+            "trainer.max_steps=3",
+            "trainer.progress_bar=false",
+            *OFFLINE,
+            "sharding=full,no_shard",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_ok(proc)
     runs = [offline_runs(sweep / str(n))[0] for n in (0, 1)]
     assert runs[0].group == runs[1].group == "/".join(sweep.parts[-2:])
@@ -145,10 +184,23 @@ def test_an_unreachable_wandb_server_turns_into_offline_logging(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
     proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
-         "hardware=cpu", "trainer.max_steps=3", "checkpoint=none", "logger.mode=online",
-         "logger.init_timeout_s=5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        [
+            sys.executable,
+            "train.py",
+            f"hydra.run.dir={run_dir}",
+            "trainer.progress_bar=false",
+            "hardware=cpu",
+            "trainer.max_steps=3",
+            "checkpoint=none",
+            "logger.mode=online",
+            "logger.init_timeout_s=5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     check_ok(proc)
     assert "W&B online start failed" in proc.stderr and "logging offline instead" in proc.stderr
     facts = json.loads((run_dir / "run.json").read_text())
@@ -156,5 +208,6 @@ def test_an_unreachable_wandb_server_turns_into_offline_logging(tmp_path):
     [run] = offline_runs(run_dir)
     assert run.run_id == facts["wandb"]["id"]
     assert [h["_step"] for h in run.history if "train/loss" in h] == [1, 2, 3]
-    assert "k" * 40 not in "".join(p.read_text(errors="ignore")
-                                   for p in Path(run_dir).rglob("*") if p.is_file())
+    assert "k" * 40 not in "".join(
+        p.read_text(errors="ignore") for p in Path(run_dir).rglob("*") if p.is_file()
+    )

@@ -14,9 +14,14 @@ def meta_model(arch: ModelArch, **kw):
     return build_meta_model(build_hf_config(ModelConfig(arch=arch, tie_word_embeddings=tied, **kw)))
 
 
-@pytest.mark.parametrize("arch,block", [(ModelArch.llama, "LlamaDecoderLayer"),
-                                        (ModelArch.qwen2, "Qwen2DecoderLayer"),
-                                        (ModelArch.gpt2, "GPT2Block")])
+@pytest.mark.parametrize(
+    "arch,block",
+    [
+        (ModelArch.llama, "LlamaDecoderLayer"),
+        (ModelArch.qwen2, "Qwen2DecoderLayer"),
+        (ModelArch.gpt2, "GPT2Block"),
+    ],
+)
 def test_transformer_policy_takes_no_split_modules(arch, block):
     model = meta_model(arch, num_layers=3)
     units = select_units(model, WrapConfig(policy=WrapPolicy.transformer))
@@ -47,8 +52,10 @@ def test_size_policy_is_bottom_up_and_never_splits_tied_embeddings():
     assert emb not in units and model.get_output_embeddings() not in units
     # Untied: the embedding may be a unit of its own.
     llama = meta_model(ModelArch.llama)
-    units = select_units(llama, WrapConfig(policy=WrapPolicy.size,
-                                           min_num_params=llama.model.embed_tokens.weight.numel()))
+    units = select_units(
+        llama,
+        WrapConfig(policy=WrapPolicy.size, min_num_params=llama.model.embed_tokens.weight.numel()),
+    )
     assert llama.model.embed_tokens in units
 
 

@@ -26,8 +26,8 @@ def records(path: Path) -> list:
         if left_in_block < _CHUNK:  # block trailer padding
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + _CHUNK])
-        payload = data[pos + _CHUNK:pos + _CHUNK + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK])
+        payload = data[pos + _CHUNK : pos + _CHUNK + length]
         pos += _CHUNK + length
         if kind == 0 and length == 0:
             continue
@@ -55,8 +55,7 @@ class OfflineRun:
 
 
 def _items(items) -> dict:
-    return {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-            for item in items}
+    return {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in items}
 
 
 def read_run(run_dir: Path) -> OfflineRun:
@@ -69,11 +68,19 @@ def read_run(run_dir: Path) -> OfflineRun:
             run.run_id, run.project = r.run.run_id, r.run.project
             run.group, run.job_type, run.name = r.run.run_group, r.run.job_type, r.run.display_name
             run.tags = list(r.run.tags)
-            run.config.update({k: v.get("value", v) if isinstance(v, dict) else v
-                               for k, v in _items(r.run.config.update).items()})
+            run.config.update(
+                {
+                    k: v.get("value", v) if isinstance(v, dict) else v
+                    for k, v in _items(r.run.config.update).items()
+                }
+            )
         elif kind == "config":
-            run.config.update({k: v.get("value", v) if isinstance(v, dict) else v
-                               for k, v in _items(r.config.update).items()})
+            run.config.update(
+                {
+                    k: v.get("value", v) if isinstance(v, dict) else v
+                    for k, v in _items(r.config.update).items()
+                }
+            )
         elif kind == "history":
             run.history.append(_items(r.history.item))
         elif kind == "summary":

@@ -25,7 +25,8 @@ def register_schema() -> None:
 
 
 def to_typed(cfg: DictConfig | dict) -> Config:
-    """A composed config (or its plain-dict form) as typed dataclasses, single-field rules checked."""
+    """A composed config (or its plain-dict form) as typed dataclasses, single-field rules
+    checked."""
     try:
         node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
         typed = OmegaConf.to_object(node)

@@ -10,9 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdp_lab.config.schema import (
-    CheckpointConfig, CheckpointFormat, Config, ConfigError, DataConfig, DataKind, Dtype,
-    HardwareKind, LossKind, ModelArch, ModelConfig, ModelTask, OffloadDevice, OptimImpl,
-    PrecisionConfig, WrapPolicy,
+    CheckpointConfig,
+    CheckpointFormat,
+    Config,
+    ConfigError,
+    DataConfig,
+    DataKind,
+    Dtype,
+    HardwareKind,
+    LossKind,
+    ModelArch,
+    ModelConfig,
+    ModelTask,
+    OffloadDevice,
+    OptimImpl,
+    PrecisionConfig,
+    WrapPolicy,
 )
 from fsdp_lab.config.strategies import Replicas, strategy_of, with_replica_groups
 from fsdp_lab.config.topology import Topology, replicate_size
@@ -30,8 +43,9 @@ def check_fields(cfg: Config) -> None:
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     if t.seq_len < 2:
-        raise ConfigError(f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs "
-                          "two tokens)")
+        raise ConfigError(
+            f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs two tokens)"
+        )
     _positive(o.lr, "optim.lr")
     _positive(o.eps, "optim.eps")
     for name in ("beta1", "beta2"):
@@ -69,14 +83,19 @@ def check_fields(cfg: Config) -> None:
         _positive(cfg.loss.chunk_size, "loss.chunk_size")
     prefetch = cfg.sharding.prefetch
     if prefetch.forward < 0:
-        raise ConfigError(f"sharding.prefetch.forward={prefetch.forward} must be >= 0 (0: FSDP2's "
-                          "implicit forward prefetching)")
+        raise ConfigError(
+            f"sharding.prefetch.forward={prefetch.forward} must be >= 0 (0: FSDP2's "
+            "implicit forward prefetching)"
+        )
     if prefetch.backward < 1:
-        raise ConfigError(f"sharding.prefetch.backward={prefetch.backward} must be >= 1: FSDP2 "
-                          "always prefetches the next unit in backward (1, its default)")
+        raise ConfigError(
+            f"sharding.prefetch.backward={prefetch.backward} must be >= 1: FSDP2 "
+            "always prefetches the next unit in backward (1, its default)"
+        )
     if cfg.activation_checkpointing.every < 1:
-        raise ConfigError(f"activation_checkpointing.every={cfg.activation_checkpointing.every} "
-                          "must be >= 1")
+        raise ConfigError(
+            f"activation_checkpointing.every={cfg.activation_checkpointing.every} must be >= 1"
+        )
     _check_checkpoint(cfg.checkpoint)
     _check_precision(cfg.precision)
     raf = cfg.sharding.reshard_after_forward
@@ -97,8 +116,10 @@ def _check_model(m: ModelConfig) -> None:
             f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
         )
     if m.pretrained and m.name_or_path is None:
-        raise ConfigError("model.pretrained=true needs model.name_or_path (a directory or hub id "
-                          "with weights); presets have no weights")
+        raise ConfigError(
+            "model.pretrained=true needs model.name_or_path (a directory or hub id "
+            "with weights); presets have no weights"
+        )
     if m.name_or_path is not None:
         path = Path(m.name_or_path).expanduser()
         local = path.exists() or not is_hub_id(m.name_or_path)
@@ -111,11 +132,18 @@ def _check_model(m: ModelConfig) -> None:
     if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
         raise ConfigError(
             f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
-            "masked_lm, the decoder presets are causal_lm; set model.task accordingly")
+            "masked_lm, the decoder presets are causal_lm; set model.task accordingly"
+        )
     if m.vocab_size is not None:
         _positive(m.vocab_size, "model.vocab_size")
-    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "max_position_embeddings"):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "max_position_embeddings",
+    ):
         _positive(getattr(m, name), f"model.{name}")
     if m.hidden_size % m.num_heads:
         raise ConfigError(
@@ -123,28 +151,39 @@ def _check_model(m: ModelConfig) -> None:
         )
     if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
         if m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by "
-                              f"model.num_kv_heads={m.num_kv_heads}")
+            raise ConfigError(
+                f"model.num_heads={m.num_heads} must be divisible by "
+                f"model.num_kv_heads={m.num_kv_heads}"
+            )
         if (m.hidden_size // m.num_heads) % 2:
             raise ConfigError(
                 f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
-                "(rotary embeddings rotate pairs of dimensions)")
+                "(rotary embeddings rotate pairs of dimensions)"
+            )
 
 
 def is_hub_id(name: str) -> bool:
     """`org/name` or `name` with no path syntax: what the hub accepts and a path rarely is."""
     parts = name.split("/")
-    return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
-            and all(c.isalnum() or c in "-_." for part in parts for c in part))
+    return (
+        len(parts) <= 2
+        and all(parts)
+        and not name.startswith((".", "~"))
+        and all(c.isalnum() or c in "-_." for part in parts for c in part)
+    )
 
 
 def _check_data(d: DataConfig) -> None:
     if not isinstance(d.files, list) or not all(isinstance(f, str) for f in d.files):
-        raise ConfigError(f"data.files={d.files!r} must be a path or a list of paths "
-                          "(data.files=corpus.txt, data.files=[a.txt,'b/*.txt'])")
+        raise ConfigError(
+            f"data.files={d.files!r} must be a path or a list of paths "
+            "(data.files=corpus.txt, data.files=[a.txt,'b/*.txt'])"
+        )
     if d.kind is DataKind.text and not d.files:
-        raise ConfigError("data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
-                          ".parquet or .csv files)")
+        raise ConfigError(
+            "data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
+            ".parquet or .csv files)"
+        )
     if d.kind is DataKind.hub and not d.name:
         raise ConfigError("data=hub needs data.name=<hub dataset name>")
     if not 0 <= d.validation_fraction < 1:
@@ -155,12 +194,15 @@ def _check_data(d: DataConfig) -> None:
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
     if c.every_n_steps < 0:
-        raise ConfigError(f"checkpoint.every_n_steps={c.every_n_steps} must be >= 0 (0: at the end)")
+        raise ConfigError(
+            f"checkpoint.every_n_steps={c.every_n_steps} must be >= 0 (0: at the end)"
+        )
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
     if c.async_enabled and c.format is not CheckpointFormat.sharded:
         raise ConfigError(
-            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})")
+            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})"
+        )
 
 
 def _check_precision(p: PrecisionConfig) -> None:
@@ -179,33 +221,68 @@ def refuse_for_xla(cfg: Config) -> None:
         raise ConfigError(
             f"sharding={s.strategy.name} on hardware=tpu: keeping gathered parameters from "
             "forward to backward is the XLA compiler's scheduling, not a setting; use "
-            f"sharding={instead.name} (the same math and the same sharded state)")
+            f"sharding={instead.name} (the same math and the same sharded state)"
+        )
     refusals = (
-        (s.reshard_after_forward is not None, f"sharding.reshard_after_forward="
-         f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it"),
-        (cfg.offload.device is not OffloadDevice.none,
-         "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none"),
-        (Dtype.fp16 in (p.param_dtype, p.reduce_dtype),
-         "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16"),
-        (p.grad_scaler_enabled, "precision.grad_scaler_enabled=true: bf16 needs no loss "
-         "scaling on XLA; set precision.grad_scaler_enabled=false"),
-        (p.reduce_dtype is Dtype.bf16, "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
-         "reduces gradients in their own dtype (fp32 master weights); use precision=bf16"),
-        (p.output_dtype is not None, "precision.output_dtype: autocast decides the output "
-         "dtypes on XLA; set precision.output_dtype=null"),
+        (
+            s.reshard_after_forward is not None,
+            f"sharding.reshard_after_forward="
+            f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it",
+        ),
+        (
+            cfg.offload.device is not OffloadDevice.none,
+            "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none",
+        ),
+        (
+            Dtype.fp16 in (p.param_dtype, p.reduce_dtype),
+            "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16",
+        ),
+        (
+            p.grad_scaler_enabled,
+            "precision.grad_scaler_enabled=true: bf16 needs no loss "
+            "scaling on XLA; set precision.grad_scaler_enabled=false",
+        ),
+        (
+            p.reduce_dtype is Dtype.bf16,
+            "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
+            "reduces gradients in their own dtype (fp32 master weights); use precision=bf16",
+        ),
+        (
+            p.output_dtype is not None,
+            "precision.output_dtype: autocast decides the output "
+            "dtypes on XLA; set precision.output_dtype=null",
+        ),
         (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
-        (s.prefetch.forward != 0 or s.prefetch.backward != 1, "sharding.prefetch: the XLA "
-         "compiler schedules the all-gathers; remove sharding.prefetch.forward/backward"),
-        (cfg.optim.implementation is OptimImpl.fused, "optim.implementation=fused: XLA has no "
-         "fused AdamW; use optim.implementation=foreach (or auto)"),
-        (cfg.loss.kind not in (LossKind.auto, LossKind.hf), f"loss={cfg.loss.kind.name}: XLA "
-         "compiles the model's own loss into the step; use loss=hf (or loss=auto)"),
-        (cfg.checkpoint.format is CheckpointFormat.full, "checkpoint=full: use checkpoint="
-         "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)"),
-        (cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true: XLA checkpoints are "
-         "written synchronously; set checkpoint.async_enabled=false"),
-        (cfg.hardware.num_nodes != 1, f"hardware.num_nodes={cfg.hardware.num_nodes}: "
-         "multi-host TPU slices are not supported yet; run on one TPU VM host"),
+        (
+            s.prefetch.forward != 0 or s.prefetch.backward != 1,
+            "sharding.prefetch: the XLA "
+            "compiler schedules the all-gathers; remove sharding.prefetch.forward/backward",
+        ),
+        (
+            cfg.optim.implementation is OptimImpl.fused,
+            "optim.implementation=fused: XLA has no "
+            "fused AdamW; use optim.implementation=foreach (or auto)",
+        ),
+        (
+            cfg.loss.kind not in (LossKind.auto, LossKind.hf),
+            f"loss={cfg.loss.kind.name}: XLA "
+            "compiles the model's own loss into the step; use loss=hf (or loss=auto)",
+        ),
+        (
+            cfg.checkpoint.format is CheckpointFormat.full,
+            "checkpoint=full: use checkpoint="
+            "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)",
+        ),
+        (
+            cfg.checkpoint.async_enabled,
+            "checkpoint.async_enabled=true: XLA checkpoints are "
+            "written synchronously; set checkpoint.async_enabled=false",
+        ),
+        (
+            cfg.hardware.num_nodes != 1,
+            f"hardware.num_nodes={cfg.hardware.num_nodes}: "
+            "multi-host TPU slices are not supported yet; run on one TPU VM host",
+        ),
     )
     for refused, message in refusals:
         if refused:
@@ -231,12 +308,16 @@ def validate(cfg: Config, topo: Topology) -> None:
                 f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
             )
         if topo.world_size // replicate < 2:
-            more = ("4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
-                    if topo.device is HardwareKind.tpu else "4+ ranks (hardware.nproc_per_node=4)")
+            more = (
+                "4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
+                if topo.device is HardwareKind.tpu
+                else "4+ ranks (hardware.nproc_per_node=4)"
+            )
             raise ConfigError(
                 f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
                 f"{replicate} leaves shard groups of 1 rank; use {more}, a smaller "
-                "sharding.replicate_size, or sharding=full")
+                "sharding.replicate_size, or sharding=full"
+            )
     raf = s.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):
         shard_size = topo.world_size // replicate

@@ -270,7 +270,8 @@ class LoggerConfig:
     group: Optional[str] = None
     """None: a sweep's jobs share one group named after its multirun dir; single runs none."""
     name: Optional[str] = None
-    """None: the job's overrides (e.g. `sharding=hybrid,precision=bf16`), else the run dir's name."""
+    """None: the job's overrides (e.g. `sharding=hybrid,precision=bf16`), else the run dir's
+    name."""
     tags: List[str] = field(default_factory=list)
     """Added to the automatic tags (the chosen option of every config group)."""
     init_timeout_s: int = 60
@@ -363,7 +364,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig)
+        default_factory=ActivationCheckpointingConfig
+    )
     compile: bool = False
     """torch.compile each FSDP unit (after activation checkpointing, before sharding)."""
     resume: str = "auto"

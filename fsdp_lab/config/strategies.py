@@ -58,11 +58,13 @@ S = ShardingStrategy
 STRATEGIES: dict[ShardingStrategy, Strategy] = {
     S.full: Strategy(Replicas.one, reshard_after_forward=True, zero_stage=3, xla=S.full),
     S.grad_op: Strategy(Replicas.one, reshard_after_forward=False, zero_stage=2, xla=S.full),
-    S.no_shard: Strategy(Replicas.every_rank, reshard_after_forward=False, zero_stage=0,
-                         xla=S.no_shard),
+    S.no_shard: Strategy(
+        Replicas.every_rank, reshard_after_forward=False, zero_stage=0, xla=S.no_shard
+    ),
     S.hybrid: Strategy(Replicas.groups, reshard_after_forward=True, zero_stage=3, xla=S.hybrid),
-    S.hybrid_zero2: Strategy(Replicas.groups, reshard_after_forward=False, zero_stage=2,
-                             xla=S.hybrid),
+    S.hybrid_zero2: Strategy(
+        Replicas.groups, reshard_after_forward=False, zero_stage=2, xla=S.hybrid
+    ),
 }
 del S
 

@@ -1,1 +1,3 @@
-"""Corpora to tokenised, packed blocks, and each rank's resumable share of every batch. Imports config only."""
+"""Corpora to tokenised, packed blocks, and each rank's resumable share of every batch. Imports
+config only.
+"""

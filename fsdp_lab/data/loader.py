@@ -38,8 +38,9 @@ class Masking:
     probability: float
     special_ids: tuple[int, ...] = ()
 
-    def __call__(self, ids: torch.Tensor,
-                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, ids: torch.Tensor, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         draw = torch.rand(ids.shape, generator=gen)
         kind = torch.rand(ids.shape, generator=gen)
         random_ids = torch.randint(0, self.vocab_size, ids.shape, generator=gen)
@@ -60,9 +61,17 @@ class Masking:
 class Loader:
     """Rows of global micro-batches -> this rank's batches; subclasses say what row i holds."""
 
-    def __init__(self, *, seed: int, micro_batch_size: int, grad_accum_steps: int,
-                 dp_size: int, dp_rank: int, masking: Masking | None,
-                 local_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        dp_size: int,
+        dp_rank: int,
+        masking: Masking | None,
+        local_ranks: int = 1,
+    ) -> None:
         self.seed, self.micro_batch_size = seed, micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.dp_size, self.dp_rank, self.masking = dp_size, dp_rank, masking
@@ -73,8 +82,10 @@ class Loader:
 
     def first_row(self, step: int, micro: int) -> int:
         """Global index of the first row of micro-batch ``micro`` of step ``step``."""
-        return self.row_offset + (
-            (step - self.start_step) * self.grad_accum_steps + micro) * self.rows_per_micro
+        return (
+            self.row_offset
+            + ((step - self.start_step) * self.grad_accum_steps + micro) * self.rows_per_micro
+        )
 
     def global_rows(self, step: int, micro: int) -> torch.Tensor:
         raise NotImplementedError
@@ -176,8 +187,8 @@ class PackedData(Loader):
         per_micro = self.rows_per_micro
         lo = index * per_micro
         rows = torch.full((per_micro, self.val.shape[1]), -1, dtype=torch.int32)
-        chunk = np.array(self.val[lo:lo + per_micro])
-        rows[:len(chunk)] = torch.from_numpy(chunk)
+        chunk = np.array(self.val[lo : lo + per_micro])
+        rows[: len(chunk)] = torch.from_numpy(chunk)
         return rows
 
     def num_val_batches(self, limit: int) -> int:
@@ -185,41 +196,77 @@ class PackedData(Loader):
 
     def state(self, step: int) -> dict:
         rows = self.first_row(step, 0)
-        return {"kind": type(self).__name__, "rows_consumed": rows,
-                "epoch": rows // len(self.train), "position": rows % len(self.train),
-                "train_blocks": len(self.train), "fingerprint": self.fingerprint}
+        return {
+            "kind": type(self).__name__,
+            "rows_consumed": rows,
+            "epoch": rows // len(self.train),
+            "position": rows % len(self.train),
+            "train_blocks": len(self.train),
+            "fingerprint": self.fingerprint,
+        }
 
     def restore(self, state: dict | None, step: int) -> None:
         """Continue at the saved row (also when the world size or batch size changed since)."""
         if state is None or state.get("fingerprint") != self.fingerprint:
-            log.warning("data: the checkpoint was trained on other data (or an older format); "
-                        "this data is read from its beginning")
+            log.warning(
+                "data: the checkpoint was trained on other data (or an older format); "
+                "this data is read from its beginning"
+            )
             state = {"rows_consumed": 0}
         self.row_offset, self.start_step = state["rows_consumed"], step
 
 
-def build_data(cfg: Config, *, corpus, tokenizer, vocab_size: int, dp_size: int,
-               dp_rank: int, local_ranks: int = 1) -> Loader:
+def build_data(
+    cfg: Config,
+    *,
+    corpus,
+    tokenizer,
+    vocab_size: int,
+    dp_size: int,
+    dp_rank: int,
+    local_ranks: int = 1,
+) -> Loader:
     t = cfg.trainer
     masking = None
     if cfg.model.task is ModelTask.masked_lm:
         if cfg.data.kind is DataKind.synthetic:  # ids, not text: the last id is [MASK]
-            masking = Masking(mask_id=vocab_size - 1, vocab_size=vocab_size - 1,
-                              probability=cfg.data.mlm_probability)
+            masking = Masking(
+                mask_id=vocab_size - 1,
+                vocab_size=vocab_size - 1,
+                probability=cfg.data.mlm_probability,
+            )
         else:
-            special = tuple(i for i in (tokenizer.eos_token_id, tokenizer.sep_token_id,
-                                        tokenizer.cls_token_id, tokenizer.pad_token_id)
-                            if i is not None)
-            masking = Masking(mask_id=tokenizer.mask_token_id, vocab_size=len(tokenizer),
-                              probability=cfg.data.mlm_probability, special_ids=special)
-    common = dict(seed=cfg.seed, micro_batch_size=t.micro_batch_size,
-                  grad_accum_steps=t.grad_accum_steps, dp_size=dp_size, dp_rank=dp_rank,
-                  masking=masking, local_ranks=local_ranks)
+            special = tuple(
+                i
+                for i in (
+                    tokenizer.eos_token_id,
+                    tokenizer.sep_token_id,
+                    tokenizer.cls_token_id,
+                    tokenizer.pad_token_id,
+                )
+                if i is not None
+            )
+            masking = Masking(
+                mask_id=tokenizer.mask_token_id,
+                vocab_size=len(tokenizer),
+                probability=cfg.data.mlm_probability,
+                special_ids=special,
+            )
+    common = dict(
+        seed=cfg.seed,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        masking=masking,
+        local_ranks=local_ranks,
+    )
     match cfg.data.kind:
         case DataKind.synthetic:
             return SyntheticData(vocab_size=vocab_size, seq_len=t.seq_len, **common)
         case DataKind.text | DataKind.hub | DataKind.shakespeare:
-            return PackedData(train=corpus.train, val=corpus.val,
-                              fingerprint=corpus.fingerprint, **common)
+            return PackedData(
+                train=corpus.train, val=corpus.val, fingerprint=corpus.fingerprint, **common
+            )
         case _:
             raise ValueError(f"unknown data.kind {cfg.data.kind}")

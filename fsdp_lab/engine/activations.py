@@ -45,12 +45,15 @@ def parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return out
 
 
-def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module],
-                                   cfg: ActivationCheckpointingConfig) -> list[nn.Module]:
+def apply_activation_checkpointing(
+    model: nn.Module, units: list[nn.Module], cfg: ActivationCheckpointingConfig
+) -> list[nn.Module]:
     """Replace the chosen units in their parents by checkpoint wrappers; returns the new units
     list (wrappers where wrapped), which is what gets compiled and sharded."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, checkpoint_wrapper)
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
 
     chosen = set(checkpointed_indices(cfg, len(units)))
     if not chosen:

@@ -9,14 +9,19 @@ no_shard on an (N, 1) mesh is DDP: each rank holds every element and gradients a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
@@ -26,8 +31,9 @@ from fsdp_lab.config.topology import Topology, mesh_shape
 def build_mesh(cfg: ShardingConfig, topo: Topology, *, device_type: str) -> DeviceMesh:
     """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
     replicate_size is the number of nodes): the frequent all-gathers stay intra-node."""
-    return init_device_mesh(device_type, mesh_shape(cfg, topo),
-                            mesh_dim_names=strategy_of(cfg.strategy).mesh_axes)
+    return init_device_mesh(
+        device_type, mesh_shape(cfg, topo), mesh_dim_names=strategy_of(cfg.strategy).mesh_axes
+    )
 
 
 def apply_fsdp(
@@ -50,8 +56,9 @@ def apply_fsdp(
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
     for index in reversed(range(len(units))):
         last = index == len(units) - 1
-        fully_shard(units[index], reshard_after_forward=False if last else reshard_after_forward,
-                    **kwargs)
+        fully_shard(
+            units[index], reshard_after_forward=False if last else reshard_after_forward, **kwargs
+        )
     # The root's own parameters (embeddings, final norm, head) are needed again right at the start
     # of backward; None lets FSDP2 keep them gathered. With no units the root is the whole model,
     # and the strategy's choice holds.
@@ -67,9 +74,9 @@ def apply_prefetch(units: list[nn.Module], prefetch: PrefetchConfig) -> None:
     (implicit), left as they are."""
     for i, unit in enumerate(units):
         if prefetch.forward > 0:
-            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch.forward])
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch.forward])
         if prefetch.backward > 1:
-            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch.backward):i][::-1])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch.backward) : i][::-1])
 
 
 def build_offload_policy(enabled: bool, *, pin_memory: bool) -> OffloadPolicy | None:
@@ -95,15 +102,17 @@ class ShardedModel:
     param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
 
 
-def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module,
-                source) -> ShardedModel:
+def build_model(
+    cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
+) -> ShardedModel:
     """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
     whole model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fsdp_lab.engine import activations, hardware, model as model_lib, precision, wrap
+    from fsdp_lab.engine import activations, hardware, precision, wrap
+    from fsdp_lab.engine import model as model_lib
 
     model, kind = meta_model, topo.device
     tied = model_lib.tied_groups(model)
@@ -114,14 +123,21 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
     if cfg.compile:
         activations.compile_units(units)
     mesh = build_mesh(cfg.sharding, topo, device_type=device.type)
-    apply_fsdp(model, units, mesh=mesh, reshard_after_forward=reshard_after_forward(cfg.sharding),
-               mp_policy=precision.build_mp_policy(cfg.precision),
-               offload_policy=build_offload_policy(cfg.offload.device is OffloadDevice.cpu,
-                                                   pin_memory=hardware.pin_memory(kind)),
-               prefetch=cfg.sharding.prefetch)
+    apply_fsdp(
+        model,
+        units,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward(cfg.sharding),
+        mp_policy=precision.build_mp_policy(cfg.precision),
+        offload_policy=build_offload_policy(
+            cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)
+        ),
+        prefetch=cfg.sharding.prefetch,
+    )
     model_lib.check_tied(model, tied)
-    model_lib.materialize(model, device=device, source=source,
-                          offload=cfg.offload.device is OffloadDevice.cpu)
+    model_lib.materialize(
+        model, device=device, source=source, offload=cfg.offload.device is OffloadDevice.cpu
+    )
     model_lib.check_tied(model, tied)
 
     def gathered(value) -> list:
@@ -130,22 +146,29 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
         return out
 
     def full_state_dict() -> dict:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     return ShardedModel(
-        model=model, mesh_shape=list(mesh.shape), mesh_axes=list(mesh.mesh_dim_names),
-        units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
+        model=model,
+        mesh_shape=list(mesh.shape),
+        mesh_axes=list(mesh.mesh_dim_names),
+        units_desc=units_desc,
+        num_units=len(units) + 1,
+        checkpointed=checkpointed,
         place_batch=lambda batch: hardware.to_device(batch, device),
         local_numels=lambda: gathered(local_numel(model)),
         state_bytes=lambda optimizer: gathered(state_bytes(model, optimizer)),
-        full_state_dict=full_state_dict)
+        full_state_dict=full_state_dict,
+    )
 
 
 def local_numel(module: nn.Module) -> int:
     """Parameter elements this rank stores (its shards; everything for replicated params)."""
-    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-               for p in module.parameters())
+    return sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters()
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +184,10 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     shards, their gradients, and every tensor of the optimizer state (Adam's moments and step).
     Measured after an optimizer step, before zero_grad; ``fsdp-lab plan`` predicts it."""
     params = list(model.parameters())
-    return {"params": _nbytes(params),
-            "grads": _nbytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _nbytes(v for s in optimizer.state.values() for v in s.values()
-                                 if isinstance(v, torch.Tensor))}
+    return {
+        "params": _nbytes(params),
+        "grads": _nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _nbytes(
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ),
+    }

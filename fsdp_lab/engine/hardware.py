@@ -27,8 +27,10 @@ TORCH_DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp1
 
 # torch_xla pins the torch it was built against; this is the pair the tests run.
 XLA_PAIR = ("2.9.0", "2.9.0")  # (torch, torch-xla)
-XLA_INSTALL = (f"pip install 'fsdp_lab[tpu]' (torch=={XLA_PAIR[0]} with torch-xla=={XLA_PAIR[1]}"
-               ", in an environment of its own; see the README)")
+XLA_INSTALL = (
+    f"pip install 'fsdp_lab[tpu]' (torch=={XLA_PAIR[0]} with torch-xla=={XLA_PAIR[1]}"
+    ", in an environment of its own; see the README)"
+)
 
 
 def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
@@ -60,12 +62,16 @@ def check_xla_env() -> None:
     xla = importlib.metadata.version("torch_xla").split("+")[0]
     base = torch.__version__.split("+")[0]
     if xla.split(".")[:2] != base.split(".")[:2]:
-        raise ConfigError(f"hardware=tpu: torch-xla {xla} needs torch {xla}, this environment has "
-                          f"torch {base}; {XLA_INSTALL}")
+        raise ConfigError(
+            f"hardware=tpu: torch-xla {xla} needs torch {xla}, this environment has "
+            f"torch {base}; {XLA_INSTALL}"
+        )
     os.environ.setdefault("PJRT_DEVICE", "TPU")
     if os.environ["PJRT_DEVICE"] not in ("TPU", "CPU"):
-        raise ConfigError(f"hardware=tpu with PJRT_DEVICE={os.environ['PJRT_DEVICE']}: use "
-                          "PJRT_DEVICE=TPU (or CPU, XLA's CPU devices, for testing)")
+        raise ConfigError(
+            f"hardware=tpu with PJRT_DEVICE={os.environ['PJRT_DEVICE']}: use "
+            "PJRT_DEVICE=TPU (or CPU, XLA's CPU devices, for testing)"
+        )
 
 
 def xla_local_devices() -> int:
@@ -104,7 +110,8 @@ def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
         raise ConfigError(
             f"hardware.nproc_per_node={nproc_per_node} but this host has {xla_local_devices()} "
             "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (with "
-            "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)")
+            "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)"
+        )
 
 
 def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
@@ -130,8 +137,10 @@ def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
     supported = getattr(torch.ops.mkldnn, probe[dtype], None)
     if supported is None or supported():
         return None
-    return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {dtype.value} "
-            f"matmuls: {dtype.value} compute runs tens of times slower than fp32 here")
+    return (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {dtype.value} "
+        f"matmuls: {dtype.value} compute runs tens of times slower than fp32 here"
+    )
 
 
 def backend(kind: HardwareKind) -> str:
@@ -302,18 +311,27 @@ def check_compile(kind: HardwareKind) -> None:
     import shutil
 
     if kind is HardwareKind.cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        raise ConfigError("compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
-                          "install one or set compile=false")
+        raise ConfigError(
+            "compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
+            "install one or set compile=false"
+        )
 
 
 # Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): bf16/fp16 tensor
 # cores, TF32 tensor cores, and fp32 without TF32. Matched in order against
 # torch.cuda.get_device_name, so the more specific names come first.
 PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0, 378.0, 51.0), ("H100 NVL", 835.0, 417.5, 60.0),
-    ("H100", 989.0, 494.7, 67.0), ("H200", 989.0, 494.7, 67.0), ("H800", 989.0, 494.7, 67.0),
-    ("B200", 2250.0, 1100.0, 80.0), ("A100", 312.0, 156.0, 19.5), ("A800", 312.0, 156.0, 19.5),
-    ("L40S", 362.0, 183.0, 91.6), ("L4", 121.0, 60.0, 30.3), ("A10G", 70.0, 35.0, 31.2),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100 NVL", 835.0, 417.5, 60.0),
+    ("H100", 989.0, 494.7, 67.0),
+    ("H200", 989.0, 494.7, 67.0),
+    ("H800", 989.0, 494.7, 67.0),
+    ("B200", 2250.0, 1100.0, 80.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("L4", 121.0, 60.0, 30.3),
+    ("A10G", 70.0, 35.0, 31.2),
     ("A10", 125.0, 62.5, 31.2),
 )
 
@@ -325,8 +343,9 @@ def set_tf32(kind: HardwareKind, enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype, *,
-               tf32: bool = False) -> float | None:
+def peak_flops(
+    cfg: HardwareConfig, kind: HardwareKind, compute: Dtype, *, tf32: bool = False
+) -> float | None:
     """Peak FLOP/s of one device for MFU: ``hardware.peak_tflops`` when set, else the table
     above for a known GPU (the TF32 column for fp32 compute with ``tf32``); None (MFU not
     reported) for CPUs and unknown GPUs."""
@@ -348,8 +367,13 @@ def peak_flops(cfg: HardwareConfig, kind: HardwareKind, compute: Dtype, *,
 
 # Peak bf16 TFLOP/s per TPU chip (one SPMD device each), from the Cloud TPU docs; matched
 # against the accelerator type in the TPU VM's metadata (v5litepod-8, v4-32...).
-TPU_PEAK_TFLOPS = (("v5litepod", 197.0), ("v5e", 197.0), ("v5p", 459.0), ("v6e", 918.0),
-                   ("v4", 275.0))
+TPU_PEAK_TFLOPS = (
+    ("v5litepod", 197.0),
+    ("v5e", 197.0),
+    ("v5p", 459.0),
+    ("v6e", 918.0),
+    ("v4", 275.0),
+)
 
 
 def _tpu_peak_flops(compute: Dtype) -> float | None:
@@ -405,6 +429,8 @@ def describe(kind: HardwareKind) -> str:
     if kind is HardwareKind.gpu:
         return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     if kind is HardwareKind.tpu:
-        return (f"tpu: {xla_local_devices()} XLA devices (PJRT_DEVICE="
-                f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD")
+        return (
+            f"tpu: {xla_local_devices()} XLA devices (PJRT_DEVICE="
+            f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD"
+        )
     return f"cpu: {os.cpu_count()} cores"

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask
 from fsdp_lab.engine import hardware
 from fsdp_lab.engine.activations import clean_name
-from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,21 @@ def _hf_config(cfg: ModelConfig):
                 raise ConfigError(
                     f"model.name_or_path={cfg.name_or_path} is not a local directory and the "
                     f"Hugging Face hub did not give its config ({first[:200]}); offline, download "
-                    "the model elsewhere and pass its directory") from e
+                    "the model elsewhere and pass its directory"
+                ) from e
             raise ConfigError(
                 f"model.name_or_path={cfg.name_or_path}: its config.json cannot be read by "
-                f"transformers ({first}); point it at a model directory") from e
+                f"transformers ({first}); point it at a model directory"
+            ) from e
     # The launcher resolves a None vocabulary from the tokenizer; unresolved, it is synthetic's.
     vocab_size = cfg.vocab_size or SYNTHETIC_VOCAB_SIZE
-    common = dict(vocab_size=vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     match cfg.arch:
         case ModelArch.llama | ModelArch.qwen2:
             hf_cls = LlamaConfig if cfg.arch is ModelArch.llama else Qwen2Config
@@ -77,25 +84,35 @@ def _hf_config(cfg: ModelConfig):
                 n_head=cfg.num_heads,
                 n_positions=cfg.max_position_embeddings,
                 # Dropout off: runs are then identical across world sizes and strategies.
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
                 **common,
             )
         case ModelArch.bert:
             return BertConfig(
-                vocab_size=vocab_size, hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                vocab_size=vocab_size,
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers,
                 num_attention_heads=cfg.num_heads,
                 max_position_embeddings=cfg.max_position_embeddings,
-                tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=None,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+                pad_token_id=None,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
             )
         case _:
             raise ValueError(f"unknown model.arch {cfg.arch}")
 
 
 SYNTHETIC_VOCAB_SIZE = 256
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer) -> ModelConfig:
@@ -112,7 +129,8 @@ def check_weights(name_or_path: str) -> None:
     if path.is_dir() and not any((path / f).is_file() for f in WEIGHT_FILES):
         raise ConfigError(
             f"model.pretrained=true but model.name_or_path={name_or_path} holds no weights "
-            f"({' or '.join(WEIGHT_FILES[::2])}); set model.pretrained=false for random init")
+            f"({' or '.join(WEIGHT_FILES[::2])}); set model.pretrained=false for random init"
+        )
 
 
 def check_task(hf_config, task: ModelTask) -> None:
@@ -120,11 +138,15 @@ def check_task(hf_config, task: ModelTask) -> None:
     attention is bidirectional): the loss collapses and nothing says why. Refuse it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-    if (task is ModelTask.causal_lm and hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-            and not getattr(hf_config, "is_decoder", False)):
+    if (
+        task is ModelTask.causal_lm
+        and hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and not getattr(hf_config, "is_decoder", False)
+    ):
         raise ConfigError(
             f"model: {hf_config.model_type} is an encoder (bidirectional attention); train it with "
-            "model.task=masked_lm")
+            "model.task=masked_lm"
+        )
 
 
 def align_special_tokens(hf_config, tokenizer) -> None:
@@ -148,8 +170,10 @@ def max_positions(hf_config) -> int | None:
 def check_seq_len(hf_config, seq_len: int) -> None:
     positions = max_positions(hf_config)
     if positions is not None and seq_len > positions:
-        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} "
-                          "positions; lower trainer.seq_len")
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} exceeds the model's {positions} "
+            "positions; lower trainer.seq_len"
+        )
 
 
 def _auto_class(task: ModelTask):
@@ -170,7 +194,8 @@ def _from_config(hf_config, task: ModelTask) -> nn.Module:
     except ValueError as e:  # an architecture without a head for this task
         raise ConfigError(
             f"model: {type(hf_config).__name__} has no {task.name} model in transformers "
-            f"({str(e).splitlines()[0][:200]}); set model.task to what the model is") from e
+            f"({str(e).splitlines()[0][:200]}); set model.task to what the model is"
+        ) from e
 
 
 def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
@@ -192,11 +217,12 @@ def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
     source = str(local) if local.exists() else name_or_path
     try:
         return _auto_class(task).from_pretrained(source, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - no weights, hub unreachable, corrupt safetensors
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"model.pretrained=true but no weights can be read from model.name_or_path="
-            f"{name_or_path} ({first[:200]}); set model.pretrained=false for random init") from e
+            f"{name_or_path} ({first[:200]}); set model.pretrained=false for random init"
+        ) from e
 
 
 def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -221,12 +247,13 @@ def tied_groups(model: nn.Module, clean=clean_name) -> list[list[str]]:
 def check_tied(model: nn.Module, expected: list[list[str]]) -> None:
     """Tied stays tied: sharding (or loading) must not give a shared parameter two copies."""
     if tied_groups(model) != expected:
-        raise RuntimeError(f"tied parameters {expected} were untied (now {tied_groups(model)}); "
-                           "they must be sharded in one FSDP unit")
+        raise RuntimeError(
+            f"tied parameters {expected} were untied (now {tied_groups(model)}); "
+            "they must be sharded in one FSDP unit"
+        )
 
 
-def materialize(model: nn.Module, *, device: torch.device, source,
-                offload: bool = False) -> None:
+def materialize(model: nn.Module, *, device: torch.device, source, offload: bool = False) -> None:
     """Give the sharded meta model real storage on ``device`` and rank 0's initial weights.
     With ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and
     only the buffers, which FSDP does not move, go to ``device``.
@@ -253,7 +280,8 @@ def materialize(model: nn.Module, *, device: torch.device, source,
         del full  # the state dict keeps the tensors alive, not a second copy
     hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
     set_model_state_dict(
-        model, full_sd,
+        model,
+        full_sd,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     payload = [buffers]

@@ -26,15 +26,20 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch_xla.distributed.fsdp import checkpoint_module
-from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMDSavePlanner,
-                                                           prime_optimizer)
+from torch_xla.experimental.distributed_checkpoint import (
+    SPMDLoadPlanner,
+    SPMDSavePlanner,
+    prime_optimizer,
+)
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-    SpmdFullyShardedDataParallel as FSDPv2)
+    SpmdFullyShardedDataParallel as FSDPv2,
+)
 
-from fsdp_lab.engine import activations, hardware, model as model_lib, wrap
 from fsdp_lab.config import Config, Dtype, ShardingConfig
 from fsdp_lab.config.strategies import REPLICATE_AXIS
 from fsdp_lab.config.topology import Topology, mesh_shape
+from fsdp_lab.engine import activations, hardware, wrap
+from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.fsdp import ShardedModel
 
 FSDP_AXIS = "fsdp"  # the axis name FSDPv2 shards parameters along
@@ -70,8 +75,11 @@ def _output_tensor(output) -> torch.Tensor | None:
     ModelOutput's logits or hidden states (its loss, a scalar, is skipped)."""
     if isinstance(output, torch.Tensor):
         return output
-    values = output.to_tuple() if hasattr(output, "to_tuple") else (
-        output if isinstance(output, (tuple, list)) else ())
+    values = (
+        output.to_tuple()
+        if hasattr(output, "to_tuple")
+        else (output if isinstance(output, (tuple, list)) else ())
+    )
     return next((v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
 
 
@@ -83,8 +91,9 @@ def _shard_output(output, mesh: xs.Mesh) -> None:
         xs.mark_sharding(tensor, mesh, _batch_spec(mesh, tensor.dim()))
 
 
-def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module,
-                source) -> ShardedModel:
+def build_model(
+    cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
+) -> ShardedModel:
     """The full model from ``source()`` on the host (seeded init or pretrained weights: the
     same start as a cpu/gpu run), moved to the XLA device and wrapped with FSDPv2: each unit of
     the wrap policy (checkpointed where activation_checkpointing chose it), then the root.
@@ -108,22 +117,31 @@ def build_model(cfg: Config, topo: Topology, device: torch.device, *, meta_model
         parent.register_module(name, FSDPv2(unit, mesh=mesh, shard_output=_shard_output))
     root = FSDPv2(model, mesh=mesh, shard_output=_shard_output)
     if model_lib.tied_groups(root, clean_name) != tied:
-        raise RuntimeError(f"tied parameters {tied} were untied on the XLA device "
-                           f"(now {model_lib.tied_groups(root, clean_name)})")
+        raise RuntimeError(
+            f"tied parameters {tied} were untied on the XLA device "
+            f"(now {model_lib.tied_groups(root, clean_name)})"
+        )
     if cfg.precision.param_dtype is Dtype.bf16:
         _autocast_forward(root, torch.bfloat16)
     n = topo.world_size
     # checkpoint_module patches a unit's forward in place, leaving this mark
-    checkpointed = [i for i, unit in enumerate(units)
-                    if hasattr(unit, "_xla_checkpointed_forward_original")]
+    checkpointed = [
+        i for i, unit in enumerate(units) if hasattr(unit, "_xla_checkpointed_forward_original")
+    ]
     return ShardedModel(
-        model=root, mesh_shape=list(mesh.mesh_shape), mesh_axes=list(mesh.axis_names),
-        units_desc=units_desc, num_units=len(units) + 1, checkpointed=checkpointed,
+        model=root,
+        mesh_shape=list(mesh.mesh_shape),
+        mesh_axes=list(mesh.axis_names),
+        units_desc=units_desc,
+        num_units=len(units) + 1,
+        checkpointed=checkpointed,
         place_batch=lambda batch: place_batch(batch, device, mesh),
         local_numels=lambda: local_numels(root, n),
         state_bytes=lambda optimizer: state_bytes(root, optimizer, n),
-        full_state_dict=lambda: full_state_dict(root), checkpoint_io=XlaCheckpointIO(),
-        param_specs={clean_name(k): sharding_spec(p) for k, p in root.named_parameters()})
+        full_state_dict=lambda: full_state_dict(root),
+        checkpoint_io=XlaCheckpointIO(),
+        param_specs={clean_name(k): sharding_spec(p) for k, p in root.named_parameters()},
+    )
 
 
 def _retie(model: nn.Module, groups: list[list[str]]) -> None:
@@ -149,8 +167,9 @@ def _autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     module.forward = forward
 
 
-def place_batch(batch: dict[str, torch.Tensor], device: torch.device,
-                mesh: xs.Mesh) -> dict[str, torch.Tensor]:
+def place_batch(
+    batch: dict[str, torch.Tensor], device: torch.device, mesh: xs.Mesh
+) -> dict[str, torch.Tensor]:
     """The host's rows of a global micro-batch onto the devices, split along the batch."""
     out = {}
     for key, value in batch.items():
@@ -170,8 +189,10 @@ def _device_numels(tensor: torch.Tensor, num_devices: int) -> list[int]:
     if not sharding_spec(tensor):
         return [tensor.numel()] * num_devices
     placed = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
-    return [tensor.numel() if indices is Ellipsis
-            else math.prod(s.stop - s.start for s in indices) for _, indices in placed]
+    return [
+        tensor.numel() if indices is Ellipsis else math.prod(s.stop - s.start for s in indices)
+        for _, indices in placed
+    ]
 
 
 def _device_bytes(tensors, num_devices: int, *, per_element: bool = True) -> list[int]:
@@ -188,8 +209,9 @@ def local_numels(model: nn.Module, num_devices: int) -> list[int]:
     return _device_bytes(model.parameters(), num_devices, per_element=False)
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
-                num_devices: int) -> list[dict[str, int]]:
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, num_devices: int
+) -> list[dict[str, int]]:
     """Per device: parameter, gradient and optimizer-state bytes as the devices hold them (after
     an optimizer step, before zero_grad), the numbers engine.fsdp.state_bytes gives per FSDP2 rank.
     The step's graph runs first: asking a pending tensor for its shards would compile a graph
@@ -197,18 +219,28 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
     _run_pending()
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    states = [v for s in optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.device.type == "xla"]
-    parts = {"params": _device_bytes(params, num_devices), "grads": _device_bytes(grads, num_devices),
-             "optimizer": _device_bytes(states, num_devices)}
-    return [{k: v[d] for k, v in parts.items()} | {"total": sum(v[d] for v in parts.values())}
-            for d in range(num_devices)]
+    states = [
+        v
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.device.type == "xla"
+    ]
+    parts = {
+        "params": _device_bytes(params, num_devices),
+        "grads": _device_bytes(grads, num_devices),
+        "optimizer": _device_bytes(states, num_devices),
+    }
+    return [
+        {k: v[d] for k, v in parts.items()} | {"total": sum(v[d] for v in parts.values())}
+        for d in range(num_devices)
+    ]
 
 
 # ---- checkpoints: torch.distributed.checkpoint with torch_xla's SPMD planners ---------------
 # Keys are the plain parameter names and the optimizer state is keyed by them, the layout
 # torch's get_model/optimizer_state_dict give FSDP2 runs, so the launcher's shape check and
 # resume rules are the same for both.
+
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The plain name of each parameter in the optimizer's order (its state_dict's indices)."""
@@ -218,15 +250,20 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     names, raw = _param_names(model, optimizer), optimizer.state_dict()
-    return {"state": {names[i]: s for i, s in raw["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                             for g in raw["param_groups"]]}
+    return {
+        "state": {names[i]: s for i, s in raw["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in raw["param_groups"]
+        ],
+    }
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The live (sharded, on-device) training state, keyed by plain names."""
-    return {"model": {clean_name(k): v for k, v in model.state_dict().items()},
-            "optim": _optimizer_state(model, optimizer)}
+    return {
+        "model": {clean_name(k): v for k, v in model.state_dict().items()},
+        "optim": _optimizer_state(model, optimizer),
+    }
 
 
 class XlaCheckpointIO:
@@ -245,10 +282,15 @@ class XlaCheckpointIO:
         dcp.load(state, checkpoint_id=str(path), planner=SPMDLoadPlanner())
         by_name = {name: i for i, name in enumerate(_param_names(model, optimizer))}
         optim = state["optim"]
-        optimizer.load_state_dict({
-            "state": {by_name[n]: s for n, s in optim["state"].items()},
-            "param_groups": [{**g, "params": [by_name[n] for n in g["params"]]}
-                             for g in optim["param_groups"]]})
+        optimizer.load_state_dict(
+            {
+                "state": {by_name[n]: s for n, s in optim["state"].items()},
+                "param_groups": [
+                    {**g, "params": [by_name[n] for n in g["params"]]}
+                    for g in optim["param_groups"]
+                ],
+            }
+        )
         _run_pending()
 
 

@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_lab.observe import rundir
-from fsdp_lab.launch import slurm
 from fsdp_lab.config import Config, ConfigError, HardwareKind, to_container, to_typed
 from fsdp_lab.config.topology import Topology
+from fsdp_lab.launch import slurm
+from fsdp_lab.observe import rundir
 from fsdp_lab.train.preempt import Preempted
 
 log = logging.getLogger("fsdp_lab")
@@ -26,11 +26,13 @@ def _check_launcher_topology(cfg: Config, topo: Topology) -> None:
         raise ConfigError(
             f"hardware.nproc_per_node={h.nproc_per_node} but the launcher started "
             f"{topo.nproc_per_node} ranks per node; launch that many (srun --ntasks-per-node, "
-            "torchrun --nproc_per_node) or drop the override")
+            "torchrun --nproc_per_node) or drop the override"
+        )
     if h.num_nodes != 1 and h.num_nodes != topo.num_nodes:
         raise ConfigError(
             f"hardware.num_nodes={h.num_nodes} but the launcher started {topo.num_nodes} "
-            "node(s); launch that many (sbatch --nodes, torchrun --nnodes) or drop the override")
+            "node(s); launch that many (sbatch --nodes, torchrun --nnodes) or drop the override"
+        )
 
 
 def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> int:
@@ -39,12 +41,14 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     import torch.distributed as dist
 
     from fsdp_lab.engine import hardware
-    from fsdp_lab.train import worker
     from fsdp_lab.launch.prepare import prepare_run
+    from fsdp_lab.train import worker
 
     if cfg.hardware.kind is HardwareKind.tpu:
-        raise ConfigError("hardware=tpu runs one SPMD process per host, which `python train.py "
-                          "hardware=tpu` starts itself; run it without torchrun or srun")
+        raise ConfigError(
+            "hardware=tpu runs one SPMD process per host, which `python train.py "
+            "hardware=tpu` starts itself; run it without torchrun or srun"
+        )
     kind = hardware.resolve_kind(cfg.hardware)
     topo = worker.topology_from_env(kind)
     _check_launcher_topology(cfg, topo)
@@ -76,9 +80,12 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     run_dir = Path(shared["run_dir"])
     if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
         _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
-    return worker.run_and_exit(to_typed(shared["config"]), run_dir,
-                               exit_process=not slurm.under_submitit(),
-                               on_preempted=_requeue if rank == 0 else None)
+    return worker.run_and_exit(
+        to_typed(shared["config"]),
+        run_dir,
+        exit_process=not slurm.under_submitit(),
+        on_preempted=_requeue if rank == 0 else None,
+    )
 
 
 def _requeue(stopped: Preempted) -> None:

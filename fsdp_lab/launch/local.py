@@ -32,12 +32,18 @@ def _rendezvous_store(timeout_s: int):
 
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
-def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
-                forwarder: preempt.SignalForwarder) -> int:
+def spawn_local(
+    cfg: Config, topo: Topology, run_dir: Path, forwarder: preempt.SignalForwarder
+) -> int:
     """Start one worker process per rank, wait, and report the first failure once.
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
@@ -50,11 +56,16 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
     store = _rendezvous_store(cfg.hardware.timeout_s)
     # One process per rank; on tpu one for the host, which drives every XLA device.
     nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
-    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-                # Every rank is a client of the launcher's store (torchrun's agent does the same).
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-                "PYTHONUNBUFFERED": "1"}
+    base_env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        # Every rank is a client of the launcher's store (torchrun's agent does the same).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "PYTHONUNBUFFERED": "1",
+    }
     procs: list[subprocess.Popen] = []
     outputs = []
     try:
@@ -62,12 +73,18 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             # Rank 0 talks to the console; the others' raw output (native warnings, crashes)
             # goes to their log file beside what their logger writes there.
-            out = None if rank == 0 else open(log_dir / f"rank{rank}.log", "ab")
+            # Closed in the finally below, once every rank has exited.
+            out = None if rank == 0 else open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115
             outputs.append(out)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fsdp_lab.launch.rank_main", str(run_dir)], env=env,
-                stdout=out, stderr=subprocess.STDOUT if out else None,
-                preexec_fn=_prepare_child))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "fsdp_lab.launch.rank_main", str(run_dir)],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    preexec_fn=_prepare_child,
+                )
+            )
             forwarder.add(procs[-1])
         code, exit_times = _wait(procs)
     except KeyboardInterrupt:
@@ -82,9 +99,12 @@ def spawn_local(cfg: Config, topo: Topology, run_dir: Path,
     if code == preempt.EXIT_CODE:
         facts = rundir.read_run_file(run_dir)
         sig = forwarder.seen[0] if forwarder.seen else "?"
-        print(f"fsdp_lab: preempted (signal {sig}) after step "
-              f"{facts.get('step')}, checkpoint written; run the same command again with "
-              f"hydra.run.dir={run_dir} to resume", file=sys.stderr)
+        print(
+            f"fsdp_lab: preempted (signal {sig}) after step "
+            f"{facts.get('step')}, checkpoint written; run the same command again with "
+            f"hydra.run.dir={run_dir} to resume",
+            file=sys.stderr,
+        )
     elif code != 0:
         reason = _first_failure(run_dir, procs, exit_times)
         _mark_failed(run_dir, reason)
@@ -143,8 +163,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _first_failure(run_dir: Path, procs: list[subprocess.Popen],
-                   exit_times: dict[int, float]) -> str:
+def _first_failure(
+    run_dir: Path, procs: list[subprocess.Popen], exit_times: dict[int, float]
+) -> str:
     """The root cause, shown once.
 
     A rank that died without writing an error (kill -9, OOM killer, a native crash) before the

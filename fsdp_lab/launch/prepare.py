@@ -21,11 +21,11 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
-    from fsdp_lab.state import checkpoint as ckpt
     from fsdp_lab.data import corpus as corpus_lib
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine import hardware, wrap
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.state import checkpoint as ckpt
     from fsdp_lab.train import loss as loss_lib
-    from fsdp_lab.engine import model as model_lib, wrap
     from fsdp_lab.train.optim import resolve_implementation
 
     validate(cfg, topo)
@@ -38,8 +38,12 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
         hardware.check_compile(topo.device)
     slow = hardware.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
     if slow is not None:
-        log.warning("precision.param_dtype=%s: %s; precision=fp32 trains the same model faster "
-                    "on this machine", cfg.precision.param_dtype.value, slow)
+        log.warning(
+            "precision.param_dtype=%s: %s; precision=fp32 trains the same model faster "
+            "on this machine",
+            cfg.precision.param_dtype.value,
+            slow,
+        )
     cfg = corpus_lib.absolute_paths(cfg)
     if cfg.model.name_or_path is not None:  # an unreadable or unreachable model is named first
         model_lib.check_task(model_lib.build_hf_config(cfg.model), cfg.model.task)
@@ -50,24 +54,25 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     # and checkpoints of another model surface here once, not in every worker.
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
-    loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device,
-                          compiled=cfg.compile)
+    loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile)
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     if cfg.model.pretrained:
         model_lib.check_weights(cfg.model.name_or_path)
-    if tokenizer is not None:
-        if len(tokenizer) > hf_config.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
-                f"model.vocab_size>={len(tokenizer)}")
+    if tokenizer is not None and len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
+            f"model.vocab_size>={len(tokenizer)}"
+        )
     if cfg.data.kind is not DataKind.synthetic:
         # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
         # before any rank starts, and the ranks find the result in the cache.
         corpus = corpus_lib.prepare(cfg, tokenizer)
         if cfg.trainer.eval_every and len(corpus.val) == 0:
-            log.warning("data.validation_fraction=%s leaves no validation blocks: no evaluation",
-                        cfg.data.validation_fraction)
+            log.warning(
+                "data.validation_fraction=%s leaves no validation blocks: no evaluation",
+                cfg.data.validation_fraction,
+            )
     meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
     wrap.select_units(meta_model, cfg.wrap)
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
@@ -79,7 +84,8 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
             raise ConfigError(
                 f"resume={resume_path}: a checkpoint={marker['format']} checkpoint cannot be "
                 "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "
-                "export` and start from that (model=local model.name_or_path=<export>)")
+                "export` and start from that (model=local model.name_or_path=<export>)"
+            )
         ckpt.check_compatible(resume_path, meta_model)
     continuing = resume_path is not None and cfg.resume == "auto"
     _claim_run_dir(run_dir, continuing=continuing, job=job)
@@ -101,7 +107,7 @@ def _truncate_metrics(path: Path, step: int) -> int:
         return 0
     lines = path.read_text().splitlines(keepends=True)
     steps = [json.loads(line)["step"] if line.strip() else None for line in lines]
-    kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+    kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
@@ -118,11 +124,14 @@ def local_topology(cfg: Config) -> Topology:
     if cfg.hardware.num_nodes > 1:
         raise ConfigError(
             f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
-            "on this node only; launch multi-node runs with torchrun or srun on every node")
+            "on this node only; launch multi-node runs with torchrun or srun on every node"
+        )
     nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
     if nproc < 1 and kind is HardwareKind.tpu:
-        raise ConfigError("hardware=tpu found no XLA device; on a TPU VM check its chips, or "
-                          "set PJRT_DEVICE=CPU CPU_NUM_DEVICES=N to run on XLA's CPU devices")
+        raise ConfigError(
+            "hardware=tpu found no XLA device; on a TPU VM check its chips, or "
+            "set PJRT_DEVICE=CPU CPU_NUM_DEVICES=N to run on XLA's CPU devices"
+        )
     if nproc < 1:
         raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
     log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
@@ -134,9 +143,11 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None
     run_dir.mkdir(parents=True, exist_ok=True)
     if continuing:
         return
-    message = (f"run dir {run_dir} already holds files and no complete checkpoint to resume "
-               "(or resume is not auto); pick a new one with hydra.run.dir=... "
-               "(hydra.sweep.dir=... for -m)")
+    message = (
+        f"run dir {run_dir} already holds files and no complete checkpoint to resume "
+        "(or resume is not auto); pick a new one with hydra.run.dir=... "
+        "(hydra.sweep.dir=... for -m)"
+    )
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.

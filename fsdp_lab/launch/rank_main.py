@@ -9,8 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from fsdp_lab.train import preempt
 from fsdp_lab.observe import rundir
+from fsdp_lab.train import preempt
 
 early_signals: list[int] = []
 

@@ -19,8 +19,9 @@ from fsdp_lab.launch import external, local, prepare, slurm
 from fsdp_lab.train import preempt
 
 
-def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
-         job: dict | None = None) -> tuple[int, str | None]:
+def main(
+    dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: dict | None = None
+) -> tuple[int, str | None]:
     """One run (a sweep's job) from its composed config: (exit code, the one-line error if the
     config was refused before launch). Failures have been reported on stderr once. ``job``
     (its overrides and group choices, see ``sweep.job_info``) goes into run.json."""
@@ -36,7 +37,8 @@ def main(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
             if multirun and not slurm.under_submitit():  # submitit runs one job per task
                 raise ConfigError(
                     "-m/--multirun under torchrun or srun would run the whole sweep on every "
-                    "rank; run `python train.py -m ...` (it starts each job's ranks itself)")
+                    "rank; run `python train.py -m ...` (it starts each job's ranks itself)"
+                )
             return external.join_existing_group(cfg, run_dir, job), None  # submitit only
         topo = prepare.local_topology(cfg)
         cfg = prepare.prepare_run(cfg, topo, run_dir, job)

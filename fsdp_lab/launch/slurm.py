@@ -43,18 +43,32 @@ def adopt_srun_env(env=os.environ) -> bool:
     step, or under torchrun, which sets them itself."""
     if "RANK" in env or not in_srun_step(env):
         return False
-    missing = [v for v in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
-                           "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID") if v not in env]
+    missing = [
+        v
+        for v in (
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            "SLURM_NODEID",
+            "SLURM_TASKS_PER_NODE",
+            "SLURM_JOB_ID",
+        )
+        if v not in env
+    ]
     if missing:
         raise ConfigError(
             f"srun step without {', '.join(missing)}: launch fsdp_lab with sbatch "
-            "(scripts/slurm/train.sbatch) or hydra/launcher=slurm")
+            "(scripts/slurm/train.sbatch) or hydra/launcher=slurm"
+        )
     if "MASTER_ADDR" not in env:  # the batch script exports it; submitit does not
         env["MASTER_ADDR"] = first_host(env)
     env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
     local_world = tasks_on_node(env["SLURM_TASKS_PER_NODE"], int(env["SLURM_NODEID"]))
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-               LOCAL_RANK=env["SLURM_LOCALID"], LOCAL_WORLD_SIZE=str(local_world))
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=env["SLURM_NTASKS"],
+        LOCAL_RANK=env["SLURM_LOCALID"],
+        LOCAL_WORLD_SIZE=str(local_world),
+    )
     return True
 
 
@@ -62,14 +76,22 @@ def first_host(env=os.environ) -> str:
     """The allocation's first node, where rank 0 (SLURM_PROCID 0) runs."""
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodes:
-        raise ConfigError("srun step without SLURM_JOB_NODELIST: set MASTER_ADDR to the first "
-                          "node's address")
+        raise ConfigError(
+            "srun step without SLURM_JOB_NODELIST: set MASTER_ADDR to the first node's address"
+        )
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodes],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise ConfigError(f"`scontrol show hostnames {nodes}` failed ({e}); set MASTER_ADDR to "
-                          "the first node's address") from e
+        raise ConfigError(
+            f"`scontrol show hostnames {nodes}` failed ({e}); set MASTER_ADDR to "
+            "the first node's address"
+        ) from e
     return out.split()[0]
 
 
@@ -96,21 +118,32 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
     """hydra/launcher=slurm sizes SLURM jobs from the hardware group: it must say what the
     compute nodes are (the submitting machine cannot tell), and name a partition that exists."""
     try:
-        names = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True,
-                               timeout=60, check=True).stdout.split()
+        names = subprocess.run(
+            ["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError) as e:
-        raise ConfigError(f"hydra/launcher=slurm needs SLURM's commands (sinfo: {e}); run the "
-                          "sweep where sbatch works, such as a login node") from e
+        raise ConfigError(
+            f"hydra/launcher=slurm needs SLURM's commands (sinfo: {e}); run the "
+            "sweep where sbatch works, such as a login node"
+        ) from e
     if partition is not None and partition not in names:
-        raise ConfigError(f"hardware.partition={partition} is not a partition of this cluster "
-                          f"(sinfo lists {', '.join(names) or 'none'}); pick one of those")
+        raise ConfigError(
+            f"hardware.partition={partition} is not a partition of this cluster "
+            f"(sinfo lists {', '.join(names) or 'none'}); pick one of those"
+        )
     kind = HardwareKind(getattr(kind, "value", kind))
     if kind is HardwareKind.tpu:
-        raise ConfigError("hydra/launcher=slurm with hardware=tpu: TPU VMs are not SLURM nodes "
-                          "here; run `python train.py -m hardware=tpu ...` on the TPU VM")
+        raise ConfigError(
+            "hydra/launcher=slurm with hardware=tpu: TPU VMs are not SLURM nodes "
+            "here; run `python train.py -m hardware=tpu ...` on the TPU VM"
+        )
     if kind is HardwareKind.auto:
-        raise ConfigError("hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
-                          "submitting machine cannot tell what the compute nodes have)")
+        raise ConfigError(
+            "hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
+            "submitting machine cannot tell what the compute nodes have)"
+        )
     if kind is HardwareKind.gpu and nproc_per_node is None:
-        raise ConfigError("hydra/launcher=slurm with hardware=gpu: set hardware.nproc_per_node "
-                          "to the GPUs per node")
+        raise ConfigError(
+            "hydra/launcher=slurm with hardware=gpu: set hardware.nproc_per_node "
+            "to the GPUs per node"
+        )

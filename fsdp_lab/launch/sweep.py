@@ -15,8 +15,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fsdp_lab.launch import run
-from fsdp_lab.train import preempt
 from fsdp_lab.observe import rundir
+from fsdp_lab.train import preempt
 
 # Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
 _FAILURES: list[str] = []
@@ -31,14 +31,17 @@ def job_info(hydra_cfg) -> dict:
 
     groups = {f.name for f in dataclasses.fields(Config)}
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    return {"overrides": list(hydra_cfg.overrides.task),
-            "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
-            "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
-            "num": hydra_cfg.job.num if multirun else None}
+    return {
+        "overrides": list(hydra_cfg.overrides.task),
+        "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
+        "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
+        "num": hydra_cfg.job.num if multirun else None,
+    }
 
 
-def run_job(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
-            job: dict | None = None) -> None:
+def run_job(
+    dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: dict | None = None
+) -> None:
     code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
     if code == 0:
         return
@@ -46,8 +49,7 @@ def run_job(dict_cfg: DictConfig, *, run_dir: Path, multirun: bool,
         sys.exit(code)
     name = " ".join(job["overrides"]) if job else str(run_dir)
     _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
-    print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on",
-          file=sys.stderr)
+    print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr)
 
 
 def exit_code() -> int:
@@ -59,8 +61,7 @@ def exit_code() -> int:
     return 1 if _FAILURES else 0
 
 
-def _record_failure(run_dir: Path, code: int, config_error: str | None,
-                    job: dict | None) -> str:
+def _record_failure(run_dir: Path, code: int, config_error: str | None, job: dict | None) -> str:
     """The failed job's reason. A run that started has it in its run.json already (the launcher
     wrote it); a config error is written to a new run.json, never over another run's."""
     if config_error is None:

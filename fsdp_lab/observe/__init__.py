@@ -1,1 +1,3 @@
-"""What a run reports: step metrics (tokens/s, MFU, memory), the run dir's files, metrics.jsonl, W&B. Imports config and engine."""
+"""What a run reports: step metrics (tokens/s, MFU, memory), the run dir's files, metrics.jsonl,
+W&B. Imports config and engine.
+"""

@@ -54,14 +54,28 @@ class Progress:
     """A console progress bar on rank 0 (no-op elsewhere or when disabled)."""
 
     def __init__(self, total: int, *, enabled: bool, initial: int = 0) -> None:
-        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                         dynamic_ncols=True, file=sys.stderr) if enabled else None
+        self._bar = (
+            tqdm(
+                total=total,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            if enabled
+            else None
+        )
 
     def update(self, record: dict) -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                              tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self._bar.set_postfix(
+            loss=f"{record['loss']:.4f}",
+            lr=f"{record['lr']:.2e}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            refresh=False,
+        )
         self._bar.update(1)
 
     def close(self) -> None:

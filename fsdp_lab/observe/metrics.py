@@ -59,12 +59,27 @@ class StepWindow:
     def start_step(self):
         return self.clock.mark()
 
-    def end_step(self, step: int, *, start, lr: float, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, skipped: torch.Tensor | None) -> None:
-        self._pending.append(_PendingStep(
-            step=step, lr=lr, loss=loss, grad_norm=grad_norm, skipped=skipped,
-            span=(start, self.clock.mark()),
-            peak_mem_bytes=hardware.peak_memory_bytes(self.device)))
+    def end_step(
+        self,
+        step: int,
+        *,
+        start,
+        lr: float,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        skipped: torch.Tensor | None,
+    ) -> None:
+        self._pending.append(
+            _PendingStep(
+                step=step,
+                lr=lr,
+                loss=loss,
+                grad_norm=grad_norm,
+                skipped=skipped,
+                span=(start, self.clock.mark()),
+                peak_mem_bytes=hardware.peak_memory_bytes(self.device),
+            )
+        )
 
     def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
         """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and
@@ -80,29 +95,52 @@ class StepWindow:
         table = torch.zeros(world, 2 * k + 1, dtype=torch.float64, device=where)
         if k:
             table[dist.get_rank(), :k] = torch.stack([p.loss for p in pending]).to(where)
-            table[dist.get_rank(), k:2 * k] = torch.tensor(
-                [float(p.peak_mem_bytes) for p in pending], dtype=torch.float64)
+            table[dist.get_rank(), k : 2 * k] = torch.tensor(
+                [float(p.peak_mem_bytes) for p in pending], dtype=torch.float64
+            )
         table[dist.get_rank(), 2 * k] = float(stop_requested)
         dist.all_reduce(table)
-        same = [torch.stack([p.grad_norm.float() for p in pending]).double().to(where),
-                torch.stack([p.skipped.float() if p.skipped is not None
-                             else torch.zeros((), device=p.loss.device) for p in pending]
-                            ).double().to(where)] if k else []
+        same = (
+            [
+                torch.stack([p.grad_norm.float() for p in pending]).double().to(where),
+                torch.stack(
+                    [
+                        p.skipped.float()
+                        if p.skipped is not None
+                        else torch.zeros((), device=p.loss.device)
+                        for p in pending
+                    ]
+                )
+                .double()
+                .to(where),
+            ]
+            if k
+            else []
+        )
         host = torch.cat([table.flatten(), *same]).cpu()  # the one read of the window
         now = time.perf_counter() - self._loop_start
-        rows = host[:table.numel()].view(world, 2 * k + 1)
-        norms = host[table.numel():table.numel() + k].tolist()
-        skipped = host[table.numel() + k:].tolist()
+        rows = host[: table.numel()].view(world, 2 * k + 1)
+        norms = host[table.numel() : table.numel() + k].tolist()
+        skipped = host[table.numel() + k :].tolist()
         times = [self.clock.seconds(*p.span) for p in pending]
         out = []
         for i, p in enumerate(pending):
             peaks = [int(v) for v in rows[:, k + i].tolist()]
-            later = sum(times[i + 1:])  # the steps after it in the window
-            out.append(StepMetrics(
-                step=p.step, loss=rows[:, i].mean().item(), grad_norm=norms[i], lr=p.lr,
-                step_time_s=times[i], tokens_per_s=self.tokens_per_step / times[i],
-                peak_mem_bytes=max(peaks), peak_mem_bytes_per_rank=peaks,
-                skipped=bool(skipped[i]), elapsed_s=now - later))
+            later = sum(times[i + 1 :])  # the steps after it in the window
+            out.append(
+                StepMetrics(
+                    step=p.step,
+                    loss=rows[:, i].mean().item(),
+                    grad_norm=norms[i],
+                    lr=p.lr,
+                    step_time_s=times[i],
+                    tokens_per_s=self.tokens_per_step / times[i],
+                    peak_mem_bytes=max(peaks),
+                    peak_mem_bytes_per_rank=peaks,
+                    skipped=bool(skipped[i]),
+                    elapsed_s=now - later,
+                )
+            )
         return out, bool(rows[:, 2 * k].sum().item() > 0)
 
 
@@ -111,8 +149,9 @@ def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
     torchtitan and nanoGPT). N: parameters that do matmuls (embedding lookups do none, a head
     tied to the input embedding does); L layers, H heads, Q head dim, T sequence length.
     Activation-checkpointing recompute is not counted (MFU, not hardware FLOPs utilisation)."""
-    embeddings = {id(m.weight): m.weight.numel() for m in model.modules()
-                  if isinstance(m, torch.nn.Embedding)}
+    embeddings = {
+        id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    }
     params = {id(p): p.numel() for p in model.parameters()}
     dense = sum(n for i, n in params.items() if i not in embeddings)
     head = model.get_output_embeddings()
@@ -123,11 +162,15 @@ def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
     return 6 * dense + 12 * hf_config.num_hidden_layers * heads * head_dim * seq_len
 
 
-def throughput(m: StepMetrics, *, world_size: int, flops_per_token: int,
-               peak_flops: float | None) -> dict:
+def throughput(
+    m: StepMetrics, *, world_size: int, flops_per_token: int, peak_flops: float | None
+) -> dict:
     """Per-rank throughput of a step and its model FLOPs utilisation (None without a known
     peak): achieved model FLOP/s per device over the device's peak."""
     per_rank = m.tokens_per_s / world_size
     achieved = per_rank * flops_per_token
-    return {"tokens_per_s_per_rank": per_rank, "tflops_per_s_per_rank": achieved / 1e12,
-            "mfu": achieved / peak_flops if peak_flops else None}
+    return {
+        "tokens_per_s_per_rank": per_rank,
+        "tflops_per_s_per_rank": achieved / 1e12,
+        "mfu": achieved / peak_flops if peak_flops else None,
+    }

@@ -21,8 +21,13 @@ from fsdp_lab.config import Config, LoggerKind, WandbMode, to_container
 log = logging.getLogger("fsdp_lab")
 
 # What WANDB_MODE may say, as the mode it means (wandb also accepts the old names).
-_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
-              "disabled": "disabled"}
+_ENV_MODES = {
+    "online": "online",
+    "run": "online",
+    "offline": "offline",
+    "dryrun": "offline",
+    "disabled": "disabled",
+}
 _PER_RANK_SERIES = 8  # per-rank memory series are logged up to this many ranks
 
 
@@ -77,8 +82,12 @@ def run_identity(cfg: Config, run_dir: Path, job: dict | None) -> dict:
         group = "/".join(Path(sweep_dir).parts[-2:])
     choices = job.get("choices", {})
     tags = [f"{g}={o}" for g, o in sorted(choices.items())] + list(cfg.logger.tags)
-    return {"name": cfg.logger.name or ",".join(overrides) or run_dir.name, "group": group,
-            "job_type": "sweep" if sweep_dir else "train", "tags": [t[:64] for t in tags]}
+    return {
+        "name": cfg.logger.name or ",".join(overrides) or run_dir.name,
+        "group": group,
+        "job_type": "sweep" if sweep_dir else "train",
+        "tags": [t[:64] for t in tags],
+    }
 
 
 class WandbLogger:
@@ -89,8 +98,9 @@ class WandbLogger:
         self.info = info  # kept in run.json: id, mode, project, group, name
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, *, facts: dict, job: dict | None,
-              resume_id: str | None) -> WandbLogger | None:
+    def start(
+        cls, cfg: Config, run_dir: Path, *, facts: dict, job: dict | None, resume_id: str | None
+    ) -> WandbLogger | None:
         """Start (or, with ``resume_id``, continue) the W&B run; None when disabled or when
         W&B cannot start at all (a warning: the run goes on, metrics.jsonl has everything)."""
         try:
@@ -100,8 +110,9 @@ class WandbLogger:
             return None
 
     @classmethod
-    def _start(cls, cfg: Config, run_dir: Path, *, facts: dict, job: dict | None,
-               resume_id: str | None) -> WandbLogger | None:
+    def _start(
+        cls, cfg: Config, run_dir: Path, *, facts: dict, job: dict | None, resume_id: str | None
+    ) -> WandbLogger | None:
         if cfg.logger.kind is LoggerKind.none:
             return None
         mode, why = resolve_mode(cfg.logger.mode)
@@ -114,13 +125,36 @@ class WandbLogger:
         run_id = resume_id or new_run_id()
         config = flatten(to_container(cfg))
         config.update({f"options.{g}": o for g, o in (job or {}).get("choices", {}).items()})
-        config.update({f"system.{k}": facts[k] for k in (
-            "torch", "transformers", "hardware", "backend", "world_size", "num_nodes",
-            "mesh_shape", "mesh_axes", "num_fsdp_units", "model_class", "total_params",
-            "tokens_per_step") if k in facts})
+        config.update(
+            {
+                f"system.{k}": facts[k]
+                for k in (
+                    "torch",
+                    "transformers",
+                    "hardware",
+                    "backend",
+                    "world_size",
+                    "num_nodes",
+                    "mesh_shape",
+                    "mesh_axes",
+                    "num_fsdp_units",
+                    "model_class",
+                    "total_params",
+                    "tokens_per_step",
+                )
+                if k in facts
+            }
+        )
         (run_dir / "wandb").mkdir(exist_ok=True)
-        kwargs = dict(project=cfg.logger.project, entity=cfg.logger.entity, dir=str(run_dir),
-                      id=run_id, resume="allow", config=config, **ident)
+        kwargs = dict(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
+            **ident,
+        )
         settings = wandb.Settings(init_timeout=cfg.logger.init_timeout_s)
         try:
             run = wandb.init(mode=mode, settings=settings, **kwargs)
@@ -128,8 +162,12 @@ class WandbLogger:
             if mode != "online":
                 log.warning("W&B failed to start (%s); metrics in metrics.jsonl only", e)
                 return None
-            log.warning("W&B online start failed (%s); logging offline instead: `wandb sync "
-                        "%s/wandb/offline-run-*` later", str(e).splitlines()[0], run_dir)
+            log.warning(
+                "W&B online start failed (%s); logging offline instead: `wandb sync "
+                "%s/wandb/offline-run-*` later",
+                str(e).splitlines()[0],
+                run_dir,
+            )
             mode, why = "offline", "online start failed"
             try:
                 wandb.teardown()  # else the failed start keeps the run id "in use"
@@ -139,21 +177,45 @@ class WandbLogger:
                 return None
         run.define_metric("train/loss", summary="min,last")
         run.define_metric("val/loss", summary="min,last")
-        log.info("W&B %s (%s): run %s, name %s%s", mode, why, run_id, ident["name"],
-                 f", group {ident['group']}" if ident["group"] else "")
-        return cls(run, {"id": run_id, "mode": mode, "project": cfg.logger.project,
-                         "group": ident["group"], "name": ident["name"]})
+        log.info(
+            "W&B %s (%s): run %s, name %s%s",
+            mode,
+            why,
+            run_id,
+            ident["name"],
+            f", group {ident['group']}" if ident["group"] else "",
+        )
+        return cls(
+            run,
+            {
+                "id": run_id,
+                "mode": mode,
+                "project": cfg.logger.project,
+                "group": ident["group"],
+                "name": ident["name"],
+            },
+        )
 
     def log(self, record: dict) -> None:
         """One metrics.jsonl record (its "split" says train or val), at its step."""
-        self._log(self._train_data(record) if record["split"] == "train" else
-                  {"val/loss": record["val_loss"], "val/ppl": record["val_ppl"],
-                   "val/tokens": record["val_tokens"]}, record["step"])
+        self._log(
+            self._train_data(record)
+            if record["split"] == "train"
+            else {
+                "val/loss": record["val_loss"],
+                "val/ppl": record["val_ppl"],
+                "val/tokens": record["val_tokens"],
+            },
+            record["step"],
+        )
 
     @staticmethod
     def _train_data(record: dict) -> dict:
-        data = {f"train/{k}": v for k, v in record.items()
-                if k not in ("split", "step", "peak_mem_bytes_per_rank") and v is not None}
+        data = {
+            f"train/{k}": v
+            for k, v in record.items()
+            if k not in ("split", "step", "peak_mem_bytes_per_rank") and v is not None
+        }
         peaks = record["peak_mem_bytes_per_rank"]
         data["train/peak_mem_gib"] = max(peaks) / 2**30
         if len(peaks) <= _PER_RANK_SERIES:

@@ -31,12 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from fsdp_lab.engine import hardware
 from fsdp_lab.config import CheckpointConfig, CheckpointFormat, ConfigError
+from fsdp_lab.engine import hardware
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,8 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
                     return found
             raise CheckpointError(
                 f"resume={resume}: no complete checkpoint there (a checkpoint dir holds "
-                f"{MARKER}); point resume at a checkpoint, a run dir or a checkpoint root")
+                f"{MARKER}); point resume at a checkpoint, a run dir or a checkpoint root"
+            )
 
 
 def verify(path: Path) -> dict:
@@ -110,11 +114,13 @@ def verify(path: Path) -> dict:
         if not f.is_file():
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {rel} is missing; resume from an earlier "
-                "checkpoint (resume=<its path>) or remove this one")
+                "checkpoint (resume=<its path>) or remove this one"
+            )
         if f.stat().st_size != size:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {rel} has {f.stat().st_size} bytes, expected "
-                f"{size}; resume from an earlier checkpoint (resume=<its path>) or remove this one")
+                f"{size}; resume from an earlier checkpoint (resume=<its path>) or remove this one"
+            )
     return marker
 
 
@@ -134,8 +140,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rng_state(device: torch.device) -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate(), "device": hardware.device_rng_state(device)}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "device": hardware.device_rng_state(device),
+    }
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
@@ -151,8 +161,20 @@ class Checkpointer:
     ``io`` writes and reads the sharded model and optimizer state when the engine has its own
     way (engine.xla on tpu); None: FSDP2's DTensors through torch's state-dict helpers."""
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, *, model, optimizer, scheduler,
-                 scaler, config: dict, device: torch.device, data=None, io=None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        root: Path,
+        *,
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        config: dict,
+        device: torch.device,
+        data=None,
+        io=None,
+    ) -> None:
         self.cfg, self.root, self.data, self.io = cfg, root, data, io
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
@@ -187,11 +209,14 @@ class Checkpointer:
             case CheckpointFormat.sharded if self.io is not None:
                 self.io.save(self.model, self.optimizer, tmp)
             case CheckpointFormat.sharded:
-                state = {"model": get_model_state_dict(self.model),
-                         "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+                state = {
+                    "model": get_model_state_dict(self.model),
+                    "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                }
                 if self.cfg.async_enabled and not blocking:
-                    future = dcp.async_save(state, checkpoint_id=str(tmp),
-                                            process_group=self._async_group)
+                    future = dcp.async_save(
+                        state, checkpoint_id=str(tmp), process_group=self._async_group
+                    )
                     self._pending = (future, tmp, step, tokens_seen)
                     return
                 dcp.save(state, checkpoint_id=str(tmp))
@@ -210,8 +235,10 @@ class Checkpointer:
         """Finish an async save once every rank's background write is done (call each step)."""
         if self._pending is None:
             return
-        done = torch.tensor([1.0 if self._pending[0].done() else 0.0],
-                            device=hardware.collective_device(self.device))
+        done = torch.tensor(
+            [1.0 if self._pending[0].done() else 0.0],
+            device=hardware.collective_device(self.device),
+        )
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.wait()
@@ -230,15 +257,28 @@ class Checkpointer:
         dir into place, then moves `latest`, then prunes old checkpoints, in that order."""
         dist.barrier()
         if self.rank == 0:
-            torch.save({"step": step, "tokens_seen": tokens_seen,
-                        "scheduler": self.scheduler.state_dict(),
-                        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                        "data": self.data.state(step) if self.data is not None else None,
-                        "config": self.config}, tmp / TRAINER_FILE)
-            files = {str(p.relative_to(tmp)): p.stat().st_size
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}
-            marker = {"step": step, "format": self.cfg.format.name, "world_size": self.world,
-                      "files": files}
+            torch.save(
+                {
+                    "step": step,
+                    "tokens_seen": tokens_seen,
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                    "data": self.data.state(step) if self.data is not None else None,
+                    "config": self.config,
+                },
+                tmp / TRAINER_FILE,
+            )
+            files = {
+                str(p.relative_to(tmp)): p.stat().st_size
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            marker = {
+                "step": step,
+                "format": self.cfg.format.name,
+                "world_size": self.world,
+                "files": files,
+            }
             _fsync_write(tmp / MARKER, json.dumps(marker, indent=1).encode())
             _fsync_dir(tmp)
             final = self.root / step_dir_name(step)
@@ -254,7 +294,7 @@ class Checkpointer:
             _fsync_write(pointer_tmp, final.name.encode())
             pointer_tmp.replace(self.root / LATEST)
             _fsync_dir(self.root)
-            for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+            for old in complete_checkpoints(self.root)[: -self.cfg.keep_last]:
                 shutil.rmtree(old)
             log.info("checkpoint saved: %s", final)
         dist.barrier()
@@ -268,8 +308,10 @@ class Checkpointer:
             case CheckpointFormat.sharded if self.io is not None:
                 self.io.load(self.model, self.optimizer, path)
             case CheckpointFormat.sharded:
-                state = {"model": get_model_state_dict(self.model),
-                         "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+                state = {
+                    "model": get_model_state_dict(self.model),
+                    "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                }
                 dcp.load(state, checkpoint_id=str(path))
                 set_model_state_dict(self.model, state["model"])
                 set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
@@ -292,11 +334,15 @@ class Checkpointer:
         if marker["world_size"] == self.world and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False), self.device)
         elif self.rank == 0:
-            log.warning("checkpoint from %d ranks resumed on %d: RNG states are not restored",
-                        marker["world_size"], self.world)
+            log.warning(
+                "checkpoint from %d ranks resumed on %d: RNG states are not restored",
+                marker["world_size"],
+                self.world,
+            )
         log.info("resumed from %s (step %d)", path, trainer["step"])
-        return Restored(step=trainer["step"], tokens_seen=trainer["tokens_seen"],
-                        data_state=trainer.get("data"))
+        return Restored(
+            step=trainer["step"], tokens_seen=trainer["tokens_seen"], data_state=trainer.get("data")
+        )
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -306,8 +352,11 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         sd = torch.load(path / "model.pt", mmap=True, weights_only=True)
         return {k: tuple(v.shape) for k, v in sd.items()}
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
-            if k.startswith("model.") and hasattr(v, "size")}
+    return {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in meta.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
 
 
 def check_compatible(path: Path, model: torch.nn.Module) -> None:
@@ -320,9 +369,11 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
         if name not in saved:
             raise CheckpointError(
                 f"checkpoint {path} has no {name}: it is of another model; set resume=never "
-                "or point resume at a checkpoint of this model")
+                "or point resume at a checkpoint of this model"
+            )
         if saved[name] != tuple(tensor.shape):
             raise CheckpointError(
                 f"checkpoint {path} holds {name} with shape {list(saved[name])}, this model "
                 f"has {list(tensor.shape)}: it is of another model; set resume=never or point "
-                "resume at a checkpoint of this model")
+                "resume at a checkpoint of this model"
+            )

@@ -12,16 +12,27 @@ from pathlib import Path
 
 import torch
 
-from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.config import Config, ConfigError, ModelTask, to_typed
-from fsdp_lab.engine.model import (align_special_tokens, build_full_model, build_hf_config,
-                            build_meta_model)
+from fsdp_lab.engine.model import (
+    align_special_tokens,
+    build_full_model,
+    build_hf_config,
+    build_meta_model,
+)
+from fsdp_lab.state import checkpoint as ckpt
 
 
-def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
-              max_shard_size: str = "2GB", replace: bool = False,
-              task: ModelTask = ModelTask.causal_lm, tokenizer=None,
-              preset: bool = False) -> Path:
+def export_hf(
+    model_sd: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: Path,
+    *,
+    max_shard_size: str = "2GB",
+    replace: bool = False,
+    task: ModelTask = ModelTask.causal_lm,
+    tokenizer=None,
+    preset: bool = False,
+) -> Path:
     """Save ``model_sd`` as a from_pretrained-able directory; complete or invisible.
 
     The weights are assigned into a meta-built model (no second copy), and tied parameters are
@@ -42,7 +53,8 @@ def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
     if missing or unexpected:
         raise ConfigError(
             f"export: the weights do not fit {type(model).__name__} (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})")
+            f"unexpected {unexpected[:3]})"
+        )
     if getattr(hf_config, "tie_word_embeddings", False):
         model.tie_weights()
     model.config.use_cache = True  # trained without a KV cache; generation wants one
@@ -62,7 +74,7 @@ def export_hf(model_sd: dict[str, torch.Tensor], hf_config, out_dir: Path, *,
 
 def _tied_keys(model) -> set[str]:
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    return set(tied) if isinstance(tied, dict) else set(tied)
+    return set(tied)  # a dict (transformers 5) or a list: its keys either way
 
 
 def load_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], object, Config]:

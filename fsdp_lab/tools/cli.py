@@ -1,9 +1,9 @@
 """The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
 
-    fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
-    fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
-    fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
-    fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
+fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
+fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
+fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
+fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
 """
 
 from __future__ import annotations
@@ -20,15 +20,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write a from_pretrained directory from a checkpoint")
-    exp.add_argument("checkpoint", type=Path,
-                     help="a checkpoint dir, or a run dir / checkpoint root (its latest)")
+    exp.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a checkpoint dir, or a run dir / checkpoint root (its latest)",
+    )
     exp.add_argument("out_dir", type=Path, help="new or empty output directory")
     exp.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (2GB)")
-    acc = sub.add_parser("from-accelerate",
-                         help="print the train.py overrides of an accelerate FSDP config")
+    acc = sub.add_parser(
+        "from-accelerate", help="print the train.py overrides of an accelerate FSDP config"
+    )
     acc.add_argument("config", type=Path, help="the YAML `accelerate config` wrote")
-    pln = sub.add_parser("plan", help="the mesh, FSDP units and per-rank memory of a run, "
-                                      "computed on the meta device (no weights, no device)")
+    pln = sub.add_parser(
+        "plan",
+        help="the mesh, FSDP units and per-rank memory of a run, "
+        "computed on the meta device (no weights, no device)",
+    )
     pln.add_argument("overrides", nargs="*", help="the same overrides as train.py")
     pln.add_argument("--json", action="store_true", help="print the figures as JSON")
     rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
@@ -44,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     tokenizer = load_tokenizer(cfg)
                 except ConfigError as e:  # the run's tokenizer dir moved: weights still export
-                    print(f"fsdp-lab: warning: exporting without a tokenizer: {e}",
-                          file=sys.stderr)
+                    print(f"fsdp-lab: warning: exporting without a tokenizer: {e}", file=sys.stderr)
                     tokenizer = None
-                out = export_hf(sd, hf_config, args.out_dir, max_shard_size=args.max_shard_size,
-                                task=cfg.model.task, tokenizer=tokenizer,
-                                preset=cfg.model.arch is not None)
+                out = export_hf(
+                    sd,
+                    hf_config,
+                    args.out_dir,
+                    max_shard_size=args.max_shard_size,
+                    task=cfg.model.task,
+                    tokenizer=tokenizer,
+                    preset=cfg.model.arch is not None,
+                )
                 print(f"exported {args.checkpoint} -> {out}")
             case "from-accelerate":
                 from fsdp_lab.tools.from_accelerate import from_file

@@ -17,11 +17,19 @@ import yaml
 from fsdp_lab.config import ConfigError
 
 # accelerate's FSDP1 strategy names, in the order of their 1-based numbers (FSDP_SHARDING_STRATEGY).
-STRATEGIES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "no_shard",
-              "HYBRID_SHARD": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid_zero2"}
+STRATEGIES = {
+    "FULL_SHARD": "full",
+    "SHARD_GRAD_OP": "grad_op",
+    "NO_SHARD": "no_shard",
+    "HYBRID_SHARD": "hybrid",
+    "HYBRID_SHARD_ZERO2": "hybrid_zero2",
+}
 WRAP = {"TRANSFORMER_BASED_WRAP": "transformer", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}
-STATE_DICT = {"SHARDED_STATE_DICT": "sharded", "FULL_STATE_DICT": "full",
-              "LOCAL_STATE_DICT": "sharded"}
+STATE_DICT = {
+    "SHARDED_STATE_DICT": "sharded",
+    "FULL_STATE_DICT": "full",
+    "LOCAL_STATE_DICT": "sharded",
+}
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 ALWAYS = {
     "fsdp_cpu_ram_efficient_loading": "fsdp_lab always loads on rank 0 and broadcasts",
@@ -30,11 +38,30 @@ ALWAYS = {
     "fsdp_version": "fsdp_lab always uses FSDP2 (fully_shard)",
 }
 PREFETCH_KEYS = ("fsdp_backward_prefetch", "fsdp_forward_prefetch")
-LAUNCHER = {"compute_environment", "machine_rank", "main_process_ip", "main_process_port",
-            "rdzv_backend", "same_network", "main_training_function", "gpu_ids", "debug",
-            "enable_cpu_affinity", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
-            "num_cpu_threads_per_process", "distributed_type", "fsdp_config", "num_processes",
-            "num_machines", "mixed_precision", "use_cpu", "dynamo_config", "downcast_bf16"}
+LAUNCHER = {
+    "compute_environment",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "rdzv_backend",
+    "same_network",
+    "main_training_function",
+    "gpu_ids",
+    "debug",
+    "enable_cpu_affinity",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "num_cpu_threads_per_process",
+    "distributed_type",
+    "fsdp_config",
+    "num_processes",
+    "num_machines",
+    "mixed_precision",
+    "use_cpu",
+    "dynamo_config",
+    "downcast_bf16",
+}
 
 
 @dataclass
@@ -55,8 +82,12 @@ def _name(value, table: dict, key: str, numbered: bool = False) -> str:
 
 def _strategy(fsdp: dict, out: Translation) -> None:
     if "fsdp_sharding_strategy" in fsdp:  # the older spelling, a name or a 1-based number
-        out.overrides.append("sharding=" + _name(fsdp["fsdp_sharding_strategy"], STRATEGIES,
-                                                 "fsdp_sharding_strategy", numbered=True))
+        out.overrides.append(
+            "sharding="
+            + _name(
+                fsdp["fsdp_sharding_strategy"], STRATEGIES, "fsdp_sharding_strategy", numbered=True
+            )
+        )
         return
     value = fsdp.get("fsdp_reshard_after_forward")
     if value is None:
@@ -65,8 +96,9 @@ def _strategy(fsdp: dict, out: Translation) -> None:
         reshard = value if isinstance(value, bool) else str(value).lower() == "true"
         out.overrides.append("sharding=full" if reshard else "sharding=grad_op")
     else:  # FSDP1 writes the strategy name under this key
-        out.overrides.append("sharding=" + _name(value, STRATEGIES, "fsdp_reshard_after_forward",
-                                                 numbered=True))
+        out.overrides.append(
+            "sharding=" + _name(value, STRATEGIES, "fsdp_reshard_after_forward", numbered=True)
+        )
 
 
 def _wrap(fsdp: dict, out: Translation) -> None:
@@ -93,19 +125,26 @@ def _prefetch(fsdp: dict, out: Translation) -> None:
         return
     value = str(fsdp["fsdp_backward_prefetch"]).upper()
     if value == "BACKWARD_PRE":
-        out.notes.append("fsdp_backward_prefetch=BACKWARD_PRE: FSDP2's default "
-                         "(sharding.prefetch.backward=1)")
+        out.notes.append(
+            "fsdp_backward_prefetch=BACKWARD_PRE: FSDP2's default (sharding.prefetch.backward=1)"
+        )
     elif value == "BACKWARD_POST":
-        out.warnings.append("fsdp_backward_prefetch=BACKWARD_POST: FSDP2 has no post-gradient "
-                            "prefetch; it gathers the next unit before the current one's "
-                            "gradients, as BACKWARD_PRE (sharding.prefetch.backward=1)")
+        out.warnings.append(
+            "fsdp_backward_prefetch=BACKWARD_POST: FSDP2 has no post-gradient "
+            "prefetch; it gathers the next unit before the current one's "
+            "gradients, as BACKWARD_PRE (sharding.prefetch.backward=1)"
+        )
     elif value in ("NO_PREFETCH", "NONE", "FALSE"):
-        out.warnings.append(f"fsdp_backward_prefetch={fsdp['fsdp_backward_prefetch']}: FSDP2 "
-                            "always prefetches the next unit in backward "
-                            "(sharding.prefetch.backward=1)")
+        out.warnings.append(
+            f"fsdp_backward_prefetch={fsdp['fsdp_backward_prefetch']}: FSDP2 "
+            "always prefetches the next unit in backward "
+            "(sharding.prefetch.backward=1)"
+        )
     else:
-        raise ConfigError(f"fsdp_backward_prefetch: {fsdp['fsdp_backward_prefetch']!r} is not "
-                          "one of accelerate's ['BACKWARD_PRE', 'BACKWARD_POST', 'NO_PREFETCH']")
+        raise ConfigError(
+            f"fsdp_backward_prefetch: {fsdp['fsdp_backward_prefetch']!r} is not "
+            "one of accelerate's ['BACKWARD_PRE', 'BACKWARD_POST', 'NO_PREFETCH']"
+        )
 
 
 def translate(config: dict) -> Translation:
@@ -113,8 +152,10 @@ def translate(config: dict) -> Translation:
     kind = str(config.get("distributed_type", "")).upper()
     fsdp = config.get("fsdp_config")
     if kind != "FSDP" or not isinstance(fsdp, dict):
-        raise ConfigError(f"distributed_type is {config.get('distributed_type')!r} with no "
-                          "fsdp_config section; give the file of an FSDP accelerate config")
+        raise ConfigError(
+            f"distributed_type is {config.get('distributed_type')!r} with no "
+            "fsdp_config section; give the file of an FSDP accelerate config"
+        )
     out = Translation()
     _strategy(fsdp, out)
     _wrap(fsdp, out)
@@ -124,42 +165,56 @@ def translate(config: dict) -> Translation:
         value = str(fsdp["fsdp_state_dict_type"]).upper()
         out.overrides.append("checkpoint=" + _name(value, STATE_DICT, "fsdp_state_dict_type"))
         if value == "LOCAL_STATE_DICT":
-            out.warnings.append("fsdp_state_dict_type=LOCAL_STATE_DICT: fsdp_lab writes DCP "
-                                "sharded checkpoints instead (loadable at any world size)")
+            out.warnings.append(
+                "fsdp_state_dict_type=LOCAL_STATE_DICT: fsdp_lab writes DCP "
+                "sharded checkpoints instead (loadable at any world size)"
+            )
     if fsdp.get("fsdp_activation_checkpointing"):
         out.overrides.append("activation_checkpointing=full")
     _prefetch(fsdp, out)
     for key, why in ALWAYS.items():
         if key in fsdp:
             out.notes.append(f"{key}={fsdp[key]}: {why}")
-    known = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
-             "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_offload_params",
-             "fsdp_state_dict_type", "fsdp_activation_checkpointing", *ALWAYS, *PREFETCH_KEYS}
-    out.warnings += [f"fsdp_config.{k}={v}: not known to fsdp_lab; ignored"
-                     for k, v in fsdp.items() if k not in known]
+    known = {
+        "fsdp_sharding_strategy",
+        "fsdp_reshard_after_forward",
+        "fsdp_auto_wrap_policy",
+        "fsdp_transformer_layer_cls_to_wrap",
+        "fsdp_min_num_params",
+        "fsdp_offload_params",
+        "fsdp_state_dict_type",
+        "fsdp_activation_checkpointing",
+        *ALWAYS,
+        *PREFETCH_KEYS,
+    }
+    out.warnings += [
+        f"fsdp_config.{k}={v}: not known to fsdp_lab; ignored"
+        for k, v in fsdp.items()
+        if k not in known
+    ]
 
     precision = str(config.get("mixed_precision", "no")).lower()
     if precision in PRECISION:
         out.overrides.append(f"precision={PRECISION[precision]}")
     else:
-        out.warnings.append(f"mixed_precision={precision}: no equivalent (fsdp_lab has fp32, "
-                            "bf16, bf16_pure, fp16); precision left at its default")
+        out.warnings.append(
+            f"mixed_precision={precision}: no equivalent (fsdp_lab has fp32, "
+            "bf16, bf16_pure, fp16); precision left at its default"
+        )
     if config.get("use_cpu"):
         out.overrides.append("hardware=cpu")
     machines = int(config.get("num_machines", 1) or 1)
     if "num_processes" in config:  # accelerate counts every process of every machine
         total = int(config["num_processes"])
         if total % machines:
-            raise ConfigError(f"num_processes={total} is not a multiple of num_machines="
-                              f"{machines}")
+            raise ConfigError(f"num_processes={total} is not a multiple of num_machines={machines}")
         out.overrides.append(f"hardware.nproc_per_node={total // machines}")
     if machines > 1:
         out.overrides.append(f"hardware.num_nodes={machines}")
     dynamo = config.get("dynamo_config") or {}
     if str(dynamo.get("dynamo_backend", "NO")).upper() not in ("NO", "NONE"):
         out.overrides.append("compile=true")
-    out.warnings += [f"{k}: not known to fsdp_lab; ignored" for k in config
-                     if k not in LAUNCHER]
+    out.warnings += [f"{k}: not known to fsdp_lab; ignored" for k in config if k not in LAUNCHER]
     return out
 
 

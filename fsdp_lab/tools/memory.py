@@ -64,9 +64,12 @@ def rank_state(params: list[ParamShape], *, shard_size: int, shard_rank: int) ->
     for p in params:
         local += chunk_rows(p.dim0, shard_size, shard_rank) * p.row
         padded += chunk_rows(p.dim0, shard_size, 0) * p.row
-    return StateBytes(params=FP32 * local, grads=FP32 * local,
-                      optimizer=2 * FP32 * local + ADAM_STEP_BYTES * len(params),
-                      padding=2 * FP32 * (padded - local))
+    return StateBytes(
+        params=FP32 * local,
+        grads=FP32 * local,
+        optimizer=2 * FP32 * local + ADAM_STEP_BYTES * len(params),
+        padding=2 * FP32 * (padded - local),
+    )
 
 
 def per_rank_state(params: list[ParamShape], mesh: tuple[int, ...]) -> list[StateBytes]:
@@ -84,14 +87,18 @@ def zero_paper(num_params: int, *, stage: int, dp_size: int, k: int = ZERO_K) ->
     """Model-state bytes per rank of ZeRO stage 0 (DDP), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p) for
     Psi parameters over N ranks: (2+2+K)Psi, 4Psi+KPsi/N, 2Psi+(2+K)Psi/N, (2+2+K)Psi/N.
     Divisions round up (a rank holds whole elements)."""
+
     def split(nbytes: int, sharded: bool) -> int:
         return -(-nbytes // dp_size) if sharded else nbytes
 
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not 0, 1, 2 or 3")
-    return StateBytes(params=split(2 * num_params, stage >= 3),
-                      grads=split(2 * num_params, stage >= 2),
-                      optimizer=split(k * num_params, stage >= 1), padding=0)
+    return StateBytes(
+        params=split(2 * num_params, stage >= 3),
+        grads=split(2 * num_params, stage >= 2),
+        optimizer=split(k * num_params, stage >= 1),
+        padding=0,
+    )
 
 
 def group_numels(params: list[ParamShape], shard_size: int) -> dict[int, int]:
@@ -117,12 +124,23 @@ class Transient:
     def total(self) -> int:
         """At the peak: a unit's reduce-scatter follows its backward, once its activations are
         freed, so it does not add to autograd's working memory (measured)."""
-        return (self.kept_params + self.gathered + self.accumulation
-                + max(self.backward, self.grad_buffers))
+        return (
+            self.kept_params
+            + self.gathered
+            + self.accumulation
+            + max(self.backward, self.grad_buffers)
+        )
 
 
-def transient(groups: dict[int, int], *, reshard: bool | int, param_bytes: int,
-              reduce_bytes: int, grad_accum_steps: int, backward: int) -> Transient:
+def transient(
+    groups: dict[int, int],
+    *,
+    reshard: bool | int,
+    param_bytes: int,
+    reduce_bytes: int,
+    grad_accum_steps: int,
+    backward: int,
+) -> Transient:
     """FSDP2's working set. The root (-1) is not resharded after forward when there are units
     (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
     ``reshard`` False every unit stays gathered until its backward (grad_op, hybrid_zero2,
@@ -142,15 +160,18 @@ def transient(groups: dict[int, int], *, reshard: bool | int, param_bytes: int,
     gathered = 0 if reshard is False else sum(largest[:2])  # current + prefetched unit
     biggest = max([root, *units.values()])
     return Transient(
-        kept_params=kept * param_bytes, gathered=gathered * param_bytes,
+        kept_params=kept * param_bytes,
+        gathered=gathered * param_bytes,
         grad_buffers=biggest * (param_bytes + reduce_bytes),
         # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
         accumulation=sum(groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0,
-        backward=backward)
+        backward=backward,
+    )
 
 
-def peak(state: StateBytes, *, activations: int, transient_bytes: int,
-         state_on_device: bool = True) -> int:
+def peak(
+    state: StateBytes, *, activations: int, transient_bytes: int, state_on_device: bool = True
+) -> int:
     """Peak device bytes: the state at rest, plus the larger of the forward/backward working
     set (activations + transient; sharded grads are None then, zero_grad set them so) and the
     optimizer step's (every sharded grad alive). Without the state on the device (offload=cpu
@@ -158,14 +179,25 @@ def peak(state: StateBytes, *, activations: int, transient_bytes: int,
     if not state_on_device:
         return activations + transient_bytes
     grads_padding = state.padding // 2  # the padding is half params', half grads'
-    return (state.params + state.optimizer + state.padding - grads_padding
-            + max(activations + transient_bytes, state.grads + grads_padding))
+    return (
+        state.params
+        + state.optimizer
+        + state.padding
+        - grads_padding
+        + max(activations + transient_bytes, state.grads + grads_padding)
+    )
 
 
 # Activations: what autograd saves for backward, per token, read off HF's eager code (sdpa
 # attention) and checked against torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py).
-FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama",  # mistral: llama's code
-            "gpt2": "gpt2", "bert": "bert", "roberta": "bert"}
+FAMILIES = {
+    "llama": "llama",
+    "qwen2": "llama",
+    "mistral": "llama",  # mistral: llama's code
+    "gpt2": "gpt2",
+    "bert": "bert",
+    "roberta": "bert",
+}
 INT_INPUT_BYTES = 16  # input ids and labels (int64) saved by the embedding and the loss
 
 
@@ -208,7 +240,7 @@ def layer_bytes_per_token(s: LayerShape, b: int) -> int:
 def head_bytes_per_token(s: LayerShape, b: int, *, fused_loss: bool = False) -> int:
     """Bytes saved outside the layers per token: the final norm (and BERT's embedding norm and
     prediction transform), the log-softmax over the vocabulary, the int inputs. A fused loss
-    (``fsdp_lab.train.loss``) saves no log-softmax and no labels: the gradient over the hidden states
+    (``train.loss``) saves no log-softmax and no labels: the gradient over the hidden states
     it keeps instead is the size of the head's input, which it no longer saves."""
     loss = 0 if fused_loss else (FP32 if s.loss_upcast else b) * s.vocab
     ints = INT_INPUT_BYTES // 2 if fused_loss else INT_INPUT_BYTES
@@ -230,17 +262,29 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
     family = FAMILIES.get(hf_config.model_type)
     if family is None:
         family = "llama"
-        notes.append(f"activations: no layer model for model_type={hf_config.model_type}; "
-                     "estimated as a Llama-style layer (RMSNorm, rotary, SwiGLU)")
+        notes.append(
+            f"activations: no layer model for model_type={hf_config.model_type}; "
+            "estimated as a Llama-style layer (RMSNorm, rotary, SwiGLU)"
+        )
     h, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    inter = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
-             or 4 * h)
+    inter = (
+        getattr(hf_config, "intermediate_size", None)
+        or getattr(hf_config, "n_inner", None)
+        or 4 * h
+    )
     return LayerShape(
-        family=family, hidden=h, intermediate=inter, num_heads=heads, q_dim=heads * head_dim,
-        kv_dim=kv_heads * head_dim, num_layers=hf_config.num_hidden_layers,
-        vocab=hf_config.vocab_size, loss_upcast=task is ModelTask.causal_lm), notes
+        family=family,
+        hidden=h,
+        intermediate=inter,
+        num_heads=heads,
+        q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim,
+        num_layers=hf_config.num_hidden_layers,
+        vocab=hf_config.vocab_size,
+        loss_upcast=task is ModelTask.causal_lm,
+    ), notes
 
 
 @dataclass(frozen=True)
@@ -259,8 +303,16 @@ class Activations:
         return max(self.loss_grad, self.recompute + self.layer_grads - self.head)
 
 
-def activations(s: LayerShape, *, batch: int, seq_len: int, b: int, num_checkpointed: int,
-                last_checkpointed: bool = False, loss_chunk: int | None = None) -> Activations:
+def activations(
+    s: LayerShape,
+    *,
+    batch: int,
+    seq_len: int,
+    b: int,
+    num_checkpointed: int,
+    last_checkpointed: bool = False,
+    loss_chunk: int | None = None,
+) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
     time. The recomputation adds to the peak only where nothing was freed before it: at the last
@@ -286,6 +338,10 @@ def activations(s: LayerShape, *, batch: int, seq_len: int, b: int, num_checkpoi
         weight_grad = 0
     # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
     layer_grads = 2 * tokens * b * max(s.intermediate, s.hidden)
-    return Activations(saved=tokens * per_token + rotary + weight_grad, loss_grad=loss_grad,
-                       recompute=tokens * layer if last_checkpointed else 0,
-                       layer_grads=layer_grads, head=tokens * head + weight_grad)
+    return Activations(
+        saved=tokens * per_token + rotary + weight_grad,
+        loss_grad=loss_grad,
+        recompute=tokens * layer if last_checkpointed else 0,
+        layer_grads=layer_grads,
+        head=tokens * head + weight_grad,
+    )

@@ -21,12 +21,21 @@ from pathlib import Path
 
 from torch import nn
 
-from fsdp_lab.tools import memory
-from fsdp_lab.config import (ActivationCheckpointingMode, Config, ConfigError, HardwareKind,
-                             LossKind, OffloadDevice, ShardingStrategy, register_schema, to_typed)
+from fsdp_lab.config import (
+    ActivationCheckpointingMode,
+    Config,
+    ConfigError,
+    HardwareKind,
+    LossKind,
+    OffloadDevice,
+    ShardingStrategy,
+    register_schema,
+    to_typed,
+)
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import Replicas, reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_shape
+from fsdp_lab.tools import memory
 
 ASSUMED_GPUS_PER_NODE = 8
 NOT_COUNTED = [
@@ -45,7 +54,8 @@ NOT_COUNTED = [
 
 def compose(overrides: list[str]) -> Config:
     """The typed config train.py would run (single-field rules checked); no run dir is made."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -65,23 +75,30 @@ def topology(cfg: Config) -> tuple[Topology, list[str]]:
 
     h, notes = cfg.hardware, []
     if h.kind is HardwareKind.tpu:
-        raise ConfigError("fsdp-lab plan models FSDP2 on cpu/gpu; on hardware=tpu the XLA "
-                          "compiler lays out buffers: plan the same run with hardware=gpu")
+        raise ConfigError(
+            "fsdp-lab plan models FSDP2 on cpu/gpu; on hardware=tpu the XLA "
+            "compiler lays out buffers: plan the same run with hardware=gpu"
+        )
     kind = HardwareKind.cpu if h.kind is HardwareKind.cpu else HardwareKind.gpu
     if h.kind is HardwareKind.auto:
         kind = hardware.resolve_kind(h)
-        notes.append(f"hardware=auto is {kind.name} on this machine (CUDA "
-                     f"{'available' if kind is HardwareKind.gpu else 'not available'}); "
-                     "plan another with hardware=gpu or hardware=cpu")
+        notes.append(
+            f"hardware=auto is {kind.name} on this machine (CUDA "
+            f"{'available' if kind is HardwareKind.gpu else 'not available'}); "
+            "plan another with hardware=gpu or hardware=cpu"
+        )
     nproc = h.nproc_per_node
     if nproc is None:
         nproc = hardware.default_nproc_per_node(kind)
         if kind is HardwareKind.gpu and nproc == 0:  # no GPU visible here
             nproc = ASSUMED_GPUS_PER_NODE
-            notes.append(f"hardware.nproc_per_node=null: no GPU visible here, assumed "
-                         f"{nproc} per node; set it to plan another count")
-    return Topology(world_size=h.num_nodes * nproc, nproc_per_node=nproc,
-                    num_nodes=h.num_nodes, device=kind), notes
+            notes.append(
+                f"hardware.nproc_per_node=null: no GPU visible here, assumed "
+                f"{nproc} per node; set it to plan another count"
+            )
+    return Topology(
+        world_size=h.num_nodes * nproc, nproc_per_node=nproc, num_nodes=h.num_nodes, device=kind
+    ), notes
 
 
 @dataclass
@@ -104,29 +121,38 @@ class ModelFacts:
 
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
-    from fsdp_lab.engine import activations, model as model_lib, wrap
     from fsdp_lab.data import corpus
+    from fsdp_lab.engine import activations, wrap
+    from fsdp_lab.engine import model as model_lib
     from fsdp_lab.train import loss as loss_lib
 
     tokenizer = corpus.load_tokenizer(cfg)
     model_cfg = model_lib.resolve_vocab_size(cfg.model, tokenizer)
-    vocab_source = ("model.vocab_size" if cfg.model.vocab_size is not None
-                    else "the model's config" if cfg.model.arch is None
-                    else f"the tokenizer ({type(tokenizer).__name__})" if tokenizer is not None
-                    else "synthetic data (256)")
+    vocab_source = (
+        "model.vocab_size"
+        if cfg.model.vocab_size is not None
+        else "the model's config"
+        if cfg.model.arch is None
+        else f"the tokenizer ({type(tokenizer).__name__})"
+        if tokenizer is not None
+        else "synthetic data (256)"
+    )
     hf_config = model_lib.build_hf_config(model_cfg)
     model_lib.check_task(hf_config, cfg.model.task)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     model = model_lib.build_meta_model(hf_config, cfg.model.task)
-    loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device,
-                                 compiled=cfg.compile)
+    loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     owner: dict[int, int] = {}
     for index in reversed(range(len(units))):  # bottom-up, as fsdp.apply_fsdp shards them
         for p in units[index].parameters():
             owner.setdefault(id(p), index)
-    params = [memory.ParamShape(numel=p.numel(), dim0=p.shape[0] if p.ndim else 1,
-                                group=owner.get(id(p), -1)) for p in model.parameters()]
+    params = [
+        memory.ParamShape(
+            numel=p.numel(), dim0=p.shape[0] if p.ndim else 1, group=owner.get(id(p), -1)
+        )
+        for p in model.parameters()
+    ]
     layer, notes = memory.layer_shape(hf_config, cfg.model.task)
     fused = loss in loss_lib.FUSED_KINDS
     if loss in (LossKind.liger, LossKind.cce):
@@ -135,19 +161,28 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     layer_ids = {id(m) for m in layers}
     chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
     if any(id(units[i]) not in layer_ids for i in chosen):
-        notes.append("activation checkpointing of units that are not decoder layers is not "
-                     "modelled (use wrap=transformer for an estimate)")
+        notes.append(
+            "activation checkpointing of units that are not decoder layers is not "
+            "modelled (use wrap=transformer for an estimate)"
+        )
     classes: dict[str, int] = {}
     for u in units:
         classes[type(u).__name__] = classes.get(type(u).__name__, 0) + 1
     last = layers[-1] if layers else None
-    return ModelFacts(model_class=type(model).__name__, units=wrap.describe(model, units),
-                      num_units=len(units) + 1, unit_classes=classes, params=params, layer=layer,
-                      num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
-                      last_checkpointed=any(units[i] is last for i in chosen),
-                      vocab_source=vocab_source, loss=loss.name,
-                      loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
-                      notes=notes)
+    return ModelFacts(
+        model_class=type(model).__name__,
+        units=wrap.describe(model, units),
+        num_units=len(units) + 1,
+        unit_classes=classes,
+        params=params,
+        layer=layer,
+        num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
+        last_checkpointed=any(units[i] is last for i in chosen),
+        vocab_source=vocab_source,
+        loss=loss.name,
+        loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
+        notes=notes,
+    )
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
@@ -158,8 +193,9 @@ def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     return []
 
 
-def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
-                  strategy: ShardingStrategy) -> dict:
+def strategy_plan(
+    cfg: Config, topo: Topology, facts: ModelFacts, strategy: ShardingStrategy
+) -> dict:
     """One strategy's figures in bytes per rank, or why this topology cannot run it."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
 
@@ -168,8 +204,11 @@ def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
     row = strategy_of(strategy)
     hybrid = row.replicas is Replicas.groups
     variant = dataclasses.replace(
-        s, strategy=strategy, replicate_size=s.replicate_size if hybrid else None,
-        reshard_after_forward=s.reshard_after_forward if chosen else None)
+        s,
+        strategy=strategy,
+        replicate_size=s.replicate_size if hybrid else None,
+        reshard_after_forward=s.reshard_after_forward if chosen else None,
+    )
     try:
         validate(dataclasses.replace(cfg, sharding=variant), topo)
     except ConfigError as e:
@@ -182,32 +221,55 @@ def strategy_plan(cfg: Config, topo: Topology, facts: ModelFacts,
     b, rb = TORCH_DTYPES[p.param_dtype].itemsize, TORCH_DTYPES[p.reduce_dtype].itemsize
     per_rank = memory.per_rank_state(facts.params, mesh)
     t = cfg.trainer
-    act = memory.activations(facts.layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
-                             num_checkpointed=facts.num_checkpointed,
-                             last_checkpointed=facts.last_checkpointed,
-                             loss_chunk=facts.loss_chunk)
-    trans = memory.transient(memory.group_numels(facts.params, mesh[-1]), reshard=reshard,
-                             param_bytes=b, reduce_bytes=rb, grad_accum_steps=t.grad_accum_steps,
-                             backward=act.backward)
+    act = memory.activations(
+        facts.layer,
+        batch=t.micro_batch_size,
+        seq_len=t.seq_len,
+        b=b,
+        num_checkpointed=facts.num_checkpointed,
+        last_checkpointed=facts.last_checkpointed,
+        loss_chunk=facts.loss_chunk,
+    )
+    trans = memory.transient(
+        memory.group_numels(facts.params, mesh[-1]),
+        reshard=reshard,
+        param_bytes=b,
+        reduce_bytes=rb,
+        grad_accum_steps=t.grad_accum_steps,
+        backward=act.backward,
+    )
     offload = cfg.offload.device is OffloadDevice.cpu
     on_device = not (offload and topo.device is HardwareKind.gpu)
     top = per_rank[0]  # chunk 0 is never smaller than another rank's
-    paper = memory.zero_paper(sum(q.numel for q in facts.params), stage=row.zero_stage,
-                              dp_size=mesh[-1])
+    paper = memory.zero_paper(
+        sum(q.numel for q in facts.params), stage=row.zero_stage, dp_size=mesh[-1]
+    )
     return {
-        "available": True, "mesh": list(mesh),
+        "available": True,
+        "mesh": list(mesh),
         "mesh_axes": list(row.mesh_axes),
         "reshard_after_forward": reshard,
-        "state_location": ("host (offload=cpu)" if offload
-                           else "host" if topo.device is HardwareKind.cpu else "device"),
+        "state_location": (
+            "host (offload=cpu)"
+            if offload
+            else "host"
+            if topo.device is HardwareKind.cpu
+            else "device"
+        ),
         "per_rank": [dataclasses.asdict(r) for r in per_rank],
-        "rank0": dataclasses.asdict(top), "activations": act.saved,
+        "rank0": dataclasses.asdict(top),
+        "activations": act.saved,
         "transient": {**dataclasses.asdict(trans), "total": trans.total},
-        "peak": memory.peak(top, activations=act.saved, transient_bytes=trans.total,
-                            state_on_device=on_device),
+        "peak": memory.peak(
+            top, activations=act.saved, transient_bytes=trans.total, state_on_device=on_device
+        ),
         "sum": top.total + act.saved + trans.total,
-        "zero_paper": {"stage": row.zero_stage, "dp_size": mesh[-1],
-                       **dataclasses.asdict(paper), "total": paper.total},
+        "zero_paper": {
+            "stage": row.zero_stage,
+            "dp_size": mesh[-1],
+            **dataclasses.asdict(paper),
+            "total": paper.total,
+        },
     }
 
 
@@ -221,31 +283,60 @@ def build_plan(overrides: list[str]) -> dict:
     facts = inspect_model(cfg, topo.device)
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
     b = TORCH_DTYPES[p.param_dtype].itemsize
-    acts = {name: memory.activations(layer, batch=t.micro_batch_size, seq_len=t.seq_len, b=b,
-                                     num_checkpointed=n, loss_chunk=facts.loss_chunk).saved
-            for name, n in (("none", 0), ("full", layer.num_layers))}
+    acts = {
+        name: memory.activations(
+            layer,
+            batch=t.micro_batch_size,
+            seq_len=t.seq_len,
+            b=b,
+            num_checkpointed=n,
+            loss_chunk=facts.loss_chunk,
+        ).saved
+        for name, n in (("none", 0), ("full", layer.num_layers))
+    }
     strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
     mode = cfg.activation_checkpointing.mode
     return {
-        "world_size": topo.world_size, "num_nodes": topo.num_nodes,
-        "nproc_per_node": topo.nproc_per_node, "device": topo.device.name,
-        "model_class": facts.model_class, "num_params": sum(q.numel for q in facts.params),
-        "vocab_size": layer.vocab, "vocab_source": facts.vocab_source,
-        "units": {"description": facts.units, "count": facts.num_units,
-                  "classes": facts.unit_classes},
-        "dtypes": {"params": "fp32", "grads": "fp32", "optimizer": "fp32",
-                   "compute": p.param_dtype.name, "reduce": p.reduce_dtype.name},
+        "world_size": topo.world_size,
+        "num_nodes": topo.num_nodes,
+        "nproc_per_node": topo.nproc_per_node,
+        "device": topo.device.name,
+        "model_class": facts.model_class,
+        "num_params": sum(q.numel for q in facts.params),
+        "vocab_size": layer.vocab,
+        "vocab_source": facts.vocab_source,
+        "units": {
+            "description": facts.units,
+            "count": facts.num_units,
+            "classes": facts.unit_classes,
+        },
+        "dtypes": {
+            "params": "fp32",
+            "grads": "fp32",
+            "optimizer": "fp32",
+            "compute": p.param_dtype.name,
+            "reduce": p.reduce_dtype.name,
+        },
         "loss": {"kind": facts.loss, "chunk_tokens": facts.loss_chunk},
-        "batch": {"micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len,
-                  "grad_accum_steps": t.grad_accum_steps},
+        "batch": {
+            "micro_batch_size": t.micro_batch_size,
+            "seq_len": t.seq_len,
+            "grad_accum_steps": t.grad_accum_steps,
+        },
         "activation_checkpointing": {
-            "mode": mode.name, "checkpointed_layers": facts.num_checkpointed,
+            "mode": mode.name,
+            "checkpointed_layers": facts.num_checkpointed,
             "every": cfg.activation_checkpointing.every
-            if mode is ActivationCheckpointingMode.selective else None},
+            if mode is ActivationCheckpointingMode.selective
+            else None,
+        },
         "activations_by_checkpointing": acts,
-        "offload": cfg.offload.device.name, "compile": cfg.compile,
-        "chosen": cfg.sharding.strategy.name, "strategies": strategies,
-        "assumptions": notes + facts.notes, "not_counted": NOT_COUNTED,
+        "offload": cfg.offload.device.name,
+        "compile": cfg.compile,
+        "chosen": cfg.sharding.strategy.name,
+        "strategies": strategies,
+        "assumptions": notes + facts.notes,
+        "not_counted": NOT_COUNTED,
     }
 
 
@@ -278,10 +369,13 @@ def format_plan(plan: dict) -> str:
         f"gradient reduction {d['reduce']}",
         f"batch      {bt['micro_batch_size']} x {bt['seq_len']} tokens per micro-batch per "
         f"rank, {bt['grad_accum_steps']} micro-batch(es) per step",
-        f"loss       {plan['loss']['kind']}" + (
+        f"loss       {plan['loss']['kind']}"
+        + (
             f" ({min(plan['loss']['chunk_tokens'], bt['micro_batch_size'] * bt['seq_len']):,} "
             "tokens per chunk: no B x T x V logits)"
-            if plan["loss"]["chunk_tokens"] else " (B x T x V logits, upcast to fp32)"),
+            if plan["loss"]["chunk_tokens"]
+            else " (B x T x V logits, upcast to fp32)"
+        ),
         f"checkpoint activation_checkpointing={ac['mode']} ({ac['checkpointed_layers']} layers); "
         f"activations {_size(acts['none'], unit)} {unit_name} without, "
         f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",
@@ -296,19 +390,30 @@ def format_plan(plan: dict) -> str:
             lines.append(f"{mark} {name:<13} n/a: {s['reason']}")
             continue
         r, z = s["rank0"], s["zero_paper"]
-        cells = [r["params"] + r["padding"] // 2, r["grads"] + r["padding"] // 2,
-                 r["optimizer"], s["activations"], s["transient"]["total"], s["peak"]]
-        lines.append(f"{mark} {name:<13} {_mesh(s['mesh']):<9} " + " ".join(
-            f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
-            + f"   {_size(z['total'], unit):>7} (stage {z['stage']}, N={z['dp_size']})")
+        cells = [
+            r["params"] + r["padding"] // 2,
+            r["grads"] + r["padding"] // 2,
+            r["optimizer"],
+            s["activations"],
+            s["transient"]["total"],
+            s["peak"],
+        ]
+        lines.append(
+            f"{mark} {name:<13} {_mesh(s['mesh']):<9} "
+            + " ".join(f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
+            + f"   {_size(z['total'], unit):>7} (stage {z['stage']}, N={z['dp_size']})"
+        )
     notes = [
         "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
         "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
         "transient: gathered params and gradient buffers of the working units, autograd's "
         "working memory in backward; peak = params + optim + max(activ + transient, grads).",
         f"Model state lives on: {chosen['state_location']}"
-        + ("; the peak is the device's: activations and transient." if
-           plan["offload"] == "cpu" else "."),
+        + (
+            "; the peak is the device's: activations and transient."
+            if plan["offload"] == "cpu"
+            else "."
+        ),
         "ZeRO paper: mixed-precision Adam, 2+2+12 bytes per parameter, divided by the shard group "
         "N per stage. FSDP2 keeps 4+4+8 (fp32 shards are the master weights), the same 16 bytes. "
         "Its grad_op differs from the paper's stage 2: at rest it holds full's sharded state; "
@@ -317,9 +422,10 @@ def format_plan(plan: dict) -> str:
         *[f"Assumed: {a}" for a in plan["assumptions"]],
     ]
     lines += [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
-    lines += ["not counted:"] + [textwrap.fill(n, 100, initial_indent="  - ",
-                                               subsequent_indent="    ")
-                                 for n in plan["not_counted"]]
+    lines += ["not counted:"] + [
+        textwrap.fill(n, 100, initial_indent="  - ", subsequent_indent="    ")
+        for n in plan["not_counted"]
+    ]
     return "\n".join(lines)
 
 

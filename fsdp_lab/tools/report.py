@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe.loggers import read_metrics
-from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
 from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE
+from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
 
 REPORT_FILE = "report.md"
 MULTIRUN_FILE = "multirun.yaml"
@@ -50,25 +50,41 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
     """Every job (a subdir with a run.json, or named by a job number, or a job of
     multirun.yaml's sweep not started) in job order."""
     if not sweep_dir.is_dir():
-        raise ConfigError(f"{sweep_dir} is not a directory; pass a multirun dir such as "
-                          f"{EXAMPLE_DIR}")
-    dirs = [d for d in sweep_dir.iterdir()
-            if d.is_dir() and ((d / RUN_FILE).is_file() or d.name.isdigit())]
+        raise ConfigError(
+            f"{sweep_dir} is not a directory; pass a multirun dir such as {EXAMPLE_DIR}"
+        )
+    dirs = [
+        d
+        for d in sweep_dir.iterdir()
+        if d.is_dir() and ((d / RUN_FILE).is_file() or d.name.isdigit())
+    ]
     if not any((d / RUN_FILE).is_file() for d in dirs):
         what = "is a single run's dir and " if (sweep_dir / RUN_FILE).is_file() else ""
-        raise ConfigError(f"{sweep_dir} {what}holds no job dir with a {RUN_FILE}; pass a "
-                          f"multirun dir such as {EXAMPLE_DIR}")
+        raise ConfigError(
+            f"{sweep_dir} {what}holds no job dir with a {RUN_FILE}; pass a "
+            f"multirun dir such as {EXAMPLE_DIR}"
+        )
     sweep_overrides, base_choices = sweep_record(sweep_dir)
     if all(d.name.isdigit() for d in dirs):  # and the jobs not started yet (or never: Ctrl-C)
-        dirs += [sweep_dir / str(n) for n in range(len(sweep_overrides))
-                 if sweep_dir / str(n) not in dirs]
+        dirs += [
+            sweep_dir / str(n)
+            for n in range(len(sweep_overrides))
+            if sweep_dir / str(n) not in dirs
+        ]
     jobs = []
     for d in sorted(dirs, key=lambda d: (_job_number(d) < 0, _job_number(d), d.name)):
         facts, num = _read_run_file(d / RUN_FILE), _job_number(d)
         fallback = sweep_overrides[num] if 0 <= num < len(sweep_overrides) else None
         options = job_options(facts.get("job"), fallback, base_choices)
-        jobs.append(Job(d.name, facts, options, _records(d / METRICS_FILE, "train"),
-                        _records(d / METRICS_FILE, "val")))
+        jobs.append(
+            Job(
+                d.name,
+                facts,
+                options,
+                _records(d / METRICS_FILE, "train"),
+                _records(d / METRICS_FILE, "val"),
+            )
+        )
     return jobs
 
 
@@ -99,15 +115,15 @@ def sweep_record(sweep_dir: Path) -> tuple[list[list[str]], dict[str, str]]:
         params = OmegaConf.select(conf, "hydra.sweeper.params") or {}
         args = [f"{k}={v}" for k, v in params.items()]
         args += list(OmegaConf.select(conf, "hydra.overrides.task") or [])
-        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args),
-                                               None)
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
     except Exception:  # noqa: BLE001 - an unreadable multirun.yaml costs columns, not the report
         return [], {}
     return [job for batch in batches for job in batch], choices
 
 
-def job_options(record: dict | None, fallback_overrides: list[str] | None,
-                base_choices: dict) -> dict[str, str]:
+def job_options(
+    record: dict | None, fallback_overrides: list[str] | None, base_choices: dict
+) -> dict[str, str]:
     """A job's options, key -> value: its overrides in the order given, then the group choices
     they did not touch. From run.json's "job" record, else the sweep's expansion; {} if
     neither (the job's settings are unknown, not the defaults)."""
@@ -140,8 +156,11 @@ def _read_run_file(path: Path) -> dict:
         facts = json.loads(path.read_text())
     except FileNotFoundError:
         exists = path.parent.is_dir()
-        return {"status": "unknown", "error": f"no {RUN_FILE}"} if exists else {
-            "status": "not started"}
+        return (
+            {"status": "unknown", "error": f"no {RUN_FILE}"}
+            if exists
+            else {"status": "not started"}
+        )
     except (OSError, ValueError) as e:
         return {"status": "unknown", "error": f"unreadable {RUN_FILE}: {e}"}
     return facts if isinstance(facts, dict) else {"status": "unknown"}
@@ -191,7 +210,8 @@ def summarize(job: Job) -> Figures:
         peak_mib_per_rank=_peak_mib_per_rank(job.train),
         final_loss=losses[-1] if losses else job.facts.get("final_loss"),
         val_loss=val_losses[-1] if val_losses else None,
-        mfu=_median(steady, "mfu"))
+        mfu=_median(steady, "mfu"),
+    )
 
 
 def _numbers(records: list[dict], key: str) -> list[float]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from matplotlib import colormaps
 from matplotlib.figure import Figure
@@ -57,35 +57,69 @@ class Figures:
     mfu: float | None  # median after the first step; None where the device has no peak FLOPs
 
 
-def render_markdown(sweep_dir: Path, jobs: list[Job], figures: list[Figures],
-                    varying: list[str], fixed: dict[str, str]) -> str:
+def render_markdown(
+    sweep_dir: Path,
+    jobs: list[Job],
+    figures: list[Figures],
+    varying: list[str],
+    fixed: dict[str, str],
+) -> str:
     """report.md: a header of what all jobs share, one table row per job, how to read it."""
     counts = Counter(job.status for job in jobs)
-    hardware = dict.fromkeys(f"{j.facts['hardware']}, {j.facts.get('world_size', '?')} ranks"
-                             for j in jobs if "hardware" in j.facts)
-    lines = ["# Sweep report", "",
-             f"`{sweep_dir.resolve()}`: {len(jobs)} jobs "
-             f"({', '.join(f'{n} {status}' for status, n in counts.items())}).", ""]
+    hardware = dict.fromkeys(
+        f"{j.facts['hardware']}, {j.facts.get('world_size', '?')} ranks"
+        for j in jobs
+        if "hardware" in j.facts
+    )
+    lines = [
+        "# Sweep report",
+        "",
+        f"`{sweep_dir.resolve()}`: {len(jobs)} jobs "
+        f"({', '.join(f'{n} {status}' for status, n in counts.items())}).",
+        "",
+    ]
     if hardware:
         lines += [f"hardware: {'; '.join(hardware)}", ""]
     if fixed:
         lines += ["fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), ""]
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
-    header = ["job", *varying, "status", "steps", "tokens/s", "step time (ms)",
-              "peak MiB (max rank)", "peak MiB per rank", "final loss"]
+    header = [
+        "job",
+        *varying,
+        "status",
+        "steps",
+        "tokens/s",
+        "step time (ms)",
+        "peak MiB (max rank)",
+        "peak MiB per rank",
+        "final loss",
+    ]
     header += ["val loss"] * has_val + ["MFU"] * has_mfu
     lines += [_row(header), _row(["---"] * len(header))]
-    for job, f in zip(jobs, figures):
-        cells = [job.name, *(job.options.get(k, "?") for k in varying), _status_cell(job),
-                 _fmt(f.steps, "{}"), _fmt(f.tokens_per_s, "{:,.0f}"),
-                 _fmt(f.step_time_s and f.step_time_s * 1000, "{:.1f}"),
-                 _fmt(max(f.peak_mib_per_rank, default=None), "{:.0f}"),
-                 _per_rank_cell(f.peak_mib_per_rank), _fmt(f.final_loss, "{:.4f}")]
+    for job, f in zip(jobs, figures, strict=True):
+        cells = [
+            job.name,
+            *(job.options.get(k, "?") for k in varying),
+            _status_cell(job),
+            _fmt(f.steps, "{}"),
+            _fmt(f.tokens_per_s, "{:,.0f}"),
+            _fmt(f.step_time_s and f.step_time_s * 1000, "{:.1f}"),
+            _fmt(max(f.peak_mib_per_rank, default=None), "{:.0f}"),
+            _per_rank_cell(f.peak_mib_per_rank),
+            _fmt(f.final_loss, "{:.4f}"),
+        ]
         cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
         lines.append(_row(cells))
-    lines += ["", *NOTES, "", "![throughput vs peak memory](throughput_vs_memory.png)", "",
-              "![loss curves](loss_curves.png)", ""]
+    lines += [
+        "",
+        *NOTES,
+        "",
+        "![throughput vs peak memory](throughput_vs_memory.png)",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -107,7 +141,7 @@ def _status_cell(job: Job) -> str:
         return f"preempted at step {job.facts['step']}"
     error = " ".join(str(job.facts.get("error") or "").split())
     if len(error) > ERROR_CHARS:
-        error = error[:ERROR_CHARS - 1] + "…"
+        error = error[: ERROR_CHARS - 1] + "…"
     return f"{job.status}: {error}" if error else job.status
 
 
@@ -130,12 +164,15 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def write_plots(jobs: list[Job], figures: list[Figures], varying: list[str],
-                out_dir: Path) -> list[Path]:
+def write_plots(
+    jobs: list[Job], figures: list[Figures], varying: list[str], out_dir: Path
+) -> list[Path]:
     """Both plots into out_dir; their paths. The legends name the options in varying."""
     labels = [job_label(job, varying) for job in jobs]
-    return [plot_throughput(jobs, figures, labels, out_dir / THROUGHPUT_PNG),
-            plot_losses(jobs, labels, out_dir / LOSS_PNG)]
+    return [
+        plot_throughput(jobs, figures, labels, out_dir / THROUGHPUT_PNG),
+        plot_losses(jobs, labels, out_dir / LOSS_PNG),
+    ]
 
 
 def job_label(job: Job, varying: list[str]) -> str:
@@ -155,21 +192,26 @@ def _color(index: int, total: int):
     return cmap(index % cmap.N)
 
 
-def plot_throughput(jobs: list[Job], figures: list[Figures], labels: list[str],
-                    path: Path) -> Path:
+def plot_throughput(jobs: list[Job], figures: list[Figures], labels: list[str], path: Path) -> Path:
     """One point per job that has figures (x: peak memory per rank, y: tokens/s), numbered on
     the plot and named in the legend: labels next to points collide when jobs land close."""
     fig, ax = _figure(len(jobs))
     handles = []
-    for i, (job, f, label) in enumerate(zip(jobs, figures, labels)):
+    for i, (job, f, label) in enumerate(zip(jobs, figures, labels, strict=True)):
         if f.tokens_per_s is None or not f.peak_mib_per_rank:
             continue
         point = (max(f.peak_mib_per_rank), f.tokens_per_s)
         failed = job.status == "failed"
-        handles.append(ax.scatter(
-            *point, s=60, color=_color(i, len(jobs)), zorder=3,
-            marker="x" if failed else MARKERS[i % len(MARKERS)],
-            label=f"{label} (failed)" if failed else label))
+        handles.append(
+            ax.scatter(
+                *point,
+                s=60,
+                color=_color(i, len(jobs)),
+                zorder=3,
+                marker="x" if failed else MARKERS[i % len(MARKERS)],
+                label=f"{label} (failed)" if failed else label,
+            )
+        )
         ax.annotate(job.name, point, textcoords="offset points", xytext=(6, 6), fontsize=9)
     ax.set_xlabel("peak memory per rank, max over ranks (MiB)")
     ax.set_ylabel("tokens/s (all ranks, median after step 1)")
@@ -186,21 +228,32 @@ def plot_losses(jobs: list[Job], labels: list[str], path: Path) -> Path:
     One legend entry per job shows both its line and its marker."""
     fig, ax = _figure(len(jobs))
     handles, values = [], []
-    for i, (job, label) in enumerate(zip(jobs, labels)):
+    for i, (job, label) in enumerate(zip(jobs, labels, strict=True)):
         train, val = _points(job.train, "loss"), _points(job.val, "val_loss")
         if not train and not val:
             continue
-        style = {"color": _color(i, len(jobs)), "markerfacecolor": "none", "markersize": 6,
-                 "linewidth": 1.5}
+        style = {
+            "color": _color(i, len(jobs)),
+            "markerfacecolor": "none",
+            "markersize": 6,
+            "linewidth": 1.5,
+        }
         linestyle, marker = LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)]
         if train:
-            ax.plot(*zip(*train), linestyle=linestyle, **style)
+            ax.plot(*zip(*train, strict=True), linestyle=linestyle, **style)
         if val:
-            ax.plot(*zip(*val), linestyle="none", marker=marker, **style)
+            ax.plot(*zip(*val, strict=True), linestyle="none", marker=marker, **style)
         failed = " (failed)" if job.status == "failed" else ""
-        handles.append(Line2D([], [], linestyle=linestyle if train else "none",
-                              marker=marker if val else None, label=f"{label}{failed}",
-                              **style))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                linestyle=linestyle if train else "none",
+                marker=marker if val else None,
+                label=f"{label}{failed}",
+                **style,
+            )
+        )
         values += [y for _, y in train + val]
     if values and min(values) > 0 and max(values) / min(values) > 50:
         ax.set_yscale("log")  # one diverging job would otherwise flatten every other curve
@@ -220,8 +273,7 @@ def _points(records: list[dict], key: str) -> list[tuple[float, float]]:
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _pad_limits(ax) -> None:
@@ -235,11 +287,18 @@ def _pad_limits(ax) -> None:
 def _finish(fig, ax, path: Path, handles: list) -> Path:
     """Legend outside the axes (never over the data), or a note when no job has figures."""
     if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                  borderaxespad=0.0, fontsize=8, frameon=False)
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            borderaxespad=0.0,
+            fontsize=8,
+            frameon=False,
+        )
     else:
-        ax.text(0.5, 0.5, "no job has metrics yet", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5, 0.5, "no job has metrics yet", ha="center", va="center", transform=ax.transAxes
+        )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
     os.replace(tmp, path)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_lab.engine import hardware
-from fsdp_lab.train.loss import Loss
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
+from fsdp_lab.train.loss import Loss
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,15 @@ class StepResult:
     skipped: torch.Tensor | None  # fp16: the grad scaler found inf/nan and skipped the update
 
 
-def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
-               optimizer: torch.optim.Optimizer, scaler, grad_clip: float | None,
-               loss: Loss | None = None) -> StepResult:
+def train_step(
+    model: nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    optimizer: torch.optim.Optimizer,
+    scaler,
+    grad_clip: float | None,
+    loss: Loss | None = None,
+) -> StepResult:
     """Forward/backward over the micro-batches, one gradient reduction, clip, update. Reads
     nothing back from the device: ``clip_grad_norm_`` keeps the norm there, and ``loss`` (the
     run's, else ``model(**batch).loss``) spares the forward transformers' packed-sequence
@@ -57,7 +63,8 @@ def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     if scaler is not None:
         scaler.unscale_(optimizer)  # so clipping sees true gradient magnitudes
     norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_norm=grad_clip if grad_clip is not None else math.inf)
+        model.parameters(), max_norm=grad_clip if grad_clip is not None else math.inf
+    )
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     skipped = None
@@ -74,12 +81,27 @@ def train_step(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     return StepResult(loss=total, grad_norm=norm, skipped=skipped)
 
 
-def train(model: nn.Module, *, data, loss: Loss, optimizer, scheduler, scaler,
-          grad_clip: float | None,
-          start_step: int, max_steps: int, grad_accum_steps: int, tokens_per_step: int,
-          device: torch.device, place, log_every: int, boundary_at: Callable[[int], bool],
-          on_records: Callable[[list[StepMetrics]], None], on_boundary: Callable[[int], None],
-          stop_requested) -> tuple[StepMetrics | None, bool]:
+def train(
+    model: nn.Module,
+    *,
+    data,
+    loss: Loss,
+    optimizer,
+    scheduler,
+    scaler,
+    grad_clip: float | None,
+    start_step: int,
+    max_steps: int,
+    grad_accum_steps: int,
+    tokens_per_step: int,
+    device: torch.device,
+    place,
+    log_every: int,
+    boundary_at: Callable[[int], bool],
+    on_records: Callable[[list[StepMetrics]], None],
+    on_boundary: Callable[[int], None],
+    stop_requested,
+) -> tuple[StepMetrics | None, bool]:
     """Run optimizer steps start_step+1..max_steps. ``place`` puts this process's rows of a
     micro-batch on its device(s).
 
@@ -104,23 +126,32 @@ def train(model: nn.Module, *, data, loss: Loss, optimizer, scheduler, scaler,
         done = step + 1
         start = window.start_step()
         lr = scheduler.get_last_lr()[0]
-        result = train_step(model, batches, optimizer=optimizer, scaler=scaler,
-                            grad_clip=grad_clip, loss=loss)
+        result = train_step(
+            model, batches, optimizer=optimizer, scaler=scaler, grad_clip=grad_clip, loss=loss
+        )
         scheduler.step()
         if done < max_steps:  # the next batch, copied while this step runs on the device
             batches = prepare(done)
-        window.end_step(done, start=start, lr=lr, loss=result.loss, grad_norm=result.grad_norm,
-                        skipped=result.skipped)
+        window.end_step(
+            done,
+            start=start,
+            lr=lr,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            skipped=result.skipped,
+        )
         if done % log_every and done != max_steps and not boundary_at(done):
             continue
         records, stop = window.flush(stop_requested=stop_requested())
-        bad = next((i for i, m in enumerate(records)
-                    if not math.isfinite(m.loss) and scaler is None), None)
+        bad = next(
+            (i for i, m in enumerate(records) if not math.isfinite(m.loss) and scaler is None), None
+        )
         on_records(records[:bad])
         if bad is not None:
             raise FloatingPointError(
                 f"loss is {records[bad].loss} at step {records[bad].step}; lower optim.lr or "
-                "use precision=fp32/bf16")
+                "use precision=fp32/bf16"
+            )
         last = records[-1]
         on_boundary(done)
         if stop and done < max_steps:
@@ -137,8 +168,9 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, *, loss: Loss, num_batches: int, device: torch.device,
-             place) -> EvalResult:
+def evaluate(
+    model: nn.Module, data, *, loss: Loss, num_batches: int, device: torch.device, place
+) -> EvalResult:
     """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
     number: each forward is a collective). Sums of token losses and counts are all-reduced, so
     the mean is over tokens, whatever rows a rank got or how many positions a mask chose."""
@@ -153,5 +185,9 @@ def evaluate(model: nn.Module, data, *, loss: Loss, num_batches: int, device: to
     model.train()
     total, count = sums.tolist()
     mean = total / max(count, 1.0)
-    return EvalResult(loss=mean, perplexity=math.exp(min(mean, 700.0)), tokens=int(count),
-                      time_s=time.perf_counter() - start)
+    return EvalResult(
+        loss=mean,
+        perplexity=math.exp(min(mean, 700.0)),
+        tokens=int(count),
+        time_s=time.perf_counter() - start,
+    )

@@ -43,13 +43,16 @@ log = logging.getLogger(__name__)
 # Granite (logits_scaling) are not: they keep loss=hf.
 FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
 FUSED_KINDS = (LossKind.chunked, LossKind.liger, LossKind.cce)
-PACKAGES = {LossKind.liger: ("liger_kernel", "liger-kernel"),
-            LossKind.cce: ("cut_cross_entropy", "cut-cross-entropy")}
+PACKAGES = {
+    LossKind.liger: ("liger_kernel", "liger-kernel"),
+    LossKind.cce: ("cut_cross_entropy", "cut-cross-entropy"),
+}
 CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 
-def resolve_kind(cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *,
-                 compiled: bool) -> LossKind:
+def resolve_kind(
+    cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *, compiled: bool
+) -> LossKind:
     """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
     A fused kind the model or device cannot take is a ConfigError naming the fix."""
     fits = task is ModelTask.causal_lm and hf_config.model_type in FUSED_MODEL_TYPES
@@ -60,29 +63,43 @@ def resolve_kind(cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKi
         # chunked 15.4 compiled and 27.5 eager. In whole compiled steps chunked was as fast or
         # faster (160M: 425k against 406k tokens/s; 1B: 65.4k against 64.6k): liger's many
         # small chunks cost host time. So: compiled runs chunked, eager GPU runs liger.
-        if (device is HardwareKind.gpu and not compiled
-                and importlib.util.find_spec("liger_kernel") is not None):
+        if (
+            device is HardwareKind.gpu
+            and not compiled
+            and importlib.util.find_spec("liger_kernel") is not None
+        ):
             return LossKind.liger
         return LossKind.chunked
     if cfg.kind is LossKind.hf:
         return LossKind.hf
     if not fits:
-        what = ("a masked LM" if task is ModelTask.masked_lm else
-                f"model_type={hf_config.model_type}, whose head is not known to be a plain "
-                f"linear layer (fused: {', '.join(sorted(FUSED_MODEL_TYPES))})")
-        raise ConfigError(f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
-                          f"this is {what}; use loss=hf (or loss=auto)")
+        what = (
+            "a masked LM"
+            if task is ModelTask.masked_lm
+            else f"model_type={hf_config.model_type}, whose head is not known to be a plain "
+            f"linear layer (fused: {', '.join(sorted(FUSED_MODEL_TYPES))})"
+        )
+        raise ConfigError(
+            f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
+            f"this is {what}; use loss=hf (or loss=auto)"
+        )
     if device is HardwareKind.tpu:
-        raise ConfigError(f"loss={cfg.kind.name} on hardware=tpu: XLA compiles the model's own "
-                          "loss into the step; use loss=hf (or loss=auto)")
+        raise ConfigError(
+            f"loss={cfg.kind.name} on hardware=tpu: XLA compiles the model's own "
+            "loss into the step; use loss=hf (or loss=auto)"
+        )
     if cfg.kind in PACKAGES:
         module, package = PACKAGES[cfg.kind]
         if device is not HardwareKind.gpu:
-            raise ConfigError(f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
-                              f"hardware={device.name}); use loss=chunked, which runs anywhere")
+            raise ConfigError(
+                f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
+                f"hardware={device.name}); use loss=chunked, which runs anywhere"
+            )
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"loss={cfg.kind.name} needs the package {package}, which is not "
-                              f"installed: pip install {package}, or use loss=chunked")
+            raise ConfigError(
+                f"loss={cfg.kind.name} needs the package {package}, which is not "
+                f"installed: pip install {package}, or use loss=chunked"
+            )
     return cfg.kind
 
 
@@ -98,9 +115,15 @@ def chunk_rows(cfg: LossConfig, vocab_size: int) -> int:
 
 # --- the chunked linear cross-entropy ---------------------------------------------------------
 
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-           scale: torch.Tensor, with_grad: bool,
-           logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def _chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    with_grad: bool,
+    logits_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: the summed token losses and, with ``with_grad``, the loss's gradient over the
     chunk's logits (softmax - one-hot, times ``scale``) in ``hidden``'s dtype. The logits are
     rounded to the compute dtype (``logits_dtype``) before the upcast, and the losses come from
@@ -111,8 +134,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         return loss_sum, None
     valid = targets != IGNORE_INDEX
     grad = logp.exp_()  # the softmax, in log_softmax's memory
-    grad.scatter_add_(1, torch.where(valid, targets, 0)[:, None],
-                      -valid[:, None].to(grad.dtype))
+    grad.scatter_add_(1, torch.where(valid, targets, 0)[:, None], -valid[:, None].to(grad.dtype))
     grad.mul_((valid.to(grad.dtype) * scale)[:, None])
     return loss_sum, grad.to(hidden.dtype)
 
@@ -156,11 +178,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         step = _chunk_fn(compiled)
         for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
             loss_sum, grad = step(h, weight, t, scale, with_grad, logits_dtype)
             total += loss_sum
             if need_hidden:
-                torch.mm(grad, weight, out=grad_hidden[start:start + chunk_size])
+                torch.mm(grad, weight, out=grad_hidden[start : start + chunk_size])
             if need_weight:
                 grad_weight.addmm_(grad.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -181,43 +203,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         chunk_size: int, reduction: str = "mean",
-                         compiled: bool = False) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    reduction: str = "mean",
+    compiled: bool = False,
+) -> torch.Tensor:
     """Cross-entropy of the logits ``hidden @ weight.T`` against ``targets`` (IGNORE_INDEX
     skipped), mean over the counted tokens or their sum, without building all the logits.
     ``hidden`` (N, H) and ``weight`` (V, H) in the compute dtype; ``targets`` (N,)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be mean or sum, not {reduction!r}")
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, reduction == "mean",
-                                     compiled)
+    return _LinearCrossEntropy.apply(
+        hidden, weight, targets, chunk_size, reduction == "mean", compiled
+    )
 
 
 def _liger(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
     from liger_kernel.transformers.fused_linear_cross_entropy import (
-        LigerFusedLinearCrossEntropyLoss)
+        LigerFusedLinearCrossEntropyLoss,
+    )
 
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX,
-                                            reduction=reduction)(weight, hidden, targets)
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)(
+        weight, hidden, targets
+    )
 
 
 def _cce(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
     from cut_cross_entropy import linear_cross_entropy as cce
 
     # filter_eps=None: exact gradients (CCE's default skips those below a threshold).
-    return cce(hidden, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction,
-               filter_eps=None)
+    return cce(
+        hidden, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction, filter_eps=None
+    )
 
 
 # --- the model's forward with a fused loss ----------------------------------------------------
+
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     """Position t predicts token t+1; the last position predicts nothing (as HF pads it)."""
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int,
-                     compiled: bool) -> None:
+def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
     """Replace a causal LM's forward (on this instance) by one that computes ``kind``'s loss
     from the final hidden states and the head's weight. ``model(input_ids=..., labels=...)``
     still returns an output whose ``.loss`` is the mean over the predicted tokens;
@@ -230,8 +262,10 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int,
         raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise RuntimeError(f"{type(model).__name__}'s output head is not a bias-free Linear; "
-                           "it cannot take a fused loss")
+        raise RuntimeError(
+            f"{type(model).__name__}'s output head is not a bias-free Linear; "
+            "it cannot take a fused loss"
+        )
 
     def head_forward(self, hidden, targets=None, reduction: str = "mean"):
         """The logits, as the Linear computes them; given ``targets``, the loss instead."""
@@ -240,8 +274,14 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int,
         hidden, targets = hidden.flatten(0, 1), targets.flatten()
         match kind:
             case LossKind.chunked:
-                return linear_cross_entropy(hidden, self.weight, targets, chunk_size=chunk_size,
-                                            reduction=reduction, compiled=compiled)
+                return linear_cross_entropy(
+                    hidden,
+                    self.weight,
+                    targets,
+                    chunk_size=chunk_size,
+                    reduction=reduction,
+                    compiled=compiled,
+                )
             case LossKind.liger:
                 return _liger(hidden, self.weight, targets, reduction=reduction)
             case LossKind.cce:
@@ -302,19 +342,26 @@ class Loss:
         count = (targets != IGNORE_INDEX).sum()
         with default_positions(batch):
             if self.kind in FUSED_KINDS:
-                total = model(input_ids=batch["input_ids"], labels=labels,
-                              loss_reduction="sum").loss
+                total = model(
+                    input_ids=batch["input_ids"], labels=labels, loss_reduction="sum"
+                ).loss
             else:
                 logits = model(input_ids=batch["input_ids"]).logits.float()
-                total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                        ignore_index=IGNORE_INDEX, reduction="sum")
+                total = F.cross_entropy(
+                    logits.flatten(0, 1),
+                    targets.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
         return torch.stack([total.double(), count.double()])
 
 
-def build_loss(cfg: LossConfig, model: nn.Module, *, kind: LossKind, task: ModelTask,
-               compiled: bool) -> Loss:
+def build_loss(
+    cfg: LossConfig, model: nn.Module, *, kind: LossKind, task: ModelTask, compiled: bool
+) -> Loss:
     """Install ``kind`` (resolved by ``resolve_kind``) on the meta model, before sharding."""
     if kind in FUSED_KINDS:
-        apply_fused_loss(model, kind, chunk_size=chunk_rows(cfg, model.config.vocab_size),
-                         compiled=compiled)
+        apply_fused_loss(
+            model, kind, chunk_size=chunk_rows(cfg, model.config.vocab_size), compiled=compiled
+        )
     return Loss(kind=kind, causal=task is ModelTask.causal_lm)

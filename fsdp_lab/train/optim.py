@@ -10,8 +10,9 @@ from torch import nn
 from fsdp_lab.config import ConfigError, HardwareKind, OptimConfig, OptimImpl
 
 
-def resolve_implementation(cfg: OptimConfig, device: HardwareKind, *,
-                           grad_scaler: bool) -> OptimImpl:
+def resolve_implementation(
+    cfg: OptimConfig, device: HardwareKind, *, grad_scaler: bool
+) -> OptimImpl:
     """auto: fused where torch has the kernel (cpu and gpu; measured 3-4x faster than foreach
     for a 13M model's AdamW step on one CPU thread); foreach on tpu (XLA has none) and with the
     fp16 grad scaler (FSDP2's ShardedGradScaler hands the optimizer a found-inf flag of shape
@@ -20,24 +21,31 @@ def resolve_implementation(cfg: OptimConfig, device: HardwareKind, *,
         fused = device is not HardwareKind.tpu and not grad_scaler
         return OptimImpl.fused if fused else OptimImpl.foreach
     if cfg.implementation is OptimImpl.fused and device is HardwareKind.tpu:
-        raise ConfigError("optim.implementation=fused on hardware=tpu: XLA has no fused AdamW; "
-                          "use optim.implementation=foreach (or auto)")
+        raise ConfigError(
+            "optim.implementation=fused on hardware=tpu: XLA has no fused AdamW; "
+            "use optim.implementation=foreach (or auto)"
+        )
     if cfg.implementation is OptimImpl.fused and grad_scaler:
-        raise ConfigError("optim.implementation=fused with precision.grad_scaler_enabled=true "
-                          "(fp16): FSDP2's sharded grad scaler does not drive torch's fused "
-                          "AdamW; use optim.implementation=foreach (or auto)")
+        raise ConfigError(
+            "optim.implementation=fused with precision.grad_scaler_enabled=true "
+            "(fp16): FSDP2's sharded grad scaler does not drive torch's fused "
+            "AdamW; use optim.implementation=foreach (or auto)"
+        )
     return cfg.implementation
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *,
-                    implementation: OptimImpl) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, implementation: OptimImpl
+) -> torch.optim.Optimizer:
     """Decay matrices only; norms and biases (1-D) are not decayed, as in GPT/Llama recipes.
     ``implementation`` is resolved (``resolve_implementation``): fused, foreach or for_loop.
     A fused AdamW also takes the fp16 grad scaler's unscaling and inf check on the device."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     match implementation:
         case OptimImpl.fused:
             kernels = {"fused": True}
@@ -47,8 +55,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *,
             kernels = {"foreach": False}
         case _:
             raise ValueError(f"unresolved optim.implementation {implementation}")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             **kernels)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernels
+    )
 
 
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -63,6 +72,7 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: flo
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, warmup_steps=cfg.warmup_steps, max_steps=max_steps,
-                               min_lr_ratio=cfg.min_lr_ratio),
+        lambda step: lr_factor(
+            step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, min_lr_ratio=cfg.min_lr_ratio
+        ),
     )

@@ -49,8 +49,7 @@ class SignalForwarder:
     def __init__(self) -> None:
         self.seen: list[int] = []
         self.procs: list[subprocess.Popen] = []
-        self._previous = {sig: signal.signal(sig, self._forward)
-                          for sig in SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in SIGNALS}
 
     def _forward(self, signum, frame) -> None:
         self.seen.append(signum)

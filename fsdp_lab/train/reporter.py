@@ -26,8 +26,13 @@ from fsdp_lab.train.state import RankContext, TrainState
 log = logging.getLogger("fsdp_lab")
 
 # Facts that exist only for some runs or from some point on: left out of run.json while unset.
-_OPTIONAL = ("param_sharding", "job", "wandb", "memory_before_train_bytes_per_rank",
-             "state_bytes_per_rank")
+_OPTIONAL = (
+    "param_sharding",
+    "job",
+    "wandb",
+    "memory_before_train_bytes_per_rank",
+    "state_bytes_per_rank",
+)
 
 
 @dataclass
@@ -72,27 +77,46 @@ class RunFacts:
         """Every rank takes part: the per-rank numbers are gathered."""
         sharded, model, corpus = state.sharded, state.model, state.corpus
         if corpus is not None:
-            data = {"train_blocks": len(corpus.train), "val_blocks": len(corpus.val),
-                    "tokens": corpus.num_tokens, "documents": corpus.num_documents,
-                    "fingerprint": corpus.fingerprint,
-                    "tokenizer": type(state.tokenizer).__name__}
+            data = {
+                "train_blocks": len(corpus.train),
+                "val_blocks": len(corpus.val),
+                "tokens": corpus.num_tokens,
+                "documents": corpus.num_documents,
+                "fingerprint": corpus.fingerprint,
+                "tokenizer": type(state.tokenizer).__name__,
+            }
         else:
             data = {"kind": cfg.data.kind.name}
         return cls(
-            world_size=ctx.topo.world_size, num_nodes=ctx.topo.num_nodes,
-            hardware=hardware.describe(ctx.kind), backend=hardware.backend(ctx.kind),
-            threads_per_rank=ctx.threads, mesh_shape=sharded.mesh_shape,
-            mesh_axes=sharded.mesh_axes, fsdp_units=sharded.units_desc,
-            num_fsdp_units=sharded.num_units, model_class=model.model_class,
-            total_params=model.total_params, local_params_per_rank=sharded.local_numels(),
-            tokens_per_step=state.tokens_per_step, task=model.task.name,
-            pretrained=cfg.model.pretrained, load_peak_rss_bytes_per_rank=model.load_rss,
-            activation_checkpointing=sharded.checkpointed, compiled=cfg.compile,
-            loss_kind=state.loss.kind.name, optimizer=f"AdamW ({state.optim_impl.name})",
-            data=data, resumed_from=None if cfg.resume == "never" else cfg.resume,
-            start_step=state.start_step, torch=torch.__version__,
-            flops_per_token=model.flops_per_token, peak_flops=model.peak_flops,
-            transformers=transformers.__version__, param_sharding=sharded.param_specs)
+            world_size=ctx.topo.world_size,
+            num_nodes=ctx.topo.num_nodes,
+            hardware=hardware.describe(ctx.kind),
+            backend=hardware.backend(ctx.kind),
+            threads_per_rank=ctx.threads,
+            mesh_shape=sharded.mesh_shape,
+            mesh_axes=sharded.mesh_axes,
+            fsdp_units=sharded.units_desc,
+            num_fsdp_units=sharded.num_units,
+            model_class=model.model_class,
+            total_params=model.total_params,
+            local_params_per_rank=sharded.local_numels(),
+            tokens_per_step=state.tokens_per_step,
+            task=model.task.name,
+            pretrained=cfg.model.pretrained,
+            load_peak_rss_bytes_per_rank=model.load_rss,
+            activation_checkpointing=sharded.checkpointed,
+            compiled=cfg.compile,
+            loss_kind=state.loss.kind.name,
+            optimizer=f"AdamW ({state.optim_impl.name})",
+            data=data,
+            resumed_from=None if cfg.resume == "never" else cfg.resume,
+            start_step=state.start_step,
+            torch=torch.__version__,
+            flops_per_token=model.flops_per_token,
+            peak_flops=model.peak_flops,
+            transformers=transformers.__version__,
+            param_sharding=sharded.param_specs,
+        )
 
     def as_dict(self) -> dict:
         facts = dataclasses.asdict(self)
@@ -102,30 +126,51 @@ class RunFacts:
 class Reporter:
     """Rank 0's records of a run: run.json, metrics.jsonl, the summary, the progress bar, W&B."""
 
-    def __init__(self, cfg: Config, run_dir: Path, facts: RunFacts, *, tracker, start_step: int,
-                 logged_through: int) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        facts: RunFacts,
+        *,
+        tracker,
+        start_step: int,
+        logged_through: int,
+    ) -> None:
         self.cfg, self.run_dir, self.facts, self.tracker = cfg, run_dir, facts, tracker
         self.logged_through = logged_through  # W&B already has the steps up to here
         self.summary = RunSummary()
         self.writer = MetricsWriter(run_dir / METRICS_FILE)
-        self.progress = Progress(cfg.trainer.max_steps, enabled=cfg.trainer.progress_bar,
-                                 initial=start_step)
+        self.progress = Progress(
+            cfg.trainer.max_steps, enabled=cfg.trainer.progress_bar, initial=start_step
+        )
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, facts: RunFacts, ctx: RankContext,
-              state: TrainState) -> Reporter:
+    def start(
+        cls, cfg: Config, run_dir: Path, facts: RunFacts, ctx: RankContext, state: TrainState
+    ) -> Reporter:
         """Log the run's shape, start (or continue) its W&B run, mark run.json running."""
         _log_start(cfg, facts, ctx.kind)
         claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's W&B id
         continuing = cfg.resume != "never" and "wandb" in claimed
         facts.job = claimed.get("job")
-        tracker = WandbLogger.start(cfg, run_dir, facts=facts.as_dict(), job=facts.job,
-                                    resume_id=claimed["wandb"]["id"] if continuing else None)
+        tracker = WandbLogger.start(
+            cfg,
+            run_dir,
+            facts=facts.as_dict(),
+            job=facts.job,
+            resume_id=claimed["wandb"]["id"] if continuing else None,
+        )
         if tracker is not None:
             facts.wandb = tracker.info
         write_run_file(run_dir, {**facts.as_dict(), "status": "running"})
-        return cls(cfg, run_dir, facts, tracker=tracker, start_step=state.start_step,
-                   logged_through=claimed.get("logged_through_step", -1) if continuing else -1)
+        return cls(
+            cfg,
+            run_dir,
+            facts,
+            tracker=tracker,
+            start_step=state.start_step,
+            logged_through=claimed.get("logged_through_step", -1) if continuing else -1,
+        )
 
     def _emit(self, record: dict) -> None:
         self.writer.write(record)
@@ -136,18 +181,37 @@ class Reporter:
     def train_records(self, records: list[metrics.StepMetrics]) -> None:
         """Every step of a logging window."""
         for m in records:
-            record = {"split": "train", **m.as_record(), **metrics.throughput(
-                m, world_size=self.facts.world_size, flops_per_token=self.facts.flops_per_token,
-                peak_flops=self.facts.peak_flops)}
+            record = {
+                "split": "train",
+                **m.as_record(),
+                **metrics.throughput(
+                    m,
+                    world_size=self.facts.world_size,
+                    flops_per_token=self.facts.flops_per_token,
+                    peak_flops=self.facts.peak_flops,
+                ),
+            }
             self._emit(record)
             self.progress.update(record)
 
     def validation(self, step: int, result) -> None:
-        self._emit({"split": "val", "step": step, "val_loss": result.loss,
-                    "val_ppl": result.perplexity, "val_tokens": result.tokens,
-                    "eval_time_s": result.time_s})
-        log.info("step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
-                 step, result.loss, result.perplexity, result.tokens)
+        self._emit(
+            {
+                "split": "val",
+                "step": step,
+                "val_loss": result.loss,
+                "val_ppl": result.perplexity,
+                "val_tokens": result.tokens,
+                "eval_time_s": result.time_s,
+            }
+        )
+        log.info(
+            "step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
+            step,
+            result.loss,
+            result.perplexity,
+            result.tokens,
+        )
 
     def end_of_training(self) -> None:
         """The loop is over: no more step records."""
@@ -158,15 +222,20 @@ class Reporter:
         """run.json's final facts and status, and W&B's summary."""
         status = "preempted" if preempted else "completed"
         results = {**self.summary.as_dict(), "total_time_s": total_time_s}
-        write_run_file(self.run_dir,
-                       {**self.facts.as_dict(), "status": status, "step": end_step, **results})
+        write_run_file(
+            self.run_dir, {**self.facts.as_dict(), "status": status, "step": end_step, **results}
+        )
         if self.tracker is not None:
             self.tracker.finish(status=status, summary={**results, "step": end_step})
         if not preempted:
             final_loss = results["final_loss"]
-            log.info("done: step %d/%d, final loss %s, run dir %s", end_step,
-                     self.cfg.trainer.max_steps,
-                     f"{final_loss:.4f}" if final_loss is not None else "-", self.run_dir)
+            log.info(
+                "done: step %d/%d, final loss %s, run dir %s",
+                end_step,
+                self.cfg.trainer.max_steps,
+                f"{final_loss:.4f}" if final_loss is not None else "-",
+                self.run_dir,
+            )
 
     def fail(self) -> None:
         if self.tracker is not None:
@@ -174,14 +243,26 @@ class Reporter:
 
 
 def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:
-    log.info("%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
-             facts.hardware, facts.world_size, facts.mesh_axes, facts.mesh_shape,
-             facts.fsdp_units, f"{facts.total_params:,}",
-             [f"{n:,}" for n in facts.local_params_per_rank])
-    log.info("loss=%s%s | optimizer %s | numbers read from the device every %d steps",
-             facts.loss_kind, " (loss=auto)" if cfg.loss.kind is LossKind.auto else "",
-             facts.optimizer, cfg.trainer.log_every)
+    log.info(
+        "%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
+        facts.hardware,
+        facts.world_size,
+        facts.mesh_axes,
+        facts.mesh_shape,
+        facts.fsdp_units,
+        f"{facts.total_params:,}",
+        [f"{n:,}" for n in facts.local_params_per_rank],
+    )
+    log.info(
+        "loss=%s%s | optimizer %s | numbers read from the device every %d steps",
+        facts.loss_kind,
+        " (loss=auto)" if cfg.loss.kind is LossKind.auto else "",
+        facts.optimizer,
+        cfg.trainer.log_every,
+    )
     if facts.world_size == 1 and kind is not HardwareKind.tpu:
-        log.info("world size 1: FSDP2 on a 1-rank mesh, nothing sharded; its all-gathers and "
-                 "reduce-scatters are local copies, kept so that precision (param_dtype "
-                 "copies, fp32 master weights) and checkpoints are those of a sharded run")
+        log.info(
+            "world size 1: FSDP2 on a 1-rank mesh, nothing sharded; its all-gathers and "
+            "reduce-scatters are local copies, kept so that precision (param_dtype "
+            "copies, fp32 master weights) and checkpoints are those of a sharded run"
+        )

@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import Config, DataKind, HardwareKind, OptimImpl, ModelTask, to_container
+from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl, to_container
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import build_data
-from fsdp_lab.engine import fsdp, hardware, model as model_lib, precision
+from fsdp_lab.engine import fsdp, hardware, precision
+from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.fsdp import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, checkpoint_root
@@ -74,9 +75,14 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
     facts, meta_model = _model_on_meta(cfg, ctx)
     # The loss: a fused one replaces the meta model's forward before it is sharded.
     loss = loss_lib.build_loss(
-        cfg.loss, meta_model, task=facts.task, compiled=cfg.compile,
-        kind=loss_lib.resolve_kind(cfg.loss, facts.hf_config, facts.task, ctx.kind,
-                                   compiled=cfg.compile))
+        cfg.loss,
+        meta_model,
+        task=facts.task,
+        compiled=cfg.compile,
+        kind=loss_lib.resolve_kind(
+            cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
+        ),
+    )
     sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
     load_rss = [None] * ctx.procs
     dist.all_gather_object(load_rss, hardware.host_peak_rss_bytes())
@@ -88,26 +94,52 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
     ranks_here = topo.world_size // ctx.procs  # data-parallel ranks this process feeds
-    data = build_data(cfg, corpus=corpus, tokenizer=tokenizer,
-                      vocab_size=facts.hf_config.vocab_size, dp_size=topo.world_size,
-                      dp_rank=ctx.rank * ranks_here, local_ranks=ranks_here)
+    data = build_data(
+        cfg,
+        corpus=corpus,
+        tokenizer=tokenizer,
+        vocab_size=facts.hf_config.vocab_size,
+        dp_size=topo.world_size,
+        dp_rank=ctx.rank * ranks_here,
+        local_ranks=ranks_here,
+    )
 
     # The optimizer over the sharded params (its state is sharded with them), schedule, scaler.
-    optim_impl = resolve_implementation(cfg.optim, ctx.kind,
-                                        grad_scaler=cfg.precision.grad_scaler_enabled)
+    optim_impl = resolve_implementation(
+        cfg.optim, ctx.kind, grad_scaler=cfg.precision.grad_scaler_enabled
+    )
     optimizer = build_optimizer(sharded.model, cfg.optim, implementation=optim_impl)
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     scaler = precision.build_grad_scaler(cfg.precision, ctx.device)
-    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg.checkpoint, run_dir),
-                                model=sharded.model, optimizer=optimizer, scheduler=scheduler,
-                                scaler=scaler, config=to_container(cfg), device=ctx.device,
-                                data=data, io=sharded.checkpoint_io)
+    checkpointer = Checkpointer(
+        cfg.checkpoint,
+        checkpoint_root(cfg.checkpoint, run_dir),
+        model=sharded.model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        config=to_container(cfg),
+        device=ctx.device,
+        data=data,
+        io=sharded.checkpoint_io,
+    )
     state = TrainState(
-        model=facts, sharded=sharded, loss=loss, tokenizer=tokenizer, corpus=corpus, data=data,
-        optim_impl=optim_impl, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        checkpointer=checkpointer, start_step=0, tokens_seen=0,
+        model=facts,
+        sharded=sharded,
+        loss=loss,
+        tokenizer=tokenizer,
+        corpus=corpus,
+        data=data,
+        optim_impl=optim_impl,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        checkpointer=checkpointer,
+        start_step=0,
+        tokens_seen=0,
         tokens_per_step=topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
-        eval_batches=data.num_val_batches(t.eval_batches) if t.eval_every else 0)
+        eval_batches=data.num_val_batches(t.eval_batches) if t.eval_every else 0,
+    )
     _resume(cfg, state)
     return state
 
@@ -118,28 +150,36 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
     hf_config = model_lib.build_hf_config(cfg.model)
     model = model_lib.build_meta_model(hf_config, task)
     facts = ModelFacts(
-        hf_config=hf_config, task=task, total_params=sum(p.numel() for p in model.parameters()),
+        hf_config=hf_config,
+        task=task,
+        total_params=sum(p.numel() for p in model.parameters()),
         model_class=type(model).__name__,  # before fully_shard renames it FSDP<name>
         flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
-        peak_flops=hardware.peak_flops(cfg.hardware, ctx.kind, cfg.precision.param_dtype,
-                                       tf32=cfg.precision.tf32),
-        load_rss=[])
+        peak_flops=hardware.peak_flops(
+            cfg.hardware, ctx.kind, cfg.precision.param_dtype, tf32=cfg.precision.tf32
+        ),
+        load_rss=[],
+    )
     return facts, model
 
 
-def _shard_and_fill(cfg: Config, ctx: RankContext, meta_model: torch.nn.Module,
-                    hf_config) -> ShardedModel:
+def _shard_and_fill(
+    cfg: Config, ctx: RankContext, meta_model: torch.nn.Module, hf_config
+) -> ShardedModel:
     """The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and compiles
     them, shards them on the strategy's mesh with the dtype and offload policies, and fills the
     shards: rank 0 builds the full model (seeded random init, or the pretrained weights) and it
     reaches every rank's shards. No rank holds the full model on FSDP2."""
     task = cfg.model.task
     if cfg.model.pretrained:
+
         def source():
             return model_lib.load_pretrained(cfg.model.name_or_path, task)
     else:
+
         def source():
             return model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
+
     if ctx.kind is HardwareKind.tpu:
         from fsdp_lab.engine import xla as engine
     else:
@@ -150,8 +190,10 @@ def _shard_and_fill(cfg: Config, ctx: RankContext, meta_model: torch.nn.Module,
 def _resume(cfg: Config, state: TrainState) -> None:
     """The launcher resolved cfg.resume to a checkpoint path or "never"."""
     if cfg.resume == "auto":
-        raise RuntimeError("resume=auto reached a rank: the launcher resolves it before workers "
-                           "start (launch.prepare.prepare_run)")
+        raise RuntimeError(
+            "resume=auto reached a rank: the launcher resolves it before workers "
+            "start (launch.prepare.prepare_run)"
+        )
     if cfg.resume == "never":
         return
     restored = state.checkpointer.load(Path(cfg.resume))

@@ -9,15 +9,16 @@ exception").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ from fsdp_lab.engine import hardware
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
 from fsdp_lab.train.loop import evaluate, train
-from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted, StopFlag
+from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
+from fsdp_lab.train.preempt import Preempted, StopFlag
 from fsdp_lab.train.reporter import Reporter, RunFacts
 from fsdp_lab.train.state import RankContext, TrainState, build_train_state
 
@@ -82,8 +84,9 @@ def topology_from_env(kind: HardwareKind) -> Topology:
         return Topology(world_size=n, nproc_per_node=n, num_nodes=1, device=kind)
     world = int(os.environ["WORLD_SIZE"])
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Topology(world_size=world, nproc_per_node=per_node, num_nodes=world // per_node,
-                    device=kind)
+    return Topology(
+        world_size=world, nproc_per_node=per_node, num_nodes=world // per_node, device=kind
+    )
 
 
 def join(cfg: Config) -> RankContext:
@@ -92,15 +95,22 @@ def join(cfg: Config) -> RankContext:
     kind = hardware.resolve_kind(cfg.hardware)
     device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     topo = topology_from_env(kind)
-    threads = hardware.set_threads(cfg.hardware,
-                                   hardware.processes_per_node(kind, topo.nproc_per_node))
+    threads = hardware.set_threads(
+        cfg.hardware, hardware.processes_per_node(kind, topo.nproc_per_node)
+    )
     if not dist.is_initialized():
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     validate(cfg, topo)
     hardware.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
-    return RankContext(rank=int(os.environ["RANK"]), kind=kind, device=device, topo=topo,
-                       procs=dist.get_world_size(), threads=threads)
+    return RankContext(
+        rank=int(os.environ["RANK"]),
+        kind=kind,
+        device=device,
+        topo=topo,
+        procs=dist.get_world_size(),
+        threads=threads,
+    )
 
 
 def fit(r: RankRun) -> FitResult:
@@ -111,11 +121,13 @@ def fit(r: RankRun) -> FitResult:
     # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
     hardware.reset_peak_memory(ctx.device)
     r.facts.memory_before_train_bytes_per_rank = _gathered(
-        hardware.current_memory_bytes(ctx.device), ctx.procs)
+        hardware.current_memory_bytes(ctx.device), ctx.procs
+    )
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
         r.facts.state_bytes_per_rank = state.sharded.state_bytes(state.optimizer)
         hook.remove()
+
     hook = state.optimizer.register_step_post_hook(measure_state)
 
     def evaluates_at(step: int) -> bool:
@@ -133,14 +145,25 @@ def fit(r: RankRun) -> FitResult:
     if state.eval_batches and state.start_step == 0:
         _evaluate(r, 0)
     last, preempted = train(
-        state.sharded.model, data=state.data, loss=state.loss, optimizer=state.optimizer,
-        scheduler=state.scheduler, scaler=state.scaler, grad_clip=cfg.optim.grad_clip,
-        start_step=state.start_step, max_steps=t.max_steps, grad_accum_steps=t.grad_accum_steps,
-        tokens_per_step=state.tokens_per_step, device=ctx.device,
-        place=state.sharded.place_batch, log_every=t.log_every,
+        state.sharded.model,
+        data=state.data,
+        loss=state.loss,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        scaler=state.scaler,
+        grad_clip=cfg.optim.grad_clip,
+        start_step=state.start_step,
+        max_steps=t.max_steps,
+        grad_accum_steps=t.grad_accum_steps,
+        tokens_per_step=state.tokens_per_step,
+        device=ctx.device,
+        place=state.sharded.place_batch,
+        log_every=t.log_every,
         boundary_at=lambda step: evaluates_at(step) or state.checkpointer.should_save(step),
         on_records=r.reporter.train_records if r.reporter is not None else lambda records: None,
-        on_boundary=on_boundary, stop_requested=r.stop)
+        on_boundary=on_boundary,
+        stop_requested=r.stop,
+    )
     if r.reporter is not None:
         r.reporter.end_of_training()
     end_step = last.step if last is not None else state.start_step
@@ -148,9 +171,14 @@ def fit(r: RankRun) -> FitResult:
 
 
 def _evaluate(r: RankRun, step: int) -> None:
-    result = evaluate(r.state.sharded.model, r.state.data, loss=r.state.loss,
-                      num_batches=r.state.eval_batches, device=r.ctx.device,
-                      place=r.state.sharded.place_batch)
+    result = evaluate(
+        r.state.sharded.model,
+        r.state.data,
+        loss=r.state.loss,
+        num_batches=r.state.eval_batches,
+        device=r.ctx.device,
+        place=r.state.sharded.place_batch,
+    )
     if r.reporter is not None:
         r.reporter.validation(step, result)
 
@@ -165,8 +193,9 @@ def finish(r: RankRun, result: FitResult) -> None:
     if not result.preempted and cfg.checkpoint.export_hf:
         _export(r)
     if r.reporter is not None:
-        r.reporter.close(end, preempted=result.preempted,
-                         total_time_s=time.perf_counter() - r.started)
+        r.reporter.close(
+            end, preempted=result.preempted, total_time_s=time.perf_counter() - r.started
+        )
     if result.preempted:
         if r.ctx.rank == 0:
             log.info("stopped by signal %s after step %d", r.stop.signal, end)
@@ -190,16 +219,27 @@ def _export(r: RankRun) -> None:
     sd = r.state.sharded.full_state_dict()
     out_dir = r.run_dir / HF_EXPORT_DIR
     if r.ctx.rank == 0:
-        export_hf(sd, r.state.model.hf_config, out_dir, replace=True,  # this run's own export
-                  task=r.state.model.task, tokenizer=r.state.tokenizer,
-                  preset=r.cfg.model.arch is not None)
+        export_hf(
+            sd,
+            r.state.model.hf_config,
+            out_dir,
+            replace=True,  # this run's own export
+            task=r.state.model.task,
+            tokenizer=r.state.tokenizer,
+            preset=r.cfg.model.arch is not None,
+        )
         log.info("exported Hugging Face model: %s", out_dir)
     dist.barrier()
 
 
-def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None,
-                 exit_process: bool = True,
-                 on_preempted: Callable[[Preempted], None] | None = None) -> int:
+def run_and_exit(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    early_signals: list[int] | None = None,
+    exit_process: bool = True,
+    on_preempted: Callable[[Preempted], None] | None = None,
+) -> int:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
     ``exit_process`` is false (a submitit job, whose own code must record the end): then the
     exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
@@ -216,10 +256,8 @@ def run_and_exit(cfg: Config, run_dir: Path, *, early_signals: list[int] | None 
         _record_failure(run_dir, e)
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a broken group cannot block the exit
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group cannot block the exit
-                pass
         sys.stdout.flush()
         sys.stderr.flush()
         if exit_process:

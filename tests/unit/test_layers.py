@@ -26,8 +26,13 @@ ALLOWED = {
 }
 # Modules that import no torch (the parent checks a config and rank_main catches signals
 # before any heavy import).
-TORCH_FREE = ["fsdp_lab.config", "fsdp_lab.launch.rank_main", "fsdp_lab.train.preempt",
-              "fsdp_lab.observe.rundir", "fsdp_lab.launch.slurm"]
+TORCH_FREE = [
+    "fsdp_lab.config",
+    "fsdp_lab.launch.rank_main",
+    "fsdp_lab.train.preempt",
+    "fsdp_lab.observe.rundir",
+    "fsdp_lab.launch.slurm",
+]
 
 
 def module_name(path: Path) -> str:
@@ -90,7 +95,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -105,9 +110,14 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles():
     # A package's __init__ re-exporting its own modules is not a cycle through them.
-    edges = {m: {t for t in ts if not (package_of(t) == package_of(m) and
-                                       t == f"fsdp_lab.{package_of(m)}")}
-             for m, ts in graph().items()}
+    edges = {
+        m: {
+            t
+            for t in ts
+            if not (package_of(t) == package_of(m) and t == f"fsdp_lab.{package_of(m)}")
+        }
+        for m, ts in graph().items()
+    }
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges))
 
 
@@ -133,6 +143,10 @@ def test_only_hardware_and_the_xla_engine_name_devices():
     """engine.hardware is the one place for device branches (and engine.xla for torch_xla): the
     GPU path differs from the tested CPU path only there."""
     allowed = {"fsdp_lab.engine.hardware", "fsdp_lab.engine.xla"}
-    naming = [f"{m}: {hit.group(0).strip()}" for m, path in modules().items() if m not in allowed
-              for hit in DEVICE_CODE.finditer(path.read_text())]
+    naming = [
+        f"{m}: {hit.group(0).strip()}"
+        for m, path in modules().items()
+        if m not in allowed
+        for hit in DEVICE_CODE.finditer(path.read_text())
+    ]
     assert not naming, "device names outside engine.hardware:\n" + "\n".join(naming)
