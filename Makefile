@@ -30,11 +30,11 @@ test-fast: lint
 
 # hardware=tpu on XLA's CPU devices: builds $(XLA_VENV) (the xla-cpu extra pins torch and
 # torch-xla; about 4 GB of downloads the first time, torch 2.9.0 with its CUDA libraries is what
-# PyPI has), then runs tests/test_tpu.py there.
+# PyPI has), then runs tests/integration/test_tpu.py there.
 test-tpu:
 	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	@$(XLA_VENV)/bin/python -m pip install -q -e ".[xla-cpu,dev]"
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/test_tpu.py
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/integration/test_tpu.py
 
 bench: setup
 	$(PY) benchmarks/bench_peer.py

@@ -54,7 +54,8 @@ def resolve_kind(
     cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *, compiled: bool
 ) -> LossKind:
     """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
-    A fused kind the model or device cannot take is a ConfigError naming the fix."""
+    A fused kind the model or device cannot take is a ConfigError naming the fix (on
+    hardware=tpu the rules, ``config.rules.refuse_for_xla``, refused every fused kind first)."""
     fits = task is ModelTask.causal_lm and hf_config.model_type in FUSED_MODEL_TYPES
     if cfg.kind is LossKind.auto:
         if not fits or device is HardwareKind.tpu:
@@ -82,11 +83,6 @@ def resolve_kind(
         raise ConfigError(
             f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
             f"this is {what}; use loss=hf (or loss=auto)"
-        )
-    if device is HardwareKind.tpu:
-        raise ConfigError(
-            f"loss={cfg.kind.name} on hardware=tpu: XLA compiles the model's own "
-            "loss into the step; use loss=hf (or loss=auto)"
         )
     if cfg.kind in PACKAGES:
         module, package = PACKAGES[cfg.kind]

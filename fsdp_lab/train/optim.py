@@ -16,15 +16,11 @@ def resolve_implementation(
     """auto: fused where torch has the kernel (cpu and gpu; measured 3-4x faster than foreach
     for a 13M model's AdamW step on one CPU thread); foreach on tpu (XLA has none) and with the
     fp16 grad scaler (FSDP2's ShardedGradScaler hands the optimizer a found-inf flag of shape
-    [1], which torch's fused AdamW rejects)."""
+    [1], which torch's fused AdamW rejects). fused on tpu was refused by the rules
+    (``config.rules.refuse_for_xla``) before any rank started."""
     if cfg.implementation is OptimImpl.auto:
         fused = device is not HardwareKind.tpu and not grad_scaler
         return OptimImpl.fused if fused else OptimImpl.foreach
-    if cfg.implementation is OptimImpl.fused and device is HardwareKind.tpu:
-        raise ConfigError(
-            "optim.implementation=fused on hardware=tpu: XLA has no fused AdamW; "
-            "use optim.implementation=foreach (or auto)"
-        )
     if cfg.implementation is OptimImpl.fused and grad_scaler:
         raise ConfigError(
             "optim.implementation=fused with precision.grad_scaler_enabled=true "

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import shlex
 import textwrap
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
 from fsdp_lab.config import ConfigError, register_schema, to_typed
 from fsdp_lab.tools.cli import main
 from fsdp_lab.tools.from_accelerate import translate
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 
 FSDP1 = """\
 compute_environment: LOCAL_MACHINE

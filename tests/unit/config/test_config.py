@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import ROOT
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from fsdp_lab.config import (
@@ -18,12 +18,14 @@ from fsdp_lab.config import (
     OptimImpl,
     ShardingStrategy,
     register_schema,
+    to_container,
     to_typed,
 )
 from fsdp_lab.config.rules import validate
-from fsdp_lab.config.topology import Topology
+from fsdp_lab.config.strategies import reshard_after_forward
+from fsdp_lab.config.topology import Topology, mesh_shape
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 # Options that need a value the user must supply (marked ??? in their YAML).
@@ -31,6 +33,8 @@ REQUIRED = {
     ("model", "local"): ["model.name_or_path={tiny_model_dir}"],
     ("data", "text"): ["data.files=[corpus.txt]"],
     ("data", "hub"): ["data.name=roneneldan/TinyStories"],
+    # Its model is converted once by scripts/prepare_smollm2.py; a stand-in directory here.
+    ("experiment", "smollm2_shakespeare"): ["model.name_or_path={tiny_model_dir}"],
 }
 
 register_schema()
@@ -67,7 +71,45 @@ def test_every_option_composes_and_types(group, option, tmp_path):
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
     extra = [o.format(tiny_model_dir=model_dir) for o in REQUIRED.get((group, option), [])]
     cfg = to_typed(compose_cfg(f"{group}={option}", *extra))
-    assert isinstance(cfg, Config)
+    # Every value the option's YAML sets reaches the typed config unchanged.
+    typed = flat(to_container(cfg))
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    yaml.pop("defaults", None)
+    global_package = (CONF / group / f"{option}.yaml").read_text().startswith("# @package _global_")
+    overridden = {o.split("=")[0] for o in extra}
+    for key, value in flat(yaml if global_package else {group: yaml}).items():
+        if key in overridden or (
+            isinstance(value, str) and (value.startswith("${") or value == "???")
+        ):
+            continue  # an interpolation (Hydra resolves it), or a value the user must supply
+        assert typed[key] == value, f"{group}={option}: {key} is {typed[key]!r}, YAML {value!r}"
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_default_composition_is_the_schemas_defaults():
+    """One source of truth: the default options' YAML restates no default differently from the
+    schema. Only what picking an option means differs: the preset's arch, the CPU ranks."""
+    composed = flat(to_container(to_typed(compose_cfg("hardware=cpu"))))
+    schema = flat(to_container(Config()))
+    differs = {
+        k: (composed.get(k), schema.get(k))
+        for k in composed.keys() | schema.keys()
+        if composed.get(k) != schema.get(k)
+    }
+    assert differs == {
+        "model.arch": ("llama", None),  # model=llama_tiny, the default preset
+        "hardware.kind": ("cpu", "auto"),  # the override above
+        "hardware.nproc_per_node": (2, None),  # hardware=cpu: 2 ranks
+    }
 
 
 def test_group_options_map_to_their_enum():
@@ -170,20 +212,24 @@ def test_bad_values_fail_naming_the_setting(overrides, world, fragment):
 
 
 def test_hybrid_replicate_size_defaults():
-    from fsdp_lab.config.topology import replicate_size as resolve_replicate_size
-
     cfg = to_typed(compose_cfg("sharding=hybrid"))
-    assert resolve_replicate_size(cfg.sharding, topo(4)) == 2
-    assert resolve_replicate_size(cfg.sharding, topo(16, nodes=4)) == 4
+    assert mesh_shape(cfg.sharding, topo(4)) == (2, 2)  # one node: 2 replicas
+    assert mesh_shape(cfg.sharding, topo(16, nodes=4)) == (4, 4)  # a replica per node
     validate(cfg, topo(16, nodes=4))
     cfg = to_typed(compose_cfg("sharding=hybrid", "sharding.replicate_size=4"))
     validate(cfg, topo(8))
-    assert resolve_replicate_size(cfg.sharding, topo(8)) == 4
+    assert mesh_shape(cfg.sharding, topo(8)) == (4, 2)
 
 
-def test_reshard_after_forward_accepts_bool_and_divisor():
-    validate(to_typed(compose_cfg("sharding.reshard_after_forward=false")), topo(2))
-    validate(to_typed(compose_cfg("sharding.reshard_after_forward=2")), topo(8))
+@pytest.mark.parametrize(
+    "override,world,want",
+    [("false", 2, False), ("true", 2, True), ("2", 8, 2), ("null", 2, True)],
+)
+def test_reshard_after_forward_accepts_bool_and_divisor(override, world, want):
+    cfg = to_typed(compose_cfg(f"sharding.reshard_after_forward={override}"))
+    validate(cfg, topo(world))
+    assert reshard_after_forward(cfg.sharding) == want
+    assert type(reshard_after_forward(cfg.sharding)) is type(want)
 
 
 @pytest.mark.parametrize(

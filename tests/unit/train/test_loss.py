@@ -230,7 +230,6 @@ def test_auto_takes_liger_on_an_eager_gpu_run_where_installed(monkeypatch):
         ),
         (LossKind.chunked, "gemma2", ModelTask.causal_lm, HardwareKind.cpu, "model_type=gemma2"),
         (LossKind.liger, "llama", ModelTask.causal_lm, HardwareKind.cpu, "use loss=chunked"),
-        (LossKind.cce, "llama", ModelTask.causal_lm, HardwareKind.tpu, "use loss=hf"),
         (
             LossKind.cce,
             "llama",

@@ -120,9 +120,16 @@ def test_128_ranks_planned_on_a_laptop():
         (2, 8),
     ]
     assert not any("assumed" in a and "per node" in a for a in p["assumptions"])
-    assumed = plan.build_plan(["hardware=gpu"])["assumptions"]
-    if not torch.cuda.is_available():
-        assert any("assumed 8 per node" in a for a in assumed)
+
+
+@pytest.mark.parametrize("visible,want", [(0, 8), (4, 4)])
+def test_gpus_per_node_default_to_the_visible_ones_or_eight(monkeypatch, visible, want):
+    from fsdp_lab.engine import hardware
+
+    monkeypatch.setattr(hardware, "default_nproc_per_node", lambda kind: visible)
+    p = plan.build_plan(["hardware=gpu"])
+    assert p["nproc_per_node"] == want
+    assert any("assumed 8 per node" in a for a in p["assumptions"]) == (visible == 0)
 
 
 def test_cli_text_and_json(capsys):

@@ -98,8 +98,10 @@ def fake_group():
     "strategy,placements,rows_div",
     [
         (S.hybrid, (Replicate(), Shard(0)), 8),
+        (S.hybrid_zero2, (Replicate(), Shard(0)), 8),
         (S.no_shard, (Replicate(), Shard(0)), 1),
         (S.full, (Shard(0),), 64),
+        (S.grad_op, (Shard(0),), 64),
     ],
 )
 def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows_div):
@@ -121,11 +123,20 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
         model,
         units,
         mesh=mesh,
-        reshard_after_forward=True,
+        reshard_after_forward=strategies.reshard_after_forward(cfg),
         mp_policy=precision.build_mp_policy(PrecisionConfig()),
         offload_policy=None,
         prefetch=PrefetchConfig(),
     )
+    # Each decoder layer reshards after forward as its strategy says (ZeRO-3) or keeps its
+    # parameters gathered until backward (ZeRO-2, no_shard); the last one, where backward
+    # starts, is never resharded.
+    reshards = [
+        layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+        for layer in model.model.layers
+    ]
+    assert set(reshards[:-1]) == {strategies.strategy_of(strategy).reshard_after_forward}
+    assert reshards[-1] is False
     if len(placements) == 2:
         assert mesh.mesh_dim_names == ("replicate", "shard")
         assert mesh.shape == (64 // rows_div, rows_div)

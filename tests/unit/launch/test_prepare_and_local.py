@@ -1,0 +1,85 @@
+"""What the launcher decides once and how it watches ranks, without starting any."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from fsdp_lab.config import (
+    Config,
+    ConfigError,
+    HardwareConfig,
+    HardwareKind,
+    ModelArch,
+    ModelConfig,
+)
+from fsdp_lab.launch import local, prepare
+from fsdp_lab.observe import rundir
+from fsdp_lab.train import preempt
+
+
+def test_a_run_dir_is_claimed_once_and_never_reused(tmp_path):
+    run = tmp_path / "run"
+    prepare._claim_run_dir(run, continuing=False, job={"num": 0})
+    assert rundir.read_run_file(run) == {"status": "starting", "job": {"num": 0}}
+    with pytest.raises(ConfigError, match="already holds files"):
+        prepare._claim_run_dir(run, continuing=False, job=None)
+    prepare._claim_run_dir(run, continuing=True, job=None)  # resume=auto continues its run
+    assert rundir.read_run_file(run)["job"] == {"num": 0}
+
+
+def test_resuming_drops_the_records_after_the_checkpoint(tmp_path):
+    path = tmp_path / rundir.METRICS_FILE
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)))
+    assert prepare._truncate_metrics(path, 2) == 4
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert prepare._truncate_metrics(tmp_path / "none.jsonl", 2) == 0
+
+
+def test_a_bare_launch_stays_on_one_node():
+    cfg = Config(
+        model=ModelConfig(arch=ModelArch.llama),
+        hardware=HardwareConfig(kind=HardwareKind.cpu, num_nodes=2),
+    )
+    with pytest.raises(ConfigError, match="torchrun or srun on every node"):
+        prepare.local_topology(cfg)
+    cfg.hardware.num_nodes, cfg.hardware.nproc_per_node = 1, 3
+    topo = prepare.local_topology(cfg)
+    assert (topo.world_size, topo.nproc_per_node, topo.device) == (3, 3, HardwareKind.cpu)
+
+
+class Exited:
+    """A rank's process, as far as the launcher looks at it."""
+
+    def __init__(self, code):
+        self.returncode = code
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.returncode = -sig
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def test_a_rank_that_died_silently_is_the_cause_not_its_peers_errors(tmp_path):
+    (tmp_path / rundir.LOG_DIR).mkdir()
+    rundir.error_file(tmp_path, 0).write_text(
+        json.dumps({"rank": 0, "time": time.time(), "error": "Connection reset by peer"})
+    )
+    procs = [Exited(1), Exited(-signal.SIGKILL)]
+    reason = local._first_failure(tmp_path, procs, {0: time.time(), 1: time.time() - 1})
+    assert reason.startswith("rank 1 died (signal 9) without an error message")
+    reason = local._first_failure(tmp_path, [Exited(1), Exited(0)], {0: time.time()})
+    assert reason.startswith("rank 0 failed: Connection reset by peer")
+
+
+def test_waiting_reports_the_first_failure_and_preemption_is_not_one():
+    assert local._wait([Exited(0), Exited(preempt.EXIT_CODE)])[0] == preempt.EXIT_CODE
+    assert local._wait([Exited(0), Exited(0)])[0] == 0
+    assert local._wait([Exited(3), Exited(preempt.EXIT_CODE)])[0] == 3
