@@ -36,6 +36,7 @@ def _positive(value: int | float, name: str) -> None:
         raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
 
 
+# Long: one flat list of single-field rules, each a condition and its message, read in order.
 def check_fields(cfg: Config) -> None:
     t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
     for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
@@ -213,6 +214,7 @@ def _check_precision(p: PrecisionConfig) -> None:
         )
 
 
+# Long: a table of (refused, message) rows, one per setting XLA cannot honour.
 def refuse_for_xla(cfg: Config) -> None:
     """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
     s, p = cfg.sharding, cfg.precision

@@ -34,6 +34,7 @@ def build_hf_config(cfg: ModelConfig):
     return hf_config
 
 
+# Long: one transformers config per preset architecture, every hyperparameter spelled out.
 def _hf_config(cfg: ModelConfig):
     from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 

@@ -41,6 +41,7 @@ def _rendezvous_store(timeout_s: int):
     )
 
 
+# Long: starting, watching and reporting share one process list and one cleanup (finally).
 def spawn_local(
     cfg: Config, topo: Topology, run_dir: Path, forwarder: preempt.SignalForwarder
 ) -> int:

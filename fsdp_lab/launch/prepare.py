@@ -8,11 +8,15 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
+
+if TYPE_CHECKING:  # the parent imports torch only once a check needs it
+    import torch
 
 log = logging.getLogger("fsdp_lab")
 
@@ -21,14 +25,15 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     """Every check that can run before a worker starts, and the decisions made once: which
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
-    from fsdp_lab.data import corpus as corpus_lib
-    from fsdp_lab.engine import hardware, wrap
-    from fsdp_lab.engine import model as model_lib
-    from fsdp_lab.state import checkpoint as ckpt
-    from fsdp_lab.train import loss as loss_lib
-    from fsdp_lab.train.optim import resolve_implementation
-
     validate(cfg, topo)
+    _check_hardware(cfg, topo)
+    cfg, meta_model = _check_model_and_data(cfg, topo)
+    return _resume_point(cfg, topo, run_dir, job, meta_model)
+
+
+def _check_hardware(cfg: Config, topo: Topology) -> None:
+    from fsdp_lab.engine import hardware
+
     hardware.check_nproc(topo.device, topo.nproc_per_node)
     p = cfg.precision
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -44,14 +49,24 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
             cfg.precision.param_dtype.value,
             slow,
         )
+
+
+def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.Module]:
+    """The model, its loss and optimizer, the tokenizer and the corpus, checked (the corpus
+    tokenised and cached) once; returns the config with absolute paths and the resolved
+    vocabulary size, and the model's structure on meta."""
+    from fsdp_lab.data import corpus as corpus_lib
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.engine import wrap
+    from fsdp_lab.train import loss as loss_lib
+    from fsdp_lab.train.optim import resolve_implementation
+
     cfg = corpus_lib.absolute_paths(cfg)
     if cfg.model.name_or_path is not None:  # an unreadable or unreachable model is named first
         model_lib.check_task(model_lib.build_hf_config(cfg.model), cfg.model.task)
     # The tokenizer decides a preset's vocabulary size; the resolved size is what workers run.
     tokenizer = corpus_lib.load_tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
-    # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
-    # and checkpoints of another model surface here once, not in every worker.
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile)
@@ -73,8 +88,20 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
                 "data.validation_fraction=%s leaves no validation blocks: no evaluation",
                 cfg.data.validation_fraction,
             )
+    # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
+    # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
     wrap.select_units(meta_model, cfg.wrap)
+    return cfg, meta_model
+
+
+def _resume_point(
+    cfg: Config, topo: Topology, run_dir: Path, job: dict | None, meta_model: torch.nn.Module
+) -> Config:
+    """The checkpoint to start from (checked complete and of this model), and the claim on the
+    run dir: a fresh one, or this run's own when resume=auto continues it."""
+    from fsdp_lab.state import checkpoint as ckpt
+
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
     resume_path = ckpt.resolve_resume(cfg.resume, root)
     if resume_path is not None:

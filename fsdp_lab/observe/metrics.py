@@ -81,6 +81,7 @@ class StepWindow:
             )
         )
 
+    # Long: the one host read of a logging window; the table's layout is explained beside it.
     def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
         """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and
         whether any rank asked to stop, in one all-reduce of a (world, 2k+1) table: each rank

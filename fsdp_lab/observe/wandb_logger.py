@@ -109,6 +109,7 @@ class WandbLogger:
             log.warning("W&B failed to start (%s); metrics in metrics.jsonl only", e)
             return None
 
+    # Long: W&B's start and its fallbacks (offline, then none) must run in this order.
     @classmethod
     def _start(
         cls, cfg: Config, run_dir: Path, *, facts: dict, job: dict | None, resume_id: str | None

@@ -16,6 +16,7 @@ from pathlib import Path
 from fsdp_lab.config import ConfigError
 
 
+# Long: the argparse table of every fsdp-lab command, then the dispatch.
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

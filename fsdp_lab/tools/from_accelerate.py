@@ -147,6 +147,7 @@ def _prefetch(fsdp: dict, out: Translation) -> None:
         )
 
 
+# Long: one short step per accelerate key, in the order its docs list them.
 def translate(config: dict) -> Translation:
     """The train.py overrides equivalent to an accelerate config (a parsed YAML mapping)."""
     kind = str(config.get("distributed_type", "")).upper()

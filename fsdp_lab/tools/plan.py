@@ -119,6 +119,7 @@ class ModelFacts:
     notes: list[str] = field(default_factory=list)
 
 
+# Long: every fact the plan reads off the meta model, gathered in one pass.
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
     from fsdp_lab.data import corpus
@@ -193,6 +194,7 @@ def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     return []
 
 
+# Long: one strategy's figures, most of it the dict of what the JSON output holds.
 def strategy_plan(
     cfg: Config, topo: Topology, facts: ModelFacts, strategy: ShardingStrategy
 ) -> dict:
@@ -273,6 +275,7 @@ def strategy_plan(
     }
 
 
+# Long: mostly the JSON output's dict literal, one key per line.
 def build_plan(overrides: list[str]) -> dict:
     """Every figure of the plan as plain data (bytes per rank), the JSON output."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
@@ -349,6 +352,7 @@ def _size(nbytes: int, unit: int) -> str:
     return f"{nbytes / unit:.2f}" if unit == 2**30 else f"{nbytes / unit:.1f}"
 
 
+# Long: the text layout of the plan, line by line as it prints.
 def format_plan(plan: dict) -> str:
     """The plan for a reader: a header, one row per strategy (rank 0, the largest), notes."""
     rows = [s for s in plan["strategies"].values() if s["available"]]

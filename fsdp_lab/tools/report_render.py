@@ -57,6 +57,7 @@ class Figures:
     mfu: float | None  # median after the first step; None where the device has no peak FLOPs
 
 
+# Long: report.md's sections in the order a reader meets them.
 def render_markdown(
     sweep_dir: Path,
     jobs: list[Job],

@@ -81,6 +81,7 @@ def train_step(
     return StepResult(loss=total, grad_norm=norm, skipped=skipped)
 
 
+# Long: the hot loop reads best in one piece (as nanoGPT's): prepare, step, boundary.
 def train(
     model: nn.Module,
     *,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl, to_container
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.data import corpus as corpus_lib
-from fsdp_lab.data.loader import build_data
+from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.fsdp import ShardedModel
@@ -59,7 +59,7 @@ class TrainState:
     loss: loss_lib.Loss
     tokenizer: object | None
     corpus: corpus_lib.Corpus | None  # None: synthetic data
-    data: object
+    data: Loader
     optim_impl: OptimImpl
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -72,6 +72,7 @@ class TrainState:
 
 
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
+    """Every rank builds the same state; only its shards and its rows of the data differ."""
     facts, meta_model = _model_on_meta(cfg, ctx)
     # The loss: a fused one replaces the meta model's forward before it is sharded.
     loss = loss_lib.build_loss(
@@ -88,23 +89,9 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
     dist.all_gather_object(load_rss, hardware.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
 
-    # This rank's share of every global batch (all ranks are data-parallel ranks). The launcher
-    # tokenised and cached the corpus; here it is memory-mapped from the cache.
-    t, topo = cfg.trainer, ctx.topo
-    tokenizer = corpus_lib.load_tokenizer(cfg)
-    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
-    ranks_here = topo.world_size // ctx.procs  # data-parallel ranks this process feeds
-    data = build_data(
-        cfg,
-        corpus=corpus,
-        tokenizer=tokenizer,
-        vocab_size=facts.hf_config.vocab_size,
-        dp_size=topo.world_size,
-        dp_rank=ctx.rank * ranks_here,
-        local_ranks=ranks_here,
-    )
-
+    tokenizer, corpus, data = _rank_data(cfg, ctx, facts.hf_config.vocab_size)
     # The optimizer over the sharded params (its state is sharded with them), schedule, scaler.
+    t, topo = cfg.trainer, ctx.topo
     optim_impl = resolve_implementation(
         cfg.optim, ctx.kind, grad_scaler=cfg.precision.grad_scaler_enabled
     )
@@ -142,6 +129,24 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
     )
     _resume(cfg, state)
     return state
+
+
+def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
+    """This rank's share of every global batch (all ranks are data-parallel ranks). The launcher
+    tokenised and cached the corpus; here it is memory-mapped from the cache."""
+    tokenizer = corpus_lib.load_tokenizer(cfg)
+    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
+    ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
+    data = build_data(
+        cfg,
+        corpus=corpus,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        dp_size=ctx.topo.world_size,
+        dp_rank=ctx.rank * ranks_here,
+        local_ranks=ranks_here,
+    )
+    return tokenizer, corpus, data
 
 
 def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.Module]:
