@@ -273,3 +273,14 @@ def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
 def test_tpu_accepts_what_xla_maps(overrides):
     tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
     validate(to_typed(compose_cfg("hardware=tpu", *overrides)), tpu)
+
+
+def test_one_data_file_needs_no_brackets():
+    one = to_typed(compose_cfg("data=text", "data.files=corpus.txt")).data.files
+    assert one == ["corpus.txt"]
+    assert to_typed(compose_cfg("data=text", "data.files=[a.txt,b.txt]")).data.files == [
+        "a.txt",
+        "b.txt",
+    ]
+    with pytest.raises(ConfigError, match=r"data\.files=3 must be a path or a list of paths"):
+        to_typed(compose_cfg("data=text", "data.files=3"))
