@@ -25,6 +25,7 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 
+# The unit tests: no run of train.py (tests/integration/ is all marked slow).
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 

@@ -22,6 +22,8 @@ from conftest import ROOT, check_ok, rank_pid, start_train, train
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
+
 STEPS, HALF = 8, 4
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, check_ok, train
 
+pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
+
 README = ROOT / "README.md"
 FENCE_LANGS = {"bash", "sh", "shell", "console"}
 # Recipes written alongside this test: until their YAML exists, their commands are skipped.

@@ -16,6 +16,8 @@ from wandb_files import offline_runs
 
 from fsdp_lab.observe.loggers import read_metrics
 
+pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(

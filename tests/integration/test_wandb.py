@@ -15,6 +15,8 @@ from wandb_files import offline_runs
 
 from fsdp_lab.observe.loggers import read_metrics
 
+pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
+
 OFFLINE = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=3", "checkpoint=none")
 
 
