@@ -8,7 +8,6 @@ between the timed boundaries. Run under ``torchrun``; prints one JSON line on ra
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -16,27 +15,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from llama_shape import llama_config, shape_parser
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    for name in (
-        "hidden",
-        "layers",
-        "heads",
-        "kv_heads",
-        "ffn",
-        "vocab",
-        "seq",
-        "batch",
-        "steps",
-        "warmup",
-    ):
-        p.add_argument(f"--{name}", type=int, required=True)
+    p = shape_parser("warmup")
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--fsdp", type=int, default=1, help="0: no fully_shard, autocast bf16")
     a = p.parse_args()
@@ -46,18 +33,7 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600), device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.ffn,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        max_position_embeddings=a.seq,
-        bos_token_id=0,
-        eos_token_id=1,
-        use_cache=False,
-    )
+    cfg = llama_config(a, use_cache=False)
     torch.manual_seed(0)
     full = AutoModelForCausalLM.from_config(cfg) if rank == 0 else None
     with torch.device("meta"):

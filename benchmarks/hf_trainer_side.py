@@ -17,7 +17,6 @@ synchronised at both ends), tokens/s and the device's peak memory.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -26,9 +25,9 @@ import tempfile
 import time
 
 import torch
+from llama_shape import llama_config, shape_parser
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -83,37 +82,13 @@ class Timer(TrainerCallback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    for name in (
-        "hidden",
-        "layers",
-        "heads",
-        "kv_heads",
-        "ffn",
-        "vocab",
-        "seq",
-        "batch",
-        "steps",
-        "warmup",
-    ):
-        p.add_argument(f"--{name}", type=int, required=True)
+    p = shape_parser("warmup")
     p.add_argument("--mode", choices=["docs", "fast"], default="docs")
     p.add_argument("--cpu", action="store_true", help="CPU ranks: Trainer's DDP (bench_peer)")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    cfg = LlamaConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.ffn,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        max_position_embeddings=a.seq,
-        bos_token_id=0,
-        eos_token_id=1,
-        use_cache=False,
-    )
+    cfg = llama_config(a, use_cache=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     extra: dict = {}

@@ -4,7 +4,6 @@ Same model, batch, strategy (fully_shard per decoder layer + root) and optimizer
 run, with none of fsdp_lab: no config, no metrics, no logging. Prints one JSON line on rank 0.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -12,42 +11,20 @@ import time
 
 import torch
 import torch.distributed as dist
+from llama_shape import llama_config, shape_parser
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-p = argparse.ArgumentParser()
-for name in (
-    "hidden",
-    "layers",
-    "heads",
-    "kv_heads",
-    "ffn",
-    "vocab",
-    "seq",
-    "batch",
-    "steps",
-    "threads",
-):
-    p.add_argument(f"--{name}", type=int, required=True)
+p = shape_parser("threads")
 p.add_argument("--reshard", type=int, default=1)
 a = p.parse_args()
 
 torch.set_num_threads(a.threads)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank, world = dist.get_rank(), dist.get_world_size()
-cfg = LlamaConfig(
-    vocab_size=a.vocab,
-    hidden_size=a.hidden,
-    intermediate_size=a.ffn,
-    num_hidden_layers=a.layers,
-    num_attention_heads=a.heads,
-    num_key_value_heads=a.kv_heads,
-    max_position_embeddings=a.seq,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+cfg = llama_config(a)
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(cfg)
 mesh = init_device_mesh("cpu", (world,))

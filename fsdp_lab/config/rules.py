@@ -27,7 +27,7 @@ from fsdp_lab.config.schema import (
     PrecisionConfig,
     WrapPolicy,
 )
-from fsdp_lab.config.strategies import Replicas, strategy_of, with_replica_groups
+from fsdp_lab.config.strategies import strategy_of, with_replica_groups
 from fsdp_lab.config.topology import Topology, replicate_size
 
 
@@ -296,7 +296,7 @@ def validate(cfg: Config, topo: Topology) -> None:
     s = cfg.sharding
     if topo.device is HardwareKind.tpu:
         refuse_for_xla(cfg)
-    hybrid = strategy_of(s.strategy).replicas is Replicas.groups
+    hybrid = strategy_of(s.strategy).has_replica_groups
     if s.replicate_size is not None and not hybrid:
         raise ConfigError(
             f"sharding.replicate_size={s.replicate_size} applies only to sharding="

@@ -49,6 +49,11 @@ class Strategy:
     use that one: on XLA the compiler, not a setting, decides when parameters are re-gathered."""
 
     @property
+    def has_replica_groups(self) -> bool:
+        """sharding.replicate_size applies (the hybrids)."""
+        return self.replicas is Replicas.groups
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
         """Axis names, replicate-major: a shard group is contiguous ranks."""
         return (SHARD_AXIS,) if self.replicas is Replicas.one else (REPLICATE_AXIS, SHARD_AXIS)
@@ -86,4 +91,4 @@ def reshard_after_forward(cfg: ShardingConfig) -> bool | int:
 
 def with_replica_groups() -> list[str]:
     """The strategies sharding.replicate_size applies to, by name."""
-    return [s.name for s, row in STRATEGIES.items() if row.replicas is Replicas.groups]
+    return [s.name for s, row in STRATEGIES.items() if row.has_replica_groups]

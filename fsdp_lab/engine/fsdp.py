@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -140,11 +139,6 @@ def build_model(
     )
     model_lib.check_tied(model, tied)
 
-    def gathered(value) -> list:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-
     def full_state_dict() -> dict:
         return get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -158,17 +152,15 @@ def build_model(
         num_units=len(units) + 1,
         checkpointed=checkpointed,
         place_batch=lambda batch: hardware.to_device(batch, device),
-        local_numels=lambda: gathered(local_numel(model)),
-        state_bytes=lambda optimizer: gathered(state_bytes(model, optimizer)),
+        local_numels=lambda: hardware.gather_from_processes(local_numel(model)),
+        state_bytes=lambda optimizer: hardware.gather_from_processes(state_bytes(model, optimizer)),
         full_state_dict=full_state_dict,
     )
 
 
 def local_numel(module: nn.Module) -> int:
     """Parameter elements this rank stores (its shards; everything for replicated params)."""
-    return sum(
-        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters()
-    )
+    return sum(_local(p).numel() for p in module.parameters())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,14 @@ def init_process_group(kind: HardwareKind, device: torch.device, timeout_s: int)
 SOLO_WORK_TIMEOUT = datetime.timedelta(hours=2)
 
 
+def gather_from_processes(value) -> list:
+    """Every process's ``value`` (any picklable object), in rank order. A collective: every
+    process of the group calls it."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def after_rank0(name: str) -> None:
     """Rank 0 calls this when its solo work ``name`` is done; the others block here until then
     (a failed rank 0 ends them anyway: the launcher or torchrun stops the group)."""

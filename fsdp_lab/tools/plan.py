@@ -33,7 +33,7 @@ from fsdp_lab.config import (
     to_typed,
 )
 from fsdp_lab.config.rules import validate
-from fsdp_lab.config.strategies import Replicas, reshard_after_forward, strategy_of
+from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_shape
 from fsdp_lab.tools import memory
 
@@ -204,7 +204,7 @@ def strategy_plan(
     s = cfg.sharding
     chosen = strategy is s.strategy
     row = strategy_of(strategy)
-    hybrid = row.replicas is Replicas.groups
+    hybrid = row.has_replica_groups
     variant = dataclasses.replace(
         s,
         strategy=strategy,

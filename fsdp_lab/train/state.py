@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl, to_container
 from fsdp_lab.config.topology import Topology
@@ -85,8 +84,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         ),
     )
     sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
-    load_rss = [None] * ctx.procs
-    dist.all_gather_object(load_rss, hardware.host_peak_rss_bytes())
+    load_rss = hardware.gather_from_processes(hardware.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
 
     tokenizer, corpus, data = _rank_data(cfg, ctx, facts.hf_config.vocab_size)

@@ -120,8 +120,8 @@ def fit(r: RankRun) -> FitResult:
     saved_step = state.start_step if cfg.resume != "never" else -1
     # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
     hardware.reset_peak_memory(ctx.device)
-    r.facts.memory_before_train_bytes_per_rank = _gathered(
-        hardware.current_memory_bytes(ctx.device), ctx.procs
+    r.facts.memory_before_train_bytes_per_rank = hardware.gather_from_processes(
+        hardware.current_memory_bytes(ctx.device)
     )
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
@@ -204,12 +204,6 @@ def finish(r: RankRun, result: FitResult) -> None:
 
 def _tokens_seen(state: TrainState, step: int) -> int:
     return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
-
-
-def _gathered(value, procs: int) -> list:
-    out = [None] * procs
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _export(r: RankRun) -> None:
