@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,21 +64,10 @@ def run_dir(tmp_path: Path) -> Path:
 
 def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
     """The pid of a running rank of the local launcher whose run dir is ``run_dir``."""
+    path = run_dir / "logs" / f"rank{rank}.pid"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for proc_dir in Path("/proc").iterdir():
-            if not proc_dir.name.isdigit():
-                continue
-            try:
-                cmd = (proc_dir / "cmdline").read_bytes().split(b"\0")
-                env = (proc_dir / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if (
-                b"fsdp_lab.launch.rank_main" in cmd
-                and str(run_dir).encode() in cmd
-                and f"RANK={rank}".encode() in env
-            ):
-                return int(proc_dir.name)
-        time.sleep(0.2)
-    raise AssertionError(f"no worker of rank {rank} found")
+        with contextlib.suppress(OSError, ValueError):  # not yet written, or half-written
+            return int(path.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"no worker of rank {rank} found ({path})")

@@ -49,6 +49,14 @@ class HardwareKind(enum.Enum):
     auto, cpu, gpu, tpu = "auto", "cpu", "gpu", "tpu"
 
 
+class StartMethod(enum.Enum):
+    """How a bare ``python train.py`` starts its local ranks."""
+
+    auto = "auto"  # fork on cpu, spawn on gpu and tpu
+    fork = "fork"  # children of the launcher: its imports (torch, transformers) are not redone
+    spawn = "spawn"  # fresh interpreters, python -m fsdp_lab.launch.rank_main
+
+
 class ModelArch(enum.Enum):
     llama = "llama"
     gpt2 = "gpt2"
@@ -187,6 +195,11 @@ class HardwareConfig:
     """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
     threads_per_rank: Optional[int] = None
     """CPU threads per rank. None: the node's cores divided among its ranks."""
+    start_method: StartMethod = StartMethod.auto
+    """How local ranks start. fork (auto on cpu): as children of the launcher, which has already
+    imported torch and transformers and checked the model, so a rank starts seconds sooner.
+    spawn (auto on gpu and tpu, where CUDA and XLA cannot be used in a forked child): fresh
+    interpreters. Not used under torchrun or srun, which start the ranks themselves."""
     peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s at the compute dtype, for MFU. None: known GPUs from a table
     (A100, H100, H200, B200, L4, L40S, A10); CPUs and other devices report no MFU."""

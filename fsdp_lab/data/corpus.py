@@ -74,8 +74,6 @@ def load_tokenizer(cfg: Config):
     Synthetic data needs none (its tokens are ids already): None unless the model directory has
     one, which then goes into the export. A masked_lm run gets a mask token added where the
     tokenizer has none (byte-level)."""
-    from transformers import AutoTokenizer, ByT5Tokenizer
-
     source, setting = cfg.data.tokenizer, "data.tokenizer"
     if source is None and cfg.model.name_or_path is not None:
         path = Path(cfg.model.name_or_path).expanduser()
@@ -83,6 +81,8 @@ def load_tokenizer(cfg: Config):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
     if source is None and cfg.data.kind is DataKind.synthetic:
         return None
+    from transformers import AutoTokenizer, ByT5Tokenizer  # after the return: seconds to import
+
     if source is None and cfg.model.pretrained:
         raise ConfigError(
             f"model.pretrained=true but {cfg.model.name_or_path} has no tokenizer, and its "

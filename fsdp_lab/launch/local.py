@@ -1,28 +1,57 @@
 """A local run: one worker process per rank on this machine, started, watched and stopped.
 
-The ranks read the resolved config from the run dir (``python -m fsdp_lab.launch.rank_main
-RUN_DIR``) and meet at a rendezvous store this process hosts. The first failure stops the
-others and is reported once, with its root cause.
+Ranks start in one of two ways (``hardware.start_method``). fork, the default on cpu: each rank
+is a child of this launcher, which has already imported torch and transformers and built the
+model on meta, so a rank is training in about a second instead of re-importing for five (the
+launcher runs no tensor math, so no OpenMP pool is inherited; CUDA and XLA cannot be used in a
+forked child, hence spawn on gpu and tpu). spawn: ``python -m fsdp_lab.launch.rank_main
+RUN_DIR PORT_FD``. Either way a rank reads the resolved config from the run dir and the port of
+the rendezvous store this process hosts from a pipe: the store is bound after the ranks start,
+so the launcher forks while it has no store thread. The first failure stops the others and is
+reported once, with its root cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
+from typing import BinaryIO
 
-from fsdp_lab.config import Config
+from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
 from fsdp_lab.config.topology import Topology
+from fsdp_lab.launch import rank_main
 from fsdp_lab.observe import rundir
 from fsdp_lab.train import preempt
 
 # After the first rank fails, the others get this long to fail on their own (a broken
 # collective usually ends them at once) before they are terminated.
 GRACE_S = 5.0
+
+
+def resolve_start_method(method: StartMethod, device: HardwareKind) -> StartMethod:
+    """fork or spawn for ``hardware.start_method`` on ``device`` (auto: fork on cpu)."""
+    can_fork = hasattr(os, "fork")
+    if method is StartMethod.auto:
+        return StartMethod.fork if device is HardwareKind.cpu and can_fork else StartMethod.spawn
+    if method is StartMethod.fork and device is not HardwareKind.cpu:
+        raise ConfigError(
+            f"hardware.start_method=fork with hardware={device.name}: CUDA and XLA cannot be "
+            "used in a forked child; use hardware.start_method=spawn (or auto)"
+        )
+    if method is StartMethod.fork and not can_fork:
+        raise ConfigError(
+            "hardware.start_method=fork: this platform cannot fork; use "
+            "hardware.start_method=spawn (or auto)"
+        )
+    return method
 
 
 def _rendezvous_store(timeout_s: int):
@@ -54,21 +83,26 @@ def spawn_local(
     rundir.save_run_config(cfg, run_dir)
     log_dir = run_dir / rundir.LOG_DIR
     log_dir.mkdir(exist_ok=True)
-    store = _rendezvous_store(cfg.hardware.timeout_s)
     # One process per rank; on tpu one for the host, which drives every XLA device.
     nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
+    forks = resolve_start_method(cfg.hardware.start_method, topo.device) is StartMethod.fork
+    start = _fork_rank if forks else _spawn_rank
     base_env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
         # Every rank is a client of the launcher's store (torchrun's agent does the same).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "PYTHONUNBUFFERED": "1",
     }
-    procs: list[subprocess.Popen] = []
-    outputs = []
+    procs: list[subprocess.Popen | ForkedRank] = []
+    outputs: list[BinaryIO | None] = []
+    port_pipes: list[int] = []  # the write ends; each rank holds its read end
+    # Preemption signals stay pending while ranks start: each rank unblocks them once its
+    # handler is in place (the mask survives fork and exec), and the launcher's forwarder
+    # passes on any that came meanwhile once every rank is known to it.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, preempt.SIGNALS)
     try:
         for rank in range(nprocs):
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -77,16 +111,19 @@ def spawn_local(
             # Closed in the finally below, once every rank has exited.
             out = None if rank == 0 else open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115
             outputs.append(out)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "fsdp_lab.launch.rank_main", str(run_dir)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if out else None,
-                    preexec_fn=_prepare_child,
-                )
-            )
+            port_fd, port_w = os.pipe()
+            port_pipes.append(port_w)
+            try:
+                procs.append(start(run_dir, env, out, port_fd, port_pipes))
+            finally:
+                os.close(port_fd)
+            rundir.pid_file(run_dir, rank).write_text(f"{procs[-1].pid}\n")
             forwarder.add(procs[-1])
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        store = _rendezvous_store(cfg.hardware.timeout_s)
+        for port_w in port_pipes:
+            with contextlib.suppress(BrokenPipeError):  # a rank that died is reported below
+                os.write(port_w, f"{store.port}\n".encode())
         code, exit_times = _wait(procs)
     except KeyboardInterrupt:
         _stop(procs)
@@ -94,9 +131,13 @@ def spawn_local(
         print("fsdp_lab: interrupted", file=sys.stderr)
         return 130
     finally:
-        for out in outputs:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for fd in port_pipes:
+            os.close(fd)
+        for rank, out in enumerate(outputs):
             if out is not None:
                 out.close()
+            rundir.pid_file(run_dir, rank).unlink(missing_ok=True)
     if code == preempt.EXIT_CODE:
         facts = rundir.read_run_file(run_dir)
         sig = forwarder.seen[0] if forwarder.seen else "?"
@@ -113,14 +154,82 @@ def spawn_local(
     return 128 - code if code < 0 else code  # killed by signal N: exit 128+N, as shells do
 
 
-def _prepare_child() -> None:
-    """In the child before exec.
+def _spawn_rank(
+    run_dir: Path, env: dict, out: BinaryIO | None, port_fd: int, port_pipes: list[int]
+) -> subprocess.Popen:
+    """A rank in a fresh interpreter (it inherits no descriptor but its port pipe)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsdp_lab.launch.rank_main", str(run_dir), str(port_fd)],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        pass_fds=(port_fd,),
+        preexec_fn=_die_with_launcher,
+    )
 
-    Hold preemption signals pending (the mask survives exec) until rank_main has its handler
-    in place and unblocks them, so none is lost or fatal. And on Linux, die with the launcher:
-    a launcher killed by SIGKILL or the OOM killer must not leave ranks training as orphans.
-    """
-    signal.pthread_sigmask(signal.SIG_BLOCK, preempt.SIGNALS)
+
+def _fork_rank(
+    run_dir: Path, env: dict, out: BinaryIO | None, port_fd: int, port_pipes: list[int]
+) -> ForkedRank:
+    """A rank as a child of this process; the child never returns into the launcher's code."""
+    sys.stdout.flush()  # or the child would print what the launcher buffered, a second time
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of forking with threads alive: torch's import leaves an idle one
+        # behind, which the child neither has nor needs.
+        warnings.filterwarnings("ignore", ".*fork", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return ForkedRank(pid)
+    try:
+        _die_with_launcher()
+        for fd in port_pipes:  # the write ends: a rank holds only its read end
+            os.close(fd)
+        os.environ.update(env)
+        if out is not None:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+        rank_main.catch_signals()
+        rank_main.main(run_dir, port_fd)
+    except BaseException:  # noqa: BLE001 - the child's failure is reported by its exit code
+        traceback.print_exc()
+    finally:
+        os._exit(1)  # main ends the process itself; reached only when it failed to
+
+
+class ForkedRank:
+    """A forked rank, with the part of ``subprocess.Popen``'s interface the launcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # once reaped, the pid may belong to another process
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _die_with_launcher() -> None:
+    """In a new rank: on Linux, die with the launcher. A launcher killed by SIGKILL or the OOM
+    killer must not leave ranks training as orphans."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -128,7 +237,7 @@ def _prepare_child() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
+def _wait(procs: list[subprocess.Popen | ForkedRank]) -> tuple[int, dict[int, float]]:
     """Wait for every rank; after the first failure, stop the rest. Returns the first non-zero
     exit code (0 if none) and when each rank was seen to exit (wall clock)."""
     exit_times: dict[int, float] = {}
@@ -151,7 +260,7 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[int, dict[int, float]]:
         time.sleep(0.1)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen | ForkedRank]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -165,7 +274,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _first_failure(
-    run_dir: Path, procs: list[subprocess.Popen], exit_times: dict[int, float]
+    run_dir: Path, procs: list[subprocess.Popen | ForkedRank], exit_times: dict[int, float]
 ) -> str:
     """The root cause, shown once.
 

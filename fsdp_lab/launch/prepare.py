@@ -10,9 +10,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind
+from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind, StartMethod
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
+from fsdp_lab.launch import local
 from fsdp_lab.observe import rundir
 
 if TYPE_CHECKING:  # the parent imports torch only once a check needs it
@@ -161,7 +162,14 @@ def local_topology(cfg: Config) -> Topology:
         )
     if nproc < 1:
         raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
-    log.info("hardware=%s (%s): %d local ranks", kind.name, hardware.describe(kind), nproc)
+    method = local.resolve_start_method(cfg.hardware.start_method, kind)
+    log.info(
+        "hardware=%s (%s): %d local ranks (%s)",
+        kind.name,
+        hardware.describe(kind),
+        nproc,
+        "forked from this process" if method is StartMethod.fork else "spawned",
+    )
     return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
 
 

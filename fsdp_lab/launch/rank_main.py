@@ -1,10 +1,14 @@
-"""Entry point of a locally spawned rank: ``python -m fsdp_lab.launch.rank_main RUN_DIR``.
+"""Entry point of a rank the local launcher starts, one path for both ways it starts one.
 
-Catches preemption signals before the heavy imports (torch, transformers take seconds), so a
-signal that arrives while a rank starts up is acted on after its first step instead of killing
-it without a checkpoint.
+spawn: ``python -m fsdp_lab.launch.rank_main RUN_DIR PORT_FD`` in a fresh interpreter. fork: a
+child of the launcher calls ``catch_signals`` and ``main`` itself. Either way preemption signals
+are caught before the heavy imports (torch and transformers take seconds in a fresh
+interpreter), so a signal that arrives while a rank starts up is acted on after its first step
+instead of killing it without a checkpoint; and the rank reads the rendezvous port from the pipe
+``PORT_FD`` once the launcher has bound its store.
 """
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -19,13 +23,31 @@ def _remember(signum, frame) -> None:
     early_signals.append(signum)
 
 
-for _sig in preempt.SIGNALS:
-    signal.signal(_sig, _remember)
-# The launcher starts ranks with these signals blocked; any that came meanwhile arrive now.
-signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.SIGNALS)
+def catch_signals() -> None:
+    """Remember preemption signals from now on. The launcher starts ranks with these signals
+    blocked; any that came meanwhile arrive now."""
+    for sig in preempt.SIGNALS:
+        signal.signal(sig, _remember)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.SIGNALS)
 
-if __name__ == "__main__":
+
+def read_port(port_fd: int) -> str:
+    """The launcher's store port, sent once it is bound (EOF: the launcher is gone)."""
+    with os.fdopen(port_fd, "rb") as pipe:
+        port = pipe.readline().strip().decode()
+    if not port.isdigit():
+        raise RuntimeError("the launcher exited before it sent the rendezvous port")
+    return port
+
+
+def main(run_dir: Path, port_fd: int) -> None:
+    """Run this rank to the end; never returns (``worker.run_and_exit`` ends the process)."""
+    os.environ["MASTER_PORT"] = read_port(port_fd)
     from fsdp_lab.train import worker
 
-    run_dir = Path(sys.argv[1])
     worker.run_and_exit(rundir.load_run_config(run_dir), run_dir, early_signals=early_signals)
+
+
+if __name__ == "__main__":
+    catch_signals()
+    main(Path(sys.argv[1]), int(sys.argv[2]))

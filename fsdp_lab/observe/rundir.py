@@ -47,6 +47,11 @@ def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / LOG_DIR / f"rank{rank}.error.json"
 
 
+def pid_file(run_dir: Path, rank: int) -> Path:
+    """The process id of a running local rank (for py-spy, gdb or kill); gone once it ends."""
+    return run_dir / LOG_DIR / f"rank{rank}.pid"
+
+
 def load_run_config(run_dir: Path) -> Config:
     return to_typed(OmegaConf.load(run_dir / CONFIG_FILE))
 

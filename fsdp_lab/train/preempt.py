@@ -10,7 +10,7 @@ EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=au
 from __future__ import annotations
 
 import signal
-import subprocess
+from typing import Protocol
 
 SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 EXIT_CODE = 75
@@ -41,6 +41,14 @@ class StopFlag:
         return self.signal is not None
 
 
+class Process(Protocol):
+    """What the forwarder needs of a rank's process (a ``subprocess.Popen``, or a forked rank)."""
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
 class SignalForwarder:
     """Preemption signals to the launcher go to every rank; one that arrives before the ranks
     exist is kept and sent to them as soon as they start (they then stop at their first logging
@@ -48,7 +56,7 @@ class SignalForwarder:
 
     def __init__(self) -> None:
         self.seen: list[int] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Process] = []
         self._previous = {sig: signal.signal(sig, self._forward) for sig in SIGNALS}
 
     def _forward(self, signum, frame) -> None:
@@ -57,7 +65,7 @@ class SignalForwarder:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    def add(self, proc: subprocess.Popen) -> None:
+    def add(self, proc: Process) -> None:
         self.procs.append(proc)
         for signum in self.seen:
             proc.send_signal(signum)

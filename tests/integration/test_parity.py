@@ -88,7 +88,7 @@ def test_mixed_precision_stays_close_to_fp32_reference(run_dir, precision, tol):
     [
         ("model=qwen2_tiny",),  # tied embeddings, sharded in the root unit
         ("model=gpt2_tiny", "wrap=none"),
-        ("trainer.grad_accum_steps=3",),
+        ("trainer.grad_accum_steps=3", "hardware.start_method=spawn"),  # ranks exec, not fork
         ("offload=cpu",),
         ("wrap=size", "wrap.min_num_params=5000"),
         ("sharding.reshard_after_forward=false",),

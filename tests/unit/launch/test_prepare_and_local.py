@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from fsdp_lab.config import (
     HardwareKind,
     ModelArch,
     ModelConfig,
+    StartMethod,
 )
 from fsdp_lab.launch import local, prepare
 from fsdp_lab.observe import rundir
@@ -83,3 +86,36 @@ def test_waiting_reports_the_first_failure_and_preemption_is_not_one():
     assert local._wait([Exited(0), Exited(preempt.EXIT_CODE)])[0] == preempt.EXIT_CODE
     assert local._wait([Exited(0), Exited(0)])[0] == 0
     assert local._wait([Exited(3), Exited(preempt.EXIT_CODE)])[0] == 3
+
+
+def test_ranks_fork_on_cpu_only_and_spawn_where_cuda_or_xla_runs():
+    auto, fork, spawn = StartMethod.auto, StartMethod.fork, StartMethod.spawn
+    assert local.resolve_start_method(auto, HardwareKind.cpu) is fork
+    assert local.resolve_start_method(auto, HardwareKind.gpu) is spawn
+    assert local.resolve_start_method(auto, HardwareKind.tpu) is spawn
+    assert local.resolve_start_method(spawn, HardwareKind.cpu) is spawn
+    for device in (HardwareKind.gpu, HardwareKind.tpu):
+        with pytest.raises(ConfigError, match="start_method=spawn"):
+            local.resolve_start_method(fork, device)
+
+
+def _child(code: int | None) -> local.ForkedRank:
+    """A forked child that exits with ``code``, or sleeps until signalled (None)."""
+    pid = os.fork()
+    if pid == 0:
+        if code is None:
+            time.sleep(60)
+        os._exit(code or 0)
+    return local.ForkedRank(pid)
+
+
+def test_a_forked_rank_reports_its_exit_as_popen_does():
+    ok, failed, running = _child(0), _child(3), _child(None)
+    assert ok.wait(timeout=10) == 0 and failed.wait(timeout=10) == 3
+    assert running.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        running.wait(timeout=0.1)
+    running.send_signal(signal.SIGTERM)
+    assert running.wait(timeout=10) == -signal.SIGTERM
+    running.kill()  # reaped: nothing is sent to a pid that may now be another process's
+    assert local._wait([ok, failed])[0] == 3
