@@ -1,22 +1,19 @@
-"""`fsdp-lab report`: a sweep's table and plots, from hand-built run dirs and from a real sweep."""
+"""`fsdp-lab report`: a sweep's table and plots, from hand-built run dirs (a real sweep:
+tests/integration/test_report_sweep.py)."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok
+from conftest import check_ok
+from report_files import assert_png, cli_report, fixed_line, read_table
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.tools.report import write_report
 
 MIB = 2**20
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHOICES = {"sharding": "full", "precision": "fp32", "model": "llama_tiny"}
 
 
@@ -76,26 +73,6 @@ def write_job(
     if lines:
         (job_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return job_dir
-
-
-def read_table(report: Path) -> tuple[list[str], list[dict[str, str]]]:
-    """(header, one {column: cell} per row) of the Markdown table in report.md."""
-    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
-    split = [[c.strip() for c in row.strip("| ").split(" | ")] for row in rows]
-    header = split[0]
-    return header, [dict(zip(header, cells, strict=True)) for cells in split[2:]]
-
-
-def fixed_line(report: Path) -> str:
-    return next(line for line in report.read_text().splitlines() if line.startswith("fixed: "))
-
-
-def assert_png(path: Path) -> None:
-    from matplotlib.image import imread
-
-    assert path.read_bytes()[:8] == PNG_MAGIC
-    height, width, _ = imread(path).shape  # decodes: a whole, valid PNG
-    assert height > 100 and width > 100
 
 
 @pytest.fixture
@@ -282,16 +259,6 @@ def test_a_dir_that_is_not_a_sweep_is_a_config_error(tmp_path, make, fragment):
     assert "multirun/" in str(info.value) and "\n" not in str(info.value)
 
 
-def cli_report(sweep: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.tools.cli", "report", str(sweep)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
     proc = cli_report(small_sweep)
     check_ok(proc)
@@ -302,77 +269,3 @@ def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
     proc = cli_report(tmp_path / "nowhere")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("fsdp-lab: error:") and len(proc.stderr.splitlines()) == 1
-
-
-# ---- one real sweep, run as a user runs it ----
-
-
-@pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory) -> Path:
-    sweep = tmp_path_factory.mktemp("report") / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            f"hydra.sweep.dir={sweep}",
-            "sharding=full,grad_op",
-            "precision=fp32,bf16",
-            "trainer.max_steps=6",
-            "trainer.progress_bar=false",
-            "trainer.eval_every=3",
-            "checkpoint=none",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    check_ok(proc)
-    return sweep
-
-
-@pytest.mark.slow
-def test_real_sweep_table_matches_the_metrics(real_sweep):
-    report = write_report(real_sweep)[0]
-    header, rows = read_table(report)
-    assert header[:4] == ["job", "sharding", "precision", "status"]
-    assert [(r["job"], r["sharding"], r["precision"], r["status"]) for r in rows] == [
-        ("0", "full", "fp32", "completed"),
-        ("1", "full", "bf16", "completed"),
-        ("2", "grad_op", "fp32", "completed"),
-        ("3", "grad_op", "bf16", "completed"),
-    ]
-    fixed = fixed_line(report)
-    assert "trainer.max_steps=6" in fixed and "checkpoint=none" in fixed
-    assert "model=llama_tiny" in fixed and "sharding" not in fixed and "precision" not in fixed
-    for row in rows:
-        job_dir = real_sweep / row["job"]
-        train = read_metrics(job_dir / "metrics.jsonl")
-        val = read_metrics(job_dir / "metrics.jsonl", "val")
-        steady = train[1:]  # step 1 is warm-up
-        assert row["steps"] == "6"
-        assert row["tokens/s"] == f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}"
-        step_ms = statistics.median(r["step_time_s"] for r in steady) * 1000
-        assert row["step time (ms)"] == f"{step_ms:.1f}"
-        peaks = [max(r["peak_mem_bytes_per_rank"][rank] for r in train) / MIB for rank in range(2)]
-        assert row["peak MiB per rank"] == " / ".join(f"{p:.0f}" for p in peaks)
-        assert row["peak MiB (max rank)"] == f"{max(peaks):.0f}"
-        final_loss = json.loads((job_dir / "run.json").read_text())["final_loss"]
-        assert row["final loss"] == f"{train[-1]['loss']:.4f}" == f"{final_loss:.4f}"
-        assert row["val loss"] == f"{val[-1]['val_loss']:.4f}" and val[-1]["step"] == 6
-
-
-@pytest.mark.slow
-def test_real_sweep_plots_and_rerun(real_sweep):
-    paths = write_report(real_sweep)
-    for path in paths[1:]:
-        assert_png(path)
-        path.write_bytes(b"stale")
-    text = paths[0].read_text()
-    proc = cli_report(real_sweep)  # as a user runs it, over the earlier report
-    check_ok(proc)
-    assert proc.stdout.split() == [str(p) for p in paths]
-    assert paths[0].read_text() == text
-    for path in paths[1:]:
-        assert_png(path)

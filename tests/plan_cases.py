@@ -1,0 +1,25 @@
+"""The model the plan tests size (unit: fake group; integration: real runs), and the plan's
+peak as those tests measure it."""
+
+from __future__ import annotations
+
+from fsdp_lab.tools import memory
+
+MEDIUM = [
+    "hardware=cpu",
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "model.num_layers=4",
+    "trainer.seq_len=256",
+    "trainer.micro_batch_size=8",
+]
+
+
+def peak_less_params(s: dict, rank: int) -> int:
+    """The plan's peak for ``rank`` less what was there before the first step (its params)."""
+    mine = memory.StateBytes(**s["per_rank"][rank])
+    return (
+        memory.peak(mine, activations=s["activations"], transient_bytes=s["transient"]["total"])
+        - mine.params
+        - mine.padding // 2
+    )
