@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,16 +33,83 @@ def _train_command(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
     ]
 
 
+class _Zygote:
+    """The client of tests/zygote.py: a warm interpreter that runs scripts in forks of itself."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "zygote.py")],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+        if self._read(time.monotonic() + 120) != {"ready": True}:
+            raise RuntimeError("tests/zygote.py did not start within 120 s")
+
+    def _read(self, deadline: float) -> dict | None:
+        """The next reply, or None at the deadline."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError("tests/zygote.py exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float):
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {
+                "argv": argv,
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(out),
+                "stderr": str(err),
+            }
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            pid = self._read(time.monotonic() + 60)["pid"]
+            reply = self._read(time.monotonic() + timeout)
+            if reply is None:
+                os.kill(pid, signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
+                self._read(time.monotonic() + 60)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(
+                [sys.executable, *argv], reply["code"], out.read_text(), err.read_text()
+            )
+
+
+_zygote: _Zygote | None = None
+# Changes during a session (pytest's current test); not an import-time setting.
+_PER_TEST = {"PYTEST_CURRENT_TEST", "FSDP_LAB_TEST_ZYGOTE"}
+
+
+def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300):
+    """``python *argv`` in ROOT to the end, output captured: in a fork of tests/zygote.py when
+    the environment is the one it started with (FSDP_LAB_TEST_ZYGOTE=0: never), else fresh."""
+    global _zygote
+    env = {**os.environ, **(env or {})}
+    settings = {k: v for k, v in env.items() if k not in _PER_TEST}
+    if os.environ.get("FSDP_LAB_TEST_ZYGOTE", "1") != "0" and hasattr(os, "fork"):
+        if _zygote is None or _zygote.proc.poll() is not None:
+            _zygote = _Zygote(settings)
+        if settings == _zygote.env:
+            return _zygote.run(argv, ROOT, env, timeout)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 def train(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run train.py to the end."""
-    return subprocess.run(
-        _train_command(run_dir, overrides),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    return run_python(_train_command(run_dir, overrides)[1:], timeout=timeout)
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -60,6 +131,60 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+# Runs that tests in several modules read, each started once per session under its name
+# (torchtitan's integration tests are a list of named override sets too). A test reads a shared
+# run and never writes into it: resuming goes to a run dir of its own.
+STRATEGY_RUN = ("hardware=cpu", "trainer.max_steps=8", "checkpoint.every_n_steps=4")
+SHARED_RUNS: dict[str, tuple[str, ...]] = {
+    # every strategy: parity against the unsharded reference, then exact resume from step 4
+    "full-2": (*STRATEGY_RUN, "sharding=full", "hardware.nproc_per_node=2"),
+    "grad_op-2": (*STRATEGY_RUN, "sharding=grad_op", "hardware.nproc_per_node=2"),
+    "no_shard-2": (*STRATEGY_RUN, "sharding=no_shard", "hardware.nproc_per_node=2"),
+    "hybrid-4": (*STRATEGY_RUN, "sharding=hybrid", "hardware.nproc_per_node=4"),
+    "hybrid_zero2-4": (*STRATEGY_RUN, "sharding=hybrid_zero2", "hardware.nproc_per_node=4"),
+    # long enough to learn, and to be preempted in the middle of
+    "long": ("hardware=cpu", "trainer.max_steps=150"),
+}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(name)``: the run dir of SHARED_RUNS[name], run to the end on first use."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            check_ok(train(run_dir, *SHARED_RUNS[name]))
+            done[name] = run_dir
+        return done[name]
+
+    return get
+
+
+# One sweep, as a user runs it: its report, its W&B group and its jobs' run dirs are all read
+# from these four jobs.
+SHARED_SWEEP = (
+    "sharding=full,grad_op",
+    "precision=fp32,bf16",
+    "hardware=cpu",
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "checkpoint=none",
+    "logger.mode=offline",
+)
+
+
+@pytest.fixture(scope="session")
+def shared_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(the sweep dir of ``train.py -m *SHARED_SWEEP``, its finished process)."""
+    sweep = tmp_path_factory.mktemp("sweep") / "sweep"
+    argv = ["train.py", "-m", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false"]
+    proc = run_python([*argv, *SHARED_SWEEP], timeout=600)
+    check_ok(proc)
+    return sweep, proc
 
 
 def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:

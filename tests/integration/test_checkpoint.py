@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_ok, rank_pid, start_train, train
+from conftest import ROOT, SHARED_RUNS, check_ok, rank_pid, start_train, train
 
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
@@ -41,19 +41,10 @@ def ckpt_dir(run_dir: Path, step: int) -> Path:
 # ---- slow: real runs --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory) -> Path:
+@pytest.fixture
+def base_run(shared_run) -> Path:
     """2 ranks, full sharding, 8 steps, a sharded checkpoint every 4."""
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    check_ok(
-        train(
-            run_dir,
-            "hardware=cpu",
-            f"trainer.max_steps={STEPS}",
-            f"checkpoint.every_n_steps={HALF}",
-        )
-    )
-    return run_dir
+    return shared_run("full-2")
 
 
 @pytest.mark.slow
@@ -61,18 +52,12 @@ def base_run(tmp_path_factory) -> Path:
     "strategy,world",
     [("full", 2), ("grad_op", 2), ("no_shard", 2), ("hybrid", 4), ("hybrid_zero2", 4)],
 )
-def test_resume_continues_exactly(tmp_path, strategy, world):
+def test_resume_continues_exactly(shared_run, tmp_path, strategy, world):
     """2k steps straight == k steps, then resume from that checkpoint for k more: bitwise."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = (
-        "hardware=cpu",
-        f"sharding={strategy}",
-        f"hardware.nproc_per_node={world}",
-        f"trainer.max_steps={STEPS}",
-        f"checkpoint.every_n_steps={HALF}",
+    straight, resumed = shared_run(f"{strategy}-{world}"), tmp_path / "resumed"
+    check_ok(
+        train(resumed, *SHARED_RUNS[f"{strategy}-{world}"], f"resume={ckpt_dir(straight, HALF)}")
     )
-    check_ok(train(straight, *common))
-    check_ok(train(resumed, *common, f"resume={ckpt_dir(straight, HALF)}"))
     want, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     assert [got[s] - want[s] for s in got] == [0.0] * HALF
@@ -123,38 +108,42 @@ def test_full_format_resumes_exactly(tmp_path):
     assert [got[s] - want[s] for s in got] == [0.0] * HALF
 
 
+EVERY_2 = (
+    "hardware=cpu",
+    "trainer.max_steps=8",
+    "checkpoint.every_n_steps=2",
+    "checkpoint.keep_last=2",
+)
+
+
+@pytest.fixture(scope="module")
+def every_2(tmp_path_factory) -> Path:
+    """A checkpoint every 2 of 8 steps, the newest 2 kept, saved synchronously."""
+    run_dir = tmp_path_factory.mktemp("every_2") / "run"
+    check_ok(train(run_dir, *EVERY_2))
+    return run_dir
+
+
 @pytest.mark.slow
-def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
-    run_dir = tmp_path / "run"
-    check_ok(
-        train(
-            run_dir,
-            "hardware=cpu",
-            "trainer.max_steps=8",
-            "checkpoint.every_n_steps=2",
-            "checkpoint.keep_last=2",
-        )
-    )
-    root = run_dir / "checkpoints"
+def test_retention_keeps_the_newest_complete_checkpoints(every_2):
+    root = every_2 / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006", "step_00000008"]
     assert (root / "latest").read_text() == "step_00000008"
 
 
 @pytest.mark.slow
-def test_async_save_writes_what_sync_writes(tmp_path):
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    common = ("hardware=cpu", "trainer.max_steps=6", "checkpoint.every_n_steps=2")
-    check_ok(train(sync, *common))
-    check_ok(train(background, *common, "checkpoint.async_enabled=true"))
-    assert losses(sync) == losses(background)
-    for step in (4, 6):
-        a, b = ckpt_dir(sync, step), ckpt_dir(background, step)
+def test_async_save_writes_what_sync_writes(every_2, tmp_path):
+    background = tmp_path / "async"
+    check_ok(train(background, *EVERY_2, "checkpoint.async_enabled=true"))
+    assert losses(every_2) == losses(background)
+    for step in (6, 8):
+        a, b = ckpt_dir(every_2, step), ckpt_dir(background, step)
         files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
         assert files(a) == files(b)
     from fsdp_lab.state.export import load_checkpoint_weights
 
-    sd_a, _, _ = load_checkpoint_weights(ckpt_dir(sync, 6))
-    sd_b, _, _ = load_checkpoint_weights(ckpt_dir(background, 6))
+    sd_a, _, _ = load_checkpoint_weights(ckpt_dir(every_2, 8))
+    sd_b, _, _ = load_checkpoint_weights(ckpt_dir(background, 8))
     assert sd_a.keys() == sd_b.keys()
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
@@ -198,10 +187,9 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: floa
 
 
 @pytest.mark.slow
-def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
-    steps = 150
-    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    check_ok(train(straight, "hardware=cpu", f"trainer.max_steps={steps}"))
+def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(shared_run, tmp_path):
+    steps = 150  # SHARED_RUNS["long"]
+    straight, preempted = shared_run("long"), tmp_path / "preempted"
     proc = start_train(preempted, "hardware=cpu", f"trainer.max_steps={steps}")
     _wait_for_steps(preempted, 5, proc)
     proc.send_signal(signal.SIGUSR1)

@@ -69,28 +69,14 @@ def test_an_existing_run_dir_is_never_overwritten(run_dir, first, second):
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
-def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            "sharding=full,grad_op",
-            "trainer.max_steps=3",
-            "hardware=cpu",
-            "trainer.progress_bar=false",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    check_ok(proc)
-    for job, strategy in (("0", "full"), ("1", "grad_op")):
-        assert len(read_metrics(sweep / job / "metrics.jsonl")) == 3
-        assert f"strategy: {strategy}" in (sweep / job / "config.yaml").read_text()
+def test_multirun_gives_each_job_its_own_run_dir(shared_sweep):
+    sweep, _ = shared_sweep
+    jobs = [("full", "fp32"), ("full", "bf16"), ("grad_op", "fp32"), ("grad_op", "bf16")]
+    for job, (strategy, precision) in enumerate(jobs):
+        assert len(read_metrics(sweep / str(job) / "metrics.jsonl")) == 6
+        config = (sweep / str(job) / "config.yaml").read_text()
+        assert f"strategy: {strategy}" in config
+        assert ("param_dtype: bf16" in config) == (precision == "bf16")
     assert (sweep / "multirun.yaml").is_file()
 
 

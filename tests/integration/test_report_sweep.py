@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok
+from conftest import check_ok
 from report_files import assert_png, cli_report, fixed_line, read_table
 
 from fsdp_lab.observe.loggers import read_metrics
@@ -20,29 +18,9 @@ pytestmark = pytest.mark.slow
 MIB = 2**20
 
 
-@pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory) -> Path:
-    sweep = tmp_path_factory.mktemp("report") / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            f"hydra.sweep.dir={sweep}",
-            "sharding=full,grad_op",
-            "precision=fp32,bf16",
-            "trainer.max_steps=6",
-            "trainer.progress_bar=false",
-            "trainer.eval_every=3",
-            "checkpoint=none",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    check_ok(proc)
-    return sweep
+@pytest.fixture
+def real_sweep(shared_sweep) -> Path:
+    return shared_sweep[0]
 
 
 def test_real_sweep_table_matches_the_metrics(real_sweep):

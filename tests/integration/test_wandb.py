@@ -93,36 +93,24 @@ def test_a_resumed_run_continues_the_same_wandb_run_without_repeating_steps(tmp_
 
 
 @pytest.mark.slow
-def test_a_sweep_is_one_wandb_group_with_a_run_per_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            f"hydra.sweep.dir={sweep}",
-            "trainer.max_steps=3",
-            "trainer.progress_bar=false",
-            *OFFLINE,
-            "sharding=full,no_shard",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    check_ok(proc)
-    runs = [offline_runs(sweep / str(n))[0] for n in (0, 1)]
-    assert runs[0].group == runs[1].group == "/".join(sweep.parts[-2:])
+def test_a_sweep_is_one_wandb_group_with_a_run_per_job(shared_sweep):
+    sweep, proc = shared_sweep
+    runs = [offline_runs(sweep / str(n))[0] for n in range(4)]
+    assert {r.group for r in runs} == {"/".join(sweep.parts[-2:])}
     assert {r.job_type for r in runs} == {"sweep"}
-    assert [r.config["options.sharding"] for r in runs] == ["full", "no_shard"]
-    assert runs[0].run_id != runs[1].run_id
-    job = json.loads((sweep / "1" / "run.json").read_text())["job"]
-    assert job["num"] == 1 and job["choices"]["sharding"] == "no_shard"
+    assert [(r.config["options.sharding"], r.config["options.precision"]) for r in runs] == [
+        ("full", "fp32"),
+        ("full", "bf16"),
+        ("grad_op", "fp32"),
+        ("grad_op", "bf16"),
+    ]
+    assert len({r.run_id for r in runs}) == 4
+    job = json.loads((sweep / "2" / "run.json").read_text())["job"]
+    assert job["num"] == 2 and job["choices"]["sharding"] == "grad_op"
     assert job["sweep_dir"] == str(sweep)
     # The sweep's report is written when the last job ends.
     assert f"sweep report: {sweep / 'report.md'}" in proc.stderr
-    assert "| 1 | no_shard | completed |" in (sweep / "report.md").read_text()
+    assert "| 3 | grad_op | bf16 | completed |" in (sweep / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -1,0 +1,103 @@
+"""A warm interpreter that runs ``train.py`` for the tests (``conftest.train``).
+
+A fresh ``python train.py`` spends about 8 s of its CPU importing torch, transformers and Hydra
+before it checks anything; the tests start it about a hundred times. This process imports them
+once and then, for each request, forks a child that runs ``train.py`` as ``python train.py``
+would: its own argv (``sys.argv[0]`` the script, ``sys.path[0]`` the script's folder), working
+dir, environment and output files, ``__main__`` executed by runpy, atexit handlers at the end,
+the exit code of ``sys.exit``. Only the imports are shared, so conftest sends here only runs
+whose environment is the one this process started with (import-time settings such as
+HF_HUB_OFFLINE or glibc's MALLOC_* variables are read then); runs with another environment, and
+those a test signals or kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0`` starts every
+run fresh.
+
+The protocol, one JSON object per line: the request on stdin, ``{"pid": ...}`` then
+``{"code": ...}`` on stdout once that run has ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+# What a train.py run imports before it forks its ranks, whatever the model (the launcher builds
+# it on meta, the ranks inherit the modules).
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.bert.modeling_bert",
+    "hydra",
+    "fsdp_lab.launch.run",
+    "fsdp_lab.launch.sweep",
+    "fsdp_lab.train.worker",
+    "fsdp_lab.engine.model",
+    "fsdp_lab.data.corpus",
+)
+
+
+def _run(request: dict) -> None:
+    """In the forked child: be ``python <argv>`` in ``cwd``; never returns."""
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        script = str(Path(request["argv"][0]).resolve())
+        sys.argv = [script, *request["argv"][1:]]
+        sys.path[0] = str(Path(script).parent)
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # sys.exit("message"), as the interpreter prints it
+                print(e.code, file=sys.stderr)
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - an uncaught exception, as the interpreter reports it
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    import importlib
+
+    # As for `python train.py`: the repository first on the path, not this file's folder.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    for name in PRELOAD:
+        importlib.import_module(name)
+    reply = sys.stdout
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _run(request)
+        print(json.dumps({"pid": pid}), file=reply, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
