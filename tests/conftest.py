@@ -87,8 +87,9 @@ class _Zygote:
 
 
 _zygote: _Zygote | None = None
-# Changes during a session (pytest's current test); not an import-time setting.
-_PER_TEST = {"PYTEST_CURRENT_TEST", "FSDP_LAB_TEST_ZYGOTE"}
+# Not import-time settings: pytest's current test, this switch, and XLA's device settings (read
+# when the XLA runtime starts in the run, after the fork).
+_NOT_IMPORT_TIME = {"PYTEST_CURRENT_TEST", "FSDP_LAB_TEST_ZYGOTE", "PJRT_DEVICE", "CPU_NUM_DEVICES"}
 
 
 def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300):
@@ -96,7 +97,7 @@ def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300
     the environment is the one it started with (FSDP_LAB_TEST_ZYGOTE=0: never), else fresh."""
     global _zygote
     env = {**os.environ, **(env or {})}
-    settings = {k: v for k, v in env.items() if k not in _PER_TEST}
+    settings = {k: v for k, v in env.items() if k not in _NOT_IMPORT_TIME}
     if os.environ.get("FSDP_LAB_TEST_ZYGOTE", "1") != "0" and hasattr(os, "fork"):
         if _zygote is None or _zygote.proc.poll() is not None:
             _zygote = _Zygote(settings)
@@ -144,8 +145,9 @@ SHARED_RUNS: dict[str, tuple[str, ...]] = {
     "no_shard-2": (*STRATEGY_RUN, "sharding=no_shard", "hardware.nproc_per_node=2"),
     "hybrid-4": (*STRATEGY_RUN, "sharding=hybrid", "hardware.nproc_per_node=4"),
     "hybrid_zero2-4": (*STRATEGY_RUN, "sharding=hybrid_zero2", "hardware.nproc_per_node=4"),
-    # long enough to learn, and to be preempted in the middle of
-    "long": ("hardware=cpu", "trainer.max_steps=150"),
+    # long enough to learn, and to be preempted in the middle of (locally, under sbatch and
+    # under submitit): the uninterrupted run every preempted one must reproduce
+    "long": ("hardware=cpu", "trainer.max_steps=150", "trainer.eval_every=0"),
 }
 
 

@@ -190,7 +190,7 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: floa
 def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(shared_run, tmp_path):
     steps = 150  # SHARED_RUNS["long"]
     straight, preempted = shared_run("long"), tmp_path / "preempted"
-    proc = start_train(preempted, "hardware=cpu", f"trainer.max_steps={steps}")
+    proc = start_train(preempted, *SHARED_RUNS["long"])
     _wait_for_steps(preempted, 5, proc)
     proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
@@ -200,7 +200,7 @@ def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(shared_r
     assert 5 <= stopped_at < steps
     assert ckpt.latest_checkpoint(preempted / "checkpoints").name == ckpt.step_dir_name(stopped_at)
     # The same command again continues the same run dir from that checkpoint.
-    proc2 = train(preempted, "hardware=cpu", f"trainer.max_steps={steps}")
+    proc2 = train(preempted, *SHARED_RUNS["long"])
     check_ok(proc2)
     got = read_metrics(preempted / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # no step logged twice

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok, train
+from conftest import ROOT, SHARED_RUNS, check_ok
 from wandb_files import offline_runs
 
 from fsdp_lab.observe.loggers import read_metrics
@@ -157,17 +157,11 @@ def test_an_sbatch_job_trains_on_two_srun_ranks_in_its_job_run_dir(slurm_cluster
 
 @pytest.mark.slow
 def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(
-    slurm_cluster, tmp_path
+    slurm_cluster, shared_run, tmp_path
 ):
     steps = 150
-    overrides = (
-        *COMMON,
-        f"trainer.max_steps={steps}",
-        "logger.mode=offline",
-        "trainer.eval_every=0",
-    )
-    straight = tmp_path / "straight"
-    check_ok(train(straight, *overrides))
+    overrides = tuple(dict.fromkeys((*COMMON, *SHARED_RUNS["long"], "logger.mode=offline")))
+    straight = shared_run("long")  # the same numbers, run locally
     job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *overrides)
     run_dir = tmp_path / "outputs" / "slurm" / job
     deadline = time.monotonic() + 300
@@ -225,16 +219,12 @@ def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_pa
 
 
 @pytest.mark.slow
-def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(
+    slurm_cluster, shared_run, tmp_path
+):
     steps, sweep = 150, tmp_path / "sweep"
-    overrides = (
-        "hardware=cpu",
-        "trainer.progress_bar=false",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_every=0",
-    )
-    straight = tmp_path / "straight"
-    check_ok(train(straight, *overrides))
+    overrides = ("trainer.progress_bar=false", *SHARED_RUNS["long"])
+    straight = shared_run("long")  # the same numbers, run locally
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("torch_xla", reason="hardware=tpu tests run in `make test-tpu`")
 
-from conftest import ROOT, check_ok
+from conftest import ROOT, check_ok, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -36,20 +36,13 @@ def train(
     run_dir: Path, *overrides: str, devices: int | None = None, timeout: int = 400
 ) -> subprocess.CompletedProcess:
     """train.py as a user runs it; ``devices``: hardware=tpu on that many XLA CPU devices."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     extra = ()
     if devices is not None:
         env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
         extra = ("hardware=tpu",)
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        f"hydra.run.dir={run_dir}",
-        *COMMON,
-        *extra,
-        *overrides,
-    ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    argv = ["train.py", f"hydra.run.dir={run_dir}", *COMMON, *extra, *overrides]
+    return run_python(argv, env=env, timeout=timeout)
 
 
 def records(run_dir: Path) -> dict[tuple[str, int], dict]:

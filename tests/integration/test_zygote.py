@@ -1,0 +1,46 @@
+"""The tests' warm interpreter (tests/zygote.py) runs a script as `python script` does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_python
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """\
+import atexit, os, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+print(sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)), os.getcwd())
+print("env", os.environ.get("ZYGOTE_PROBE"), __name__)
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_forked_run_is_what_a_fresh_interpreter_prints_and_returns(tmp_path, code):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    argv = [str(script), str(code), "a=b"]
+    warm = run_python(argv)
+    fresh = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert (warm.returncode, warm.stdout, warm.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
+    assert warm.returncode == code and "atexit ran" in warm.stdout
+    assert f"['{code}', 'a=b'] True {ROOT}" in warm.stdout and "env None __main__" in warm.stdout
+
+
+def test_a_run_with_its_own_environment_sees_it(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    proc = run_python([str(script), "0"], env={"ZYGOTE_PROBE": "x"})
+    assert "env x __main__" in proc.stdout
