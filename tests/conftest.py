@@ -36,12 +36,10 @@ def _train_command(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
 class _Zygote:
     """The client of tests/zygote.py: a warm interpreter that runs scripts in forks of itself."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
+    def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "zygote.py")],
             cwd=ROOT,
-            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -87,30 +85,38 @@ class _Zygote:
 
 
 _zygote: _Zygote | None = None
-# Not import-time settings: pytest's current test, this switch, and XLA's device settings (read
-# when the XLA runtime starts in the run, after the fork).
-_NOT_IMPORT_TIME = {"PYTEST_CURRENT_TEST", "FSDP_LAB_TEST_ZYGOTE", "PJRT_DEVICE", "CPU_NUM_DEVICES"}
+# Settings a run may be given that are read after the fork: XLA's, when its runtime starts.
+_READ_AFTER_START = {"PJRT_DEVICE", "CPU_NUM_DEVICES"}
 
 
 def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300):
-    """``python *argv`` in ROOT to the end, output captured: in a fork of tests/zygote.py when
-    the environment is the one it started with (FSDP_LAB_TEST_ZYGOTE=0: never), else fresh."""
+    """``python *argv`` in ROOT to the end, output captured, with this process's environment
+    plus ``env``: in a fork of tests/zygote.py unless ``env`` sets something read at process
+    start (glibc's MALLOC_*, an import-time setting): then, or with FSDP_LAB_TEST_ZYGOTE=0, in a
+    fresh interpreter. Set a run's variables here, not with monkeypatch.setenv: the zygote
+    started with the session's environment."""
     global _zygote
-    env = {**os.environ, **(env or {})}
-    settings = {k: v for k, v in env.items() if k not in _NOT_IMPORT_TIME}
-    if os.environ.get("FSDP_LAB_TEST_ZYGOTE", "1") != "0" and hasattr(os, "fork"):
+    full_env = {**os.environ, **(env or {})}
+    warm = os.environ.get("FSDP_LAB_TEST_ZYGOTE", "1") != "0" and hasattr(os, "fork")
+    if warm and set(env or {}) <= _READ_AFTER_START:
         if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = _Zygote(settings)
-        if settings == _zygote.env:
-            return _zygote.run(argv, ROOT, env, timeout)
+            _zygote = _Zygote()
+        return _zygote.run(argv, ROOT, full_env, timeout)
     return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 
-def train(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run train.py to the end."""
-    return run_python(_train_command(run_dir, overrides)[1:], timeout=timeout)
+def train(
+    run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """Run train.py to the end (``env``: variables to set for it)."""
+    return run_python(_train_command(run_dir, overrides)[1:], env=env, timeout=timeout)
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:

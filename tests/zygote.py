@@ -6,10 +6,9 @@ once and then, for each request, forks a child that runs ``train.py`` as ``pytho
 would: its own argv (``sys.argv[0]`` the script, ``sys.path[0]`` the script's folder), working
 dir, environment and output files, ``__main__`` executed by runpy, atexit handlers at the end,
 the exit code of ``sys.exit``. Only the imports are shared, so conftest sends here only runs
-whose environment is the one this process started with (import-time settings such as
-HF_HUB_OFFLINE or glibc's MALLOC_* variables are read then); runs with another environment, and
-those a test signals or kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0`` starts every
-run fresh.
+that set no variable read at process start (glibc's MALLOC_* variables, import-time settings);
+those, and runs a test signals or kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0``
+starts every run fresh.
 
 The protocol, one JSON object per line: the request on stdin, ``{"pid": ...}`` then
 ``{"code": ...}`` on stdout once that run has ended.
