@@ -85,8 +85,9 @@ class _Zygote:
 
 
 _zygote: _Zygote | None = None
-# Settings a run may be given that are read after the fork: XLA's, when its runtime starts.
-_READ_AFTER_START = {"PJRT_DEVICE", "CPU_NUM_DEVICES"}
+# Settings a run may be given that are read after the fork: XLA's, when its runtime starts, and
+# W&B's, when rank 0 starts its run (the zygote does not import wandb).
+_READ_AFTER_START = {"PJRT_DEVICE", "CPU_NUM_DEVICES", "WANDB_API_KEY", "WANDB_BASE_URL"}
 
 
 def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300):

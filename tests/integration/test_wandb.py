@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok, train
+from conftest import check_ok, train
 from wandb_files import offline_runs
 
 from fsdp_lab.observe.loggers import read_metrics
@@ -116,23 +113,14 @@ def test_a_sweep_is_one_wandb_group_with_a_run_per_job(shared_sweep):
 @pytest.mark.slow
 def test_an_unreachable_wandb_server_turns_into_offline_logging(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            f"hydra.run.dir={run_dir}",
-            "trainer.progress_bar=false",
-            "hardware=cpu",
-            "trainer.max_steps=3",
-            "checkpoint=none",
-            "logger.mode=online",
-            "logger.init_timeout_s=5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    proc = train(
+        run_dir,
+        "hardware=cpu",
+        "trainer.max_steps=3",
+        "checkpoint=none",
+        "logger.mode=online",
+        "logger.init_timeout_s=5",
         env=env,
     )
     check_ok(proc)

@@ -257,6 +257,7 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
 # 0.94-1.06 over 7 more configs (the 1.06s: BERT's recomputation; Llama's selective
 # checkpointing, where HF's KV cache grows as layers are recomputed). The tolerance: 8%.
 PEAK_TOLERANCE = 0.08
+QUARTER = ["trainer.micro_batch_size=2"]
 
 
 @pytest.mark.parametrize(
@@ -264,14 +265,16 @@ PEAK_TOLERANCE = 0.08
     [
         (["sharding=full"], 0),
         (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=3"], 2),
-        # bf16 on a CPU without native bf16 matmuls takes a minute: make test, not test-fast.
+        # bf16 on a CPU without native bf16 matmuls is slow: make test, not test-fast; and for
+        # qwen2 a quarter of the batch (BERT's is kept: at micro_batch_size=2 its peak is 15%
+        # over the plan, measured 29.9 MB live against 25.9 MB planned).
         pytest.param(
             ["model=bert_tiny", "precision=bf16", "activation_checkpointing=full"],
             0,
             marks=pytest.mark.slow,
         ),
         pytest.param(
-            ["model=qwen2_tiny", "trainer.grad_accum_steps=2", "precision=bf16_pure"],
+            ["model=qwen2_tiny", "trainer.grad_accum_steps=2", "precision=bf16_pure", *QUARTER],
             0,
             marks=pytest.mark.slow,
         ),
