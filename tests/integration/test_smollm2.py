@@ -43,7 +43,7 @@ def test_smollm2_fine_tunes_on_shakespeare_and_exports(tmp_path, smollm2):
             "data=shakespeare",
             "trainer.seq_len=128",
             "trainer.micro_batch_size=2",
-            "trainer.max_steps=6",
+            "trainer.max_steps=3",
             "trainer.eval_every=3",
             "trainer.eval_batches=2",
             "optim.lr=1e-4",
@@ -53,8 +53,9 @@ def test_smollm2_fine_tunes_on_shakespeare_and_exports(tmp_path, smollm2):
         )
     )
     val = [(r["step"], r["val_loss"]) for r in read_metrics(run / "metrics.jsonl", "val")]
-    assert [s for s, _ in val] == [0, 3, 6]
-    assert val[-1][1] < val[0][1], val  # fine-tuning lowers the held-out loss
+    assert [s for s, _ in val] == [0, 3]
+    # Fine-tuning lowers the held-out loss (measured: 3.813 at step 0, 3.734 at 3, 3.725 at 6).
+    assert val[-1][1] < val[0][1], val
     facts = json.loads((run / "run.json").read_text())
     assert facts["total_params"] == 134_515_008 and facts["pretrained"] is True
     assert facts["data"]["tokenizer"] != "ByT5Tokenizer"  # the model's own tokenizer
