@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,10 +31,4 @@ def assert_png(path: Path) -> None:
 
 
 def cli_report(sweep: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.tools.cli", "report", str(sweep)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(["-m", "fsdp_lab.tools.cli", "report", str(sweep)], timeout=120)

@@ -1,14 +1,14 @@
 """A warm interpreter that runs ``train.py`` for the tests (``conftest.train``).
 
 A fresh ``python train.py`` spends about 8 s of its CPU importing torch, transformers and Hydra
-before it checks anything; the tests start it about a hundred times. This process imports them
-once and then, for each request, forks a child that runs ``train.py`` as ``python train.py``
-would: its own argv (``sys.argv[0]`` the script, ``sys.path[0]`` the script's folder), working
-dir, environment and output files, ``__main__`` executed by runpy, atexit handlers at the end,
-the exit code of ``sys.exit``. Only the imports are shared, so conftest sends here only runs
-that set no variable read at process start (glibc's MALLOC_* variables, import-time settings);
-those, and runs a test signals or kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0``
-starts every run fresh.
+before it checks anything; the tests start it about a hundred times (and ``python -m
+fsdp_lab.tools.cli`` a few). This process imports them once and then, for each request, forks a
+child that runs the script, module or code as ``python`` would: its own argv, ``sys.path[0]``
+(the script's folder, the working dir for ``-m``), working dir, environment and output files,
+``__main__`` executed by runpy, atexit handlers at the end, the exit code of ``sys.exit``. Only
+the imports are shared, so conftest sends here only runs that set no variable read at process
+start (glibc's MALLOC_* variables, import-time settings); those, and runs a test signals or
+kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0`` starts every run fresh.
 
 The protocol, one JSON object per line: the request on stdin, ``{"pid": ...}`` then
 ``{"code": ...}`` on stdout once that run has ended.
@@ -58,11 +58,8 @@ def _run(request: dict) -> None:
         for fd, target in ((stdin, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
             os.close(fd)
-        script = str(Path(request["argv"][0]).resolve())
-        sys.argv = [script, *request["argv"][1:]]
-        sys.path[0] = str(Path(script).parent)
         try:
-            runpy.run_path(script, run_name="__main__")
+            _main(request["argv"])
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -77,6 +74,24 @@ def _run(request: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _main(argv: list[str]) -> None:
+    """What ``python *argv`` runs: ``-m module``, ``-c code`` or a script, with sys.argv and
+    sys.path[0] set as the interpreter sets them."""
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file first
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        script = str(Path(argv[0]).resolve())
+        sys.argv = [script, *argv[1:]]
+        sys.path[0] = str(Path(script).parent)
+        runpy.run_path(script, run_name="__main__")
 
 
 def serve() -> None:

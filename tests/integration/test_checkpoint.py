@@ -11,13 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SHARED_RUNS, check_ok, rank_pid, start_train, train
+from conftest import SHARED_RUNS, check_ok, rank_pid, run_python, start_train, train
 
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
@@ -268,18 +267,8 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {
         p.name for p in hf_dir.iterdir()
     }
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fsdp_lab.tools.cli",
-            "export",
-            str(run_dir),
-            str(tmp_path / "cli_export"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    cli = run_python(
+        ["-m", "fsdp_lab.tools.cli", "export", str(run_dir), str(tmp_path / "cli_export")],
         timeout=120,
     )
     assert cli.returncode == 0, cli.stderr
@@ -295,11 +284,7 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied stays tied
     # The initial weights are not what was exported: training changed them.
     assert not torch.equal(build_full_model(hf_config, seed=0).eval()(ids).logits, want)
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run_dir), str(hf_dir)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
+    proc = run_python(
+        ["-m", "fsdp_lab.tools.cli", "export", str(run_dir), str(hf_dir)], timeout=120
     )
     assert proc.returncode == 2 and "not empty" in proc.stderr  # never overwrites

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok, train
+from conftest import ROOT, check_ok, run_python, train
 
 pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
 
@@ -274,22 +274,10 @@ def skip_if_recipe_missing(overrides) -> None:
 # --- running ----------------------------------------------------------------------------------
 
 
-def _env(extra=()) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        **dict(extra),
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return env
-
-
 def _run(argv: list[str], env=(), timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env(env), check=False
-    )
+    """``python *argv[1:]`` (``argv[0]`` is this Python) with the README's variables set."""
+    assert argv[0] == sys.executable, argv
+    return run_python(argv[1:], env=dict(env), timeout=timeout)
 
 
 def compose(overrides, multirun: bool, env=()) -> None:

@@ -44,3 +44,24 @@ def test_a_run_with_its_own_environment_sees_it(tmp_path):
     script.write_text(SCRIPT)
     proc = run_python([str(script), "0"], env={"ZYGOTE_PROBE": "x"})
     assert "env x __main__" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "fsdp_lab.tools.cli", "--help"],  # argparse names the program from sys.argv[0]
+        ["-m", "fsdp_lab.tools.cli", "export"],  # a usage error: exit 2
+        ["-c", "import sys; print(sys.argv, repr(sys.path[0])); sys.exit(4)", "x"],
+    ],
+    ids=["module", "module-error", "code"],
+)
+def test_modules_and_code_run_as_python_runs_them(argv):
+    warm = run_python(argv)
+    fresh = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert (warm.returncode, warm.stdout, warm.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
