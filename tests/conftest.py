@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from zygote import MALLOPT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,15 +87,22 @@ class _Zygote:
 
 _zygote: _Zygote | None = None
 # Settings a run may be given that are read after the fork: XLA's, when its runtime starts, and
-# W&B's, when rank 0 starts its run (the zygote does not import wandb).
-_READ_AFTER_START = {"PJRT_DEVICE", "CPU_NUM_DEVICES", "WANDB_API_KEY", "WANDB_BASE_URL"}
+# W&B's, when rank 0 starts its run (the zygote does not import wandb); glibc's, which the
+# zygote turns into mallopt calls in the child.
+_READ_AFTER_START = {
+    "PJRT_DEVICE",
+    "CPU_NUM_DEVICES",
+    "WANDB_API_KEY",
+    "WANDB_BASE_URL",
+    *MALLOPT,
+}
 
 
 def run_python(argv: list[str], *, env: dict | None = None, timeout: float = 300):
     """``python *argv`` in ROOT to the end, output captured, with this process's environment
     plus ``env``: in a fork of tests/zygote.py unless ``env`` sets something read at process
-    start (glibc's MALLOC_*, an import-time setting): then, or with FSDP_LAB_TEST_ZYGOTE=0, in a
-    fresh interpreter. Set a run's variables here, not with monkeypatch.setenv: the zygote
+    start (an import-time setting): then, or with FSDP_LAB_TEST_ZYGOTE=0, in a fresh
+    interpreter. Set a run's variables here, not with monkeypatch.setenv: the zygote
     started with the session's environment."""
     global _zygote
     full_env = {**os.environ, **(env or {})}

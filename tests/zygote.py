@@ -7,8 +7,9 @@ child that runs the script, module or code as ``python`` would: its own argv, ``
 (the script's folder, the working dir for ``-m``), working dir, environment and output files,
 ``__main__`` executed by runpy, atexit handlers at the end, the exit code of ``sys.exit``. Only
 the imports are shared, so conftest sends here only runs that set no variable read at process
-start (glibc's MALLOC_* variables, import-time settings); those, and runs a test signals or
-kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0`` starts every run fresh.
+start (an import-time setting) other than glibc's MALLOC_* ones, which become mallopt calls;
+those, and runs a test signals or kills, are fresh interpreters. ``FSDP_LAB_TEST_ZYGOTE=0``
+starts every run fresh.
 
 The protocol, one JSON object per line: the request on stdin, ``{"pid": ...}`` then
 ``{"code": ...}`` on stdout once that run has ended.
@@ -45,11 +46,33 @@ PRELOAD = (
 )
 
 
+# glibc reads these at process start; a forked child gets the same setting from mallopt (the
+# parameter numbers of <malloc.h>), which its own forked ranks inherit.
+MALLOPT = {
+    "MALLOC_TRIM_THRESHOLD_": -1,
+    "MALLOC_TOP_PAD_": -2,
+    "MALLOC_MMAP_THRESHOLD_": -3,
+    "MALLOC_MMAP_MAX_": -4,
+    "MALLOC_ARENA_MAX": -8,
+}
+
+
+def _mallopt(env: dict[str, str]) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    for name, param in MALLOPT.items():
+        changed = name in env and env[name] != os.environ.get(name)
+        if changed and not libc.mallopt(param, int(env[name])):
+            raise RuntimeError(f"mallopt refused {name}={env[name]}")
+
+
 def _run(request: dict) -> None:
     """In the forked child: be ``python <argv>`` in ``cwd``; never returns."""
     code = 1
     try:
         os.chdir(request["cwd"])
+        _mallopt(request["env"])
         os.environ.clear()
         os.environ.update(request["env"])
         stdin = os.open(os.devnull, os.O_RDONLY)

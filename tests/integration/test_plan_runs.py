@@ -36,7 +36,7 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
 )
 def test_measured_runs_match_the_plan(run_dir, overrides):
     args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none", *overrides]
-    check_ok(train(run_dir, *args, env=MALLOC_ENV))  # read at process start: a fresh one
+    check_ok(train(run_dir, *args, env=MALLOC_ENV))
     run = json.loads((run_dir / "run.json").read_text())
     expected = plan.build_plan(args)
     s = expected["strategies"][expected["chosen"]]
