@@ -21,11 +21,8 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("code", [0, 3])
-def test_a_forked_run_is_what_a_fresh_interpreter_prints_and_returns(tmp_path, code):
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    argv = [str(script), str(code), "a=b"]
+def warm_as_fresh(argv: list[str]) -> subprocess.CompletedProcess:
+    """``python *argv`` from the zygote, checked to print and return what a fresh one does."""
     warm = run_python(argv)
     fresh = subprocess.run(
         [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=os.environ.copy()
@@ -35,6 +32,15 @@ def test_a_forked_run_is_what_a_fresh_interpreter_prints_and_returns(tmp_path, c
         fresh.stdout,
         fresh.stderr,
     )
+    return warm
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_forked_run_is_what_a_fresh_interpreter_prints_and_returns(tmp_path, code):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    argv = [str(script), str(code), "a=b"]
+    warm = warm_as_fresh(argv)
     assert warm.returncode == code and "atexit ran" in warm.stdout
     assert f"['{code}', 'a=b'] True {ROOT}" in warm.stdout and "env None __main__" in warm.stdout
 
@@ -56,12 +62,4 @@ def test_a_run_with_its_own_environment_sees_it(tmp_path):
     ids=["module", "module-error", "code"],
 )
 def test_modules_and_code_run_as_python_runs_them(argv):
-    warm = run_python(argv)
-    fresh = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=os.environ.copy()
-    )
-    assert (warm.returncode, warm.stdout, warm.stderr) == (
-        fresh.returncode,
-        fresh.stdout,
-        fresh.stderr,
-    )
+    warm_as_fresh(argv)
