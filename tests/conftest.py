@@ -23,10 +23,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def _train_command(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
-    """``python train.py`` with the run dir pinned and the progress bar off."""
+def _train_args(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
+    """``train.py``'s arguments (after the interpreter): the run dir pinned, no progress bar."""
     return [
-        sys.executable,
         str(ROOT / "train.py"),
         f"hydra.run.dir={run_dir}",
         "trainer.progress_bar=false",
@@ -125,18 +124,18 @@ def train(
     run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
     """Run train.py to the end (``env``: variables to set for it)."""
-    return run_python(_train_command(run_dir, overrides)[1:], env=env, timeout=timeout)
+    return run_python(_train_args(run_dir, overrides), env=env, timeout=timeout)
 
 
-def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """Start train.py in the background (to signal or kill it mid-run)."""
+def start_train(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """Start train.py in a fresh interpreter in the background (to signal or kill it mid-run)."""
     return subprocess.Popen(
-        _train_command(run_dir, overrides),
+        [sys.executable, *_train_args(run_dir, overrides)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
 
 

@@ -13,10 +13,8 @@ bf16 (XLA autocast vs FSDP2's bf16 parameters) by at most 6e-5 in loss.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,25 +22,29 @@ import pytest
 
 pytest.importorskip("torch_xla", reason="hardware=tpu tests run in `make test-tpu`")
 
-from conftest import ROOT, check_ok, run_python
+from conftest import check_ok, run_python, start_train
+from conftest import train as train_py
 
 pytestmark = pytest.mark.slow
 
-COMMON = ("trainer.progress_bar=false", "logger=none", "trainer.eval_every=2")
+COMMON = ("logger=none", "trainer.eval_every=2")
 FP32_LOSS_TOL, FP32_NORM_RTOL, BF16_LOSS_TOL = 1e-5, 1e-5, 5e-4
+
+
+def xla_env(devices: int) -> dict[str, str]:
+    """hardware=tpu on ``devices`` XLA CPU devices."""
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
 
 
 def train(
     run_dir: Path, *overrides: str, devices: int | None = None, timeout: int = 400
 ) -> subprocess.CompletedProcess:
-    """train.py as a user runs it; ``devices``: hardware=tpu on that many XLA CPU devices."""
-    env = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    extra = ()
-    if devices is not None:
-        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-        extra = ("hardware=tpu",)
-    argv = ["train.py", f"hydra.run.dir={run_dir}", *COMMON, *extra, *overrides]
-    return run_python(argv, env=env, timeout=timeout)
+    """conftest's train.py run; ``devices``: hardware=tpu on that many XLA CPU devices."""
+    if devices is None:
+        return train_py(run_dir, *COMMON, *overrides, timeout=timeout)
+    return train_py(
+        run_dir, *COMMON, "hardware=tpu", *overrides, env=xla_env(devices), timeout=timeout
+    )
 
 
 def records(run_dir: Path) -> dict[tuple[str, int], dict]:
@@ -185,12 +187,7 @@ def test_checkpoint_round_trip(tmp_path, gloo):
     from transformers import AutoModelForCausalLM
 
     exported = tmp_path / "exported"
-    subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.tools.cli", "export", str(run), str(exported)],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
+    check_ok(run_python(["-m", "fsdp_lab.tools.cli", "export", str(run), str(exported)]))
     a = load_file(next((run / "hf").glob("*.safetensors")))
     b = load_file(next(exported.glob("*.safetensors")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -221,28 +218,7 @@ def test_preemption_checkpoints_after_the_step(tmp_path):
     """SIGTERM to train.py reaches the one XLA process: it finishes the step, checkpoints and
     exits 75 (the cpu/gpu protocol), and the run dir says where it stopped."""
     run = tmp_path / "run"
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "PJRT_DEVICE": "CPU",
-        "CPU_NUM_DEVICES": "2",
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            f"hydra.run.dir={run}",
-            *COMMON,
-            "hardware=tpu",
-            "trainer.max_steps=100000",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train(run, *COMMON, "hardware=tpu", "trainer.max_steps=100000", env=xla_env(2))
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):

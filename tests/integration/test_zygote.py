@@ -63,3 +63,14 @@ def test_a_run_with_its_own_environment_sees_it(tmp_path):
 )
 def test_modules_and_code_run_as_python_runs_them(argv):
     warm_as_fresh(argv)
+
+
+def test_only_a_start_time_setting_costs_a_fresh_interpreter(tmp_path):
+    """A forked run finds transformers imported already; a fresh one does not."""
+    script = tmp_path / "which.py"
+    script.write_text('import sys; print("warm" if "transformers" in sys.modules else "fresh")\n')
+    after_start = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "WANDB_BASE_URL": "http://x"}
+    after_start["MALLOC_MMAP_THRESHOLD_"] = "131072"  # set with mallopt in the fork
+    assert run_python([str(script)]).stdout == "warm\n"
+    assert run_python([str(script)], env=after_start).stdout == "warm\n"
+    assert run_python([str(script)], env={"HF_HUB_OFFLINE": "1"}).stdout == "fresh\n"
