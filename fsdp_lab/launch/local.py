@@ -70,7 +70,7 @@ def _rendezvous_store(timeout_s: int):
     )
 
 
-# Long: starting, watching and reporting share one process list and one cleanup (finally).
+# Long: starting and watching share one process list and one cleanup (finally).
 def spawn_local(
     cfg: Config, topo: Topology, run_dir: Path, forwarder: preempt.SignalForwarder
 ) -> int:
@@ -138,6 +138,17 @@ def spawn_local(
             if out is not None:
                 out.close()
             rundir.pid_file(run_dir, rank).unlink(missing_ok=True)
+    return _report_end(run_dir, code, procs, exit_times, forwarder)
+
+
+def _report_end(
+    run_dir: Path,
+    code: int,
+    procs: list[subprocess.Popen | ForkedRank],
+    exit_times: dict[int, float],
+    forwarder: preempt.SignalForwarder,
+) -> int:
+    """One line on stderr for a preempted or failed run; the launcher's exit code."""
     if code == preempt.EXIT_CODE:
         facts = rundir.read_run_file(run_dir)
         sig = forwarder.seen[0] if forwarder.seen else "?"
