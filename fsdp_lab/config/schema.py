@@ -115,6 +115,20 @@ class CheckpointFormat(enum.Enum):
     none = "none"
 
 
+class CheckpointVerify(enum.Enum):
+    """What is checked of a checkpoint before any rank loads it."""
+
+    checksum = "checksum"  # every file's size and xxh3-128 digest (reads every byte once)
+    size = "size"  # every file is there at its size (a truncated or missing file)
+    none = "none"  # only the marker; reading stays safe (no code from a checkpoint, ever)
+
+
+# "continue" is a keyword, hence the functional form; OmegaConf matches members by name.
+OnSaveError = enum.Enum("OnSaveError", [("stop", "stop"), ("continue", "continue")])
+OnSaveError.__doc__ = """A checkpoint that cannot be written (too little free space, ENOSPC, EIO):
+stop the run (resume=auto continues from the last good one) or continue training without it."""
+
+
 @dataclass
 class PrefetchConfig:
     forward: int = 0
@@ -303,6 +317,11 @@ class CheckpointConfig:
     """Where checkpoints go; None: <run dir>/checkpoints."""
     async_enabled: bool = False
     """sharded only: write in the background (DCP async_save) while training continues."""
+    verify: CheckpointVerify = CheckpointVerify.checksum
+    """Before resuming or exporting: checksum (every file's xxh3 digest), size, or none."""
+    on_save_error: OnSaveError = OnSaveError.stop
+    """A save that cannot fit or fails: stop (the last good checkpoint stays latest) or
+    continue training without it."""
     export_hf: bool = False
     """At the end, also write a Hugging Face directory (<run dir>/hf) from the final weights."""
 

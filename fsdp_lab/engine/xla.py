@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.experimental.distributed_checkpoint import (
     SPMDLoadPlanner,
@@ -274,12 +275,16 @@ class XlaCheckpointIO:
         _run_pending()
         dcp.save(state_dict(model, optimizer), checkpoint_id=str(path), planner=SPMDSavePlanner())
 
-    def load(self, model, optimizer, path: Path) -> None:
+    def load(self, model, optimizer, path: Path, *, reader=None) -> None:
+        """``reader``: the checkpoint's storage reader (state.safe_load's, whose metadata
+        unpickler admits only DCP's own types); BYTE_IO items are read with weights_only."""
         if not optimizer.state:  # DCP loads in place: the moments must exist first
             prime_optimizer(optimizer)
             optimizer.zero_grad(set_to_none=True)  # its zero gradients, full-size, go now
         state = state_dict(model, optimizer)
-        dcp.load(state, checkpoint_id=str(path), planner=SPMDLoadPlanner())
+        dcp.load(
+            state, checkpoint_id=str(path), storage_reader=reader, planner=_PlainBytesLoadPlanner()
+        )
         by_name = {name: i for i, name in enumerate(_param_names(model, optimizer))}
         optim = state["optim"]
         optimizer.load_state_dict(
@@ -292,6 +297,15 @@ class XlaCheckpointIO:
             }
         )
         _run_pending()
+
+
+class _PlainBytesLoadPlanner(SPMDLoadPlanner):
+    """torch_xla's planner, reading BYTE_IO items (the optimizer's param_groups) as plain data
+    only: its own load_bytes calls torch.load without weights_only."""
+
+    def load_bytes(self, read_item, value) -> None:
+        value = torch.load(value, weights_only=True)
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

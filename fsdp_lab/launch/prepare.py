@@ -104,9 +104,10 @@ def _resume_point(
     from fsdp_lab.state import checkpoint as ckpt
 
     root = ckpt.checkpoint_root(cfg.checkpoint, run_dir)
-    resume_path = ckpt.resolve_resume(cfg.resume, root)
+    # Verified (checkpoint.verify) and its pickles read through their guards, here, once.
+    resume_path = ckpt.resolve_resume(cfg.resume, root, cfg.checkpoint.verify)
     if resume_path is not None:
-        marker = ckpt.verify(resume_path)
+        marker = json.loads((resume_path / ckpt.MARKER).read_text())
         step = marker["step"]
         if topo.device is HardwareKind.tpu and marker["format"] != "sharded":
             raise ConfigError(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_lab.config import Config, ConfigError, ModelTask, to_typed
+from fsdp_lab.config import CheckpointVerify, Config, ConfigError, ModelTask, to_typed
 from fsdp_lab.engine.model import (
     align_special_tokens,
     build_full_model,
@@ -20,6 +20,7 @@ from fsdp_lab.engine.model import (
     build_meta_model,
 )
 from fsdp_lab.state import checkpoint as ckpt
+from fsdp_lab.state import integrity, safe_load
 
 
 def export_hf(
@@ -77,17 +78,19 @@ def _tied_keys(model) -> set[str]:
     return set(tied)  # a dict (transformers 5) or a list: its keys either way
 
 
-def load_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], object, Config]:
+def load_checkpoint_weights(
+    path: Path, verify: CheckpointVerify = CheckpointVerify.checksum
+) -> tuple[dict[str, torch.Tensor], object, Config]:
     """(full model state dict, transformers config, run config) of a checkpoint, in this one
-    process."""
-    path = ckpt.resolve_resume(str(path), Path(path))
-    ckpt.verify(path)
-    marker = json.loads((path / ckpt.MARKER).read_text())
-    trainer = torch.load(path / ckpt.TRAINER_FILE, weights_only=False)
+    process; the checkpoint is verified as ``verify`` says and read through safe_load's guards
+    (a run dir or checkpoint root: its latest checkpoint)."""
+    path = ckpt.resolve_resume(str(path), Path(path), verify)
+    marker = integrity.read_marker(path)
+    trainer = json.loads((path / ckpt.TRAINER_FILE).read_text())
     cfg = to_typed(trainer["config"])
     hf_config = build_hf_config(cfg.model)
     if marker["format"] == "full":
-        return torch.load(path / "model.pt", weights_only=True), hf_config, cfg
+        return safe_load.load_plain(path / "model.pt"), hf_config, cfg
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -97,5 +100,10 @@ def load_checkpoint_weights(path: Path) -> tuple[dict[str, torch.Tensor], object
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(
+            state,
+            storage_reader=safe_load.Reader(path),
+            planner=safe_load.LoadPlanner(path),
+            no_dist=True,
+        )
     return state["model"], hf_config, cfg

@@ -1,6 +1,7 @@
 """The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
 
 fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
+fsdp-lab verify CHECKPOINT             # every file against its checksum, every pickle checked
 fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
@@ -13,7 +14,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from fsdp_lab.config import ConfigError
+from fsdp_lab.config import CheckpointVerify, ConfigError
+
+VERIFY_ARGS = ("--verify",)
+VERIFY_KWARGS = {
+    "choices": [m.name for m in CheckpointVerify],
+    "default": CheckpointVerify.checksum.name,
+    "help": "checksum (default: every file's xxh3 digest), size, or none (pickles are "
+    "always read safely)",
+}
 
 
 # Long: the argparse table of every fsdp-lab command, then the dispatch.
@@ -28,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     exp.add_argument("out_dir", type=Path, help="new or empty output directory")
     exp.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (2GB)")
+    exp.add_argument(*VERIFY_ARGS, **VERIFY_KWARGS)
+    ver = sub.add_parser(
+        "verify",
+        help="check a checkpoint's files against their sizes and checksums, and that every "
+        "pickle in it is plain data; exit 1 if one is damaged or unsafe",
+    )
+    ver.add_argument(
+        "checkpoint", type=Path, help="a checkpoint dir, or a run dir / checkpoint root (all)"
+    )
+    ver.add_argument(*VERIFY_ARGS, **VERIFY_KWARGS)
     acc = sub.add_parser(
         "from-accelerate", help="print the train.py overrides of an accelerate FSDP config"
     )
@@ -48,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                 from fsdp_lab.data.corpus import load_tokenizer
                 from fsdp_lab.state.export import export_hf, load_checkpoint_weights
 
-                sd, hf_config, cfg = load_checkpoint_weights(args.checkpoint)
+                sd, hf_config, cfg = load_checkpoint_weights(
+                    args.checkpoint, CheckpointVerify[args.verify]
+                )
                 try:
                     tokenizer = load_tokenizer(cfg)
                 except ConfigError as e:  # the run's tokenizer dir moved: weights still export
@@ -64,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                     preset=cfg.model.arch is not None,
                 )
                 print(f"exported {args.checkpoint} -> {out}")
+            case "verify":
+                from fsdp_lab.tools.verify import verify_command
+
+                return verify_command(args.checkpoint, CheckpointVerify[args.verify], sys.stdout)
             case "from-accelerate":
                 from fsdp_lab.tools.from_accelerate import from_file
 
