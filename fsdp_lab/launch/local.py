@@ -28,7 +28,7 @@ from typing import BinaryIO
 from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import rank_main
-from fsdp_lab.observe import rundir
+from fsdp_lab.observe import heartbeat, rundir
 from fsdp_lab.train import preempt
 
 # After the first rank fails, the others get this long to fail on their own (a broken
@@ -97,6 +97,7 @@ def spawn_local(
         "PYTHONUNBUFFERED": "1",
     }
     procs: list[subprocess.Popen | ForkedRank] = []
+    store = None
     outputs: list[BinaryIO | None] = []
     port_pipes: list[int] = []  # the write ends; each rank holds its read end
     # Preemption signals stay pending while ranks start: each rank unblocks them once its
@@ -138,7 +139,8 @@ def spawn_local(
             if out is not None:
                 out.close()
             rundir.pid_file(run_dir, rank).unlink(missing_ok=True)
-    return _report_end(run_dir, code, procs, exit_times, forwarder)
+    beats = heartbeat.read(store, nprocs) if code not in (0, preempt.EXIT_CODE) else {}
+    return _report_end(run_dir, code, procs, exit_times, forwarder, beats)
 
 
 def _report_end(
@@ -147,8 +149,10 @@ def _report_end(
     procs: list[subprocess.Popen | ForkedRank],
     exit_times: dict[int, float],
     forwarder: preempt.SignalForwarder,
+    beats: dict[int, tuple[float, int]],
 ) -> int:
-    """One line on stderr for a preempted or failed run; the launcher's exit code."""
+    """One line on stderr for a preempted or failed run; the launcher's exit code. ``beats``:
+    the ranks' last heartbeats, which name a rank that stopped."""
     if code == preempt.EXIT_CODE:
         facts = rundir.read_run_file(run_dir)
         sig = forwarder.seen[0] if forwarder.seen else "?"
@@ -159,7 +163,7 @@ def _report_end(
             file=sys.stderr,
         )
     elif code != 0:
-        reason = _first_failure(run_dir, procs, exit_times)
+        reason = _first_failure(run_dir, procs, exit_times, beats)
         _mark_failed(run_dir, reason)
         print(f"fsdp_lab: error: {reason}", file=sys.stderr)
     return 128 - code if code < 0 else code  # killed by signal N: exit 128+N, as shells do
@@ -285,14 +289,18 @@ def _stop(procs: list[subprocess.Popen | ForkedRank]) -> None:
 
 
 def _first_failure(
-    run_dir: Path, procs: list[subprocess.Popen | ForkedRank], exit_times: dict[int, float]
+    run_dir: Path,
+    procs: list[subprocess.Popen | ForkedRank],
+    exit_times: dict[int, float],
+    beats: dict[int, tuple[float, int]],
 ) -> str:
     """The root cause, shown once.
 
     A rank that died without writing an error (kill -9, OOM killer, a native crash) before the
     launcher stopped anyone is the cause: the errors its peers then write ("Connection reset by
     peer") are effects, and they often reach the disk before the launcher's poll sees the
-    death. Otherwise the earliest error written wins.
+    death. A rank that stopped beating (stopped, hung) while the others timed out waiting is
+    the cause of their timeouts. Otherwise the earliest error written wins.
     """
     deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
@@ -305,6 +313,12 @@ def _first_failure(
             deaths.append((exit_times[rank], rank, f"died ({how}) without an error message"))
     if not deaths and not errors:
         return "a rank failed without an error message"
+    if not deaths and heartbeat.is_timeout(min(errors)[2]):
+        stall = heartbeat.describe_stall(
+            beats, len(procs), waiting=min(errors)[1], exclude=frozenset(r for _, r, _ in errors)
+        )
+        if stall is not None:
+            return f"{stall} (full logs: {run_dir / rundir.LOG_DIR})"
     _, rank, message = min(deaths or errors)
     return f"rank {rank} {message} (full log: {run_dir / rundir.LOG_DIR / f'rank{rank}.log'})"
 

@@ -45,7 +45,12 @@ def main(run_dir: Path, port_fd: int) -> None:
     os.environ["MASTER_PORT"] = read_port(port_fd)
     from fsdp_lab.train import worker
 
-    worker.run_and_exit(rundir.load_run_config(run_dir), run_dir, early_signals=early_signals)
+    worker.run_and_exit(
+        rundir.load_run_config(run_dir),
+        run_dir,
+        early_signals=early_signals,
+        launcher_reports=True,
+    )
 
 
 if __name__ == "__main__":

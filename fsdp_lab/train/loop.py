@@ -26,6 +26,14 @@ from fsdp_lab.train.loss import Loss
 log = logging.getLogger(__name__)
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A non-finite loss at ``step`` (the worker adds what to do about it)."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"loss is {loss} at step {step}")
+        self.step, self.loss = step, loss
+
+
 @dataclass
 class StepResult:
     """One optimizer step's numbers, still on the device."""
@@ -149,10 +157,7 @@ def train(
         )
         on_records(records[:bad])
         if bad is not None:
-            raise FloatingPointError(
-                f"loss is {records[bad].loss} at step {records[bad].step}; lower optim.lr or "
-                "use precision=fp32/bf16"
-            )
+            raise NonFiniteLoss(records[bad].step, records[bad].loss)
         last = records[-1]
         on_boundary(done)
         if stop and done < max_steps:

@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import Config, HardwareKind
+from fsdp_lab.config import Config, ConfigError, Dtype, HardwareKind
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import hardware
+from fsdp_lab.observe import heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
-from fsdp_lab.train.loop import evaluate, train
+from fsdp_lab.train.loop import NonFiniteLoss, evaluate, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from fsdp_lab.train.preempt import Preempted, StopFlag
 from fsdp_lab.train.reporter import Reporter, RunFacts
@@ -65,6 +66,8 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
     ctx = join(cfg)  # 1) device, threads, the process group
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
+    if (beat := heartbeat.current()) is not None:
+        beat.progress = lambda: state.scheduler.last_epoch  # optimizer steps done
     facts = RunFacts.collect(cfg, ctx, state)
     reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if ctx.rank == 0 else None
     rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
@@ -100,6 +103,8 @@ def join(cfg: Config) -> RankContext:
     )
     if not dist.is_initialized():
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
+        heartbeat.start(dist.get_rank())
     validate(cfg, topo)
     hardware.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
@@ -144,7 +149,36 @@ def fit(r: RankRun) -> FitResult:
 
     if state.eval_batches and state.start_step == 0:
         _evaluate(r, 0)
-    last, preempted = train(
+    try:
+        last, preempted = _train(r, evaluates_at, on_boundary)
+    except NonFiniteLoss as e:
+        raise FloatingPointError(_nonfinite_advice(cfg, state.start_step, e)) from None
+    if r.reporter is not None:
+        r.reporter.end_of_training()
+    end_step = last.step if last is not None else state.start_step
+    return FitResult(end_step=end_step, preempted=preempted, saved_step=saved_step)
+
+
+# A non-finite loss this soon after a resume points at the checkpoint, not the learning rate.
+RESUME_SUSPECT_STEPS = 10
+
+
+def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
+    after = e.step - start_step
+    if cfg.resume != "never" and after <= RESUME_SUSPECT_STEPS:
+        return (
+            f"{e}, {after} step(s) after resuming from {cfg.resume}: suspect the checkpoint "
+            f"before the learning rate; check it with `fsdp-lab verify {cfg.resume}` (and "
+            "checkpoint.verify=checksum), or resume from an earlier one"
+        )
+    if cfg.precision.param_dtype is Dtype.fp32:
+        return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps"
+    return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or use precision=fp32"
+
+
+def _train(r: RankRun, evaluates_at, on_boundary):
+    cfg, ctx, state, t = r.cfg, r.ctx, r.state, r.cfg.trainer
+    return train(
         state.sharded.model,
         data=state.data,
         loss=state.loss,
@@ -164,10 +198,6 @@ def fit(r: RankRun) -> FitResult:
         on_boundary=on_boundary,
         stop_requested=r.stop,
     )
-    if r.reporter is not None:
-        r.reporter.end_of_training()
-    end_step = last.step if last is not None else state.start_step
-    return FitResult(end_step=end_step, preempted=preempted, saved_step=saved_step)
 
 
 def _evaluate(r: RankRun, step: int) -> None:
@@ -232,12 +262,14 @@ def run_and_exit(
     *,
     early_signals: list[int] | None = None,
     exit_process: bool = True,
+    launcher_reports: bool = False,
     on_preempted: Callable[[Preempted], None] | None = None,
 ) -> int:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
     ``exit_process`` is false (a submitit job, whose own code must record the end): then the
     exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
-    submitit job requeues itself there)."""
+    submitit job requeues itself there). ``launcher_reports``: the local launcher reports the
+    failure (rank_main); else this rank says what it knows of a timeout itself."""
     code = 0
     try:
         run(cfg, run_dir, early_signals=early_signals)
@@ -247,7 +279,7 @@ def run_and_exit(
             on_preempted(e)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
-        _record_failure(run_dir, e)
+        _record_failure(run_dir, e, launcher_reports=launcher_reports)
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group cannot block the exit
@@ -260,14 +292,26 @@ def run_and_exit(
     return code
 
 
-def _record_failure(run_dir: Path, e: BaseException) -> None:
+def _record_failure(run_dir: Path, e: BaseException, *, launcher_reports: bool) -> None:
     """This rank's error file, which the launcher reads to name the root cause; rank 0 also
-    marks run.json failed (the launcher refines the reason)."""
+    marks run.json failed (the launcher refines the reason). A collective that timed out is
+    reported as the rank it waited for, from the heartbeats; under torchrun or srun (no
+    launcher of ours to say it) on this rank's stderr too."""
     rank = int(os.environ.get("RANK", 0))
-    log.error("rank %d failed", rank, exc_info=True)
     path = error_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = traceback.format_exception_only(type(e), e)[-1].strip()
+    if isinstance(e, ConfigError):  # a message written for the user: no class name before it
+        line = str(e)
+    beat = heartbeat.current()
+    if beat is not None and heartbeat.is_timeout(line):  # name the rank it waited for
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        stall = heartbeat.describe_stall(heartbeat.read(beat.store, world), world, waiting=rank)
+        if stall is not None:
+            line = stall
+            if not launcher_reports:
+                print(f"fsdp_lab: error: {stall}", file=sys.stderr)
+    log.error("rank %d failed: %s", rank, line, exc_info=True)  # the traceback: log file only
     path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
     if rank == 0 and (run_dir / RUN_FILE).is_file():
         update_run_file(run_dir, status="failed", error=f"rank 0: {line}")

@@ -1,0 +1,112 @@
+"""Which rank stopped: every rank's heartbeat and last completed step, on the rendezvous store.
+
+A collective that times out tells the ranks that waited only that they waited too long ("Timed
+out waiting 20000ms for recv"), not for whom. So each rank's thread writes
+``fsdp_lab/heartbeat/<rank>`` = "<wall time> <steps done>" every second to the store all ranks
+already share (the local launcher's; torchrun's agent's, or rank 0's under srun), over a
+connection of its own. A rank that is stopped (SIGSTOP, a frozen node), killed or stuck without
+the GIL stops beating. Whoever reports the failure reads the beats: the local launcher, which
+hosts the store, or else the rank whose collective timed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import re
+import threading
+import time
+from collections.abc import Callable
+
+INTERVAL_S = 1.0
+# A heartbeat this much older than the freshest one: that rank stopped (the others beat until
+# their own collective timed out, hardware.timeout_s later).
+STALE_S = 5.0
+_KEY = "fsdp_lab/heartbeat/{}"
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+
+_current: Heartbeat | None = None
+
+
+class Heartbeat:
+    """This rank's beat; ``progress`` returns the optimizer steps completed so far."""
+
+    def __init__(self, store, rank: int, interval_s: float = INTERVAL_S) -> None:
+        self.store, self.rank, self.interval_s = store, rank, interval_s
+        self.progress: Callable[[], int] = lambda: 0
+        self._thread = threading.Thread(target=self._run, name="fsdp_lab-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a store gone away: the run is ending anyway
+                self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {self.progress()}")
+            time.sleep(self.interval_s)
+
+
+def start(rank: int) -> Heartbeat | None:
+    """Start this rank's heartbeat on the default process group's store (None without one)."""
+    global _current
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):  # the group's prefixes: the keys stay plain
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    own = dist.TCPStore(
+        store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    _current = Heartbeat(own, rank)
+    _current._thread.start()
+    return _current
+
+
+def current() -> Heartbeat | None:
+    return _current
+
+
+def read(store, world_size: int) -> dict[int, tuple[float, int]]:
+    """rank -> (time of its last beat, steps it had done), for the ranks that beat at all."""
+    beats = {}
+    for rank in range(world_size):
+        key = _KEY.format(rank)
+        with contextlib.suppress(Exception):
+            if store.check([key]):
+                t, step = store.get(key).decode().split()
+                beats[rank] = (float(t), int(step))
+    return beats
+
+
+def is_timeout(message: str) -> bool:
+    return bool(_TIMEOUT.search(message))
+
+
+def describe_stall(
+    beats: dict[int, tuple[float, int]],
+    world_size: int,
+    *,
+    waiting: int | None,
+    exclude: frozenset[int] = frozenset(),
+) -> str | None:
+    """The rank that stopped first, in one line, if one stopped beating before the others
+    (ranks in ``exclude`` ended on their own, so they beat no more); ``waiting`` is the rank
+    that timed out waiting for it."""
+    if not beats:
+        return None
+    freshest = max(t for t, _ in beats.values())
+    never = [r for r in range(world_size) if r not in beats and r not in exclude]
+    stale = [r for r, (t, _) in beats.items() if freshest - t > STALE_S and r not in exclude]
+    if never:
+        what = f"rank {never[0]} never sent a heartbeat (it stopped while starting)"
+    elif stale:
+        rank = min(stale, key=lambda r: beats[r][0])
+        t, step = beats[rank]
+        what = (
+            f"rank {rank} stopped responding after step {step} "
+            f"(no heartbeat for {freshest - t:.0f} s)"
+        )
+    else:
+        return None
+    if waiting is not None:
+        what += f"; rank {waiting} timed out waiting for it"
+    return what
