@@ -1,5 +1,7 @@
 """Checkpoint save cost, side by side in one run: sharded (DCP) vs full vs plain torch.save, and
-how long training is blocked by an async save vs a sync one, beside the disk's own write speed.
+how long training is blocked by an async save vs a sync one, beside the disk's own write speed;
+then what verifying that checkpoint before a resume costs (checkpoint.verify=checksum, size, and
+the safe-load scan every resume does).
 
     python benchmarks/bench_checkpoint.py                 # ~56M-param Llama, 2 CPU ranks
     python benchmarks/bench_checkpoint.py --hidden 768 --layers 12
@@ -86,6 +88,7 @@ def worker(a: argparse.Namespace) -> None:
     from fsdp_lab.config.topology import Topology
     from fsdp_lab.engine import fsdp, precision, wrap
     from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.state import checkpoint as ckpt
     from fsdp_lab.state.checkpoint import Checkpointer
     from fsdp_lab.train.optim import build_optimizer, build_scheduler
 
@@ -195,10 +198,39 @@ def worker(a: argparse.Namespace) -> None:
             f"async blocks training {med['async_blocked'] / med['sharded']:.2f}x as long as a "
             "sync sharded save"
         )
+        verify_table(ckpt.latest_checkpoint(root / "sharded"), mb, med["sharded"], a.repeats)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def verify_table(path: Path, mb: float, save_s: float, repeats: int) -> None:
+    """What checking the checkpoint before a resume costs (files in the page cache, as right
+    after a save or on a re-run; a cold read adds the disk's read time)."""
+    from fsdp_lab.config import CheckpointVerify
+    from fsdp_lab.state import integrity, safe_load
+
+    def median_s(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    marker = integrity.read_marker(path)
+    rows = {
+        "checkpoint.verify=checksum": median_s(
+            lambda: integrity.verify(path, CheckpointVerify.checksum)
+        ),
+        "checkpoint.verify=size": median_s(lambda: integrity.verify(path, CheckpointVerify.size)),
+        "safe-load scan (every resume)": median_s(lambda: safe_load.scan(path, marker)),
+    }
+    print(f"\n| before a resume ({mb:.0f} MB) | seconds | MB/s | vs the sharded save |")
+    print("|---|---|---|---|")
+    for name, s in rows.items():
+        print(f"| {name} | {s:.3f} | {mb / s:.0f} | {s / save_s:.3f} |")
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 A collective that times out tells the ranks that waited only that they waited too long ("Timed
 out waiting 20000ms for recv"), not for whom. So each rank's thread writes
-``fsdp_lab/heartbeat/<rank>`` = "<wall time> <steps done>" every second to the store all ranks
+``fsdp_lab/heartbeat/<rank>`` = "<wall time> <steps done>" every second, and as each step
+completes, to the store all ranks
 already share (the local launcher's; torchrun's agent's, or rank 0's under srun), over a
 connection of its own. A rank that is stopped (SIGSTOP, a frozen node), killed or stuck without
 the GIL stops beating. Whoever reports the failure reads the beats: the local launcher, which
@@ -37,10 +38,16 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="fsdp_lab-heartbeat", daemon=True)
 
     def _run(self) -> None:
+        """Beat every interval, and as soon as a step completes (looked at every 0.1 s), so
+        the last step a stopped rank reports is the one it really finished."""
+        sent_at, sent_step = 0.0, None
         while True:
-            with contextlib.suppress(Exception):  # a store gone away: the run is ending anyway
-                self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {self.progress()}")
-            time.sleep(self.interval_s)
+            step = self.progress()
+            if step != sent_step or time.monotonic() - sent_at >= self.interval_s:
+                with contextlib.suppress(Exception):  # a store gone away: the run is ending
+                    self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {step}")
+                    sent_at, sent_step = time.monotonic(), step
+            time.sleep(min(0.1, self.interval_s))
 
 
 def start(rank: int) -> Heartbeat | None:

@@ -91,7 +91,7 @@ def check_files(path: Path, marker: dict, mode: CheckpointVerify) -> list[FileCh
         if mode is CheckpointVerify.none:
             pass
         elif not f.is_file():
-            problem = "missing"
+            problem = "is missing"
         elif f.stat().st_size != want["size"]:
             problem = f"has {f.stat().st_size} bytes, expected {want['size']}"
         elif mode is CheckpointVerify.checksum and file_digest(f) != want[DIGEST]:

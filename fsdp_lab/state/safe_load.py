@@ -80,7 +80,7 @@ def _refused(path: Path, what: str, reason: str) -> CheckpointError:
 def _reason(e: Exception) -> str:
     """One line out of pickle's or torch's (many-line) refusal."""
     text = str(e)
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
     if found:
         return f"it refers to {found.group(1)}"
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__

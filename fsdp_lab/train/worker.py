@@ -144,6 +144,7 @@ def fit(r: RankRun) -> FitResult:
             _evaluate(r, step)
         state.checkpointer.poll()
         if state.checkpointer.should_save(step):
+            # Saved, or skipped under on_save_error=continue: not tried twice at one step.
             state.checkpointer.save(step, _tokens_seen(state, step))
             saved_step = step
 
