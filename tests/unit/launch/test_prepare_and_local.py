@@ -20,7 +20,7 @@ from fsdp_lab.config import (
     StartMethod,
 )
 from fsdp_lab.launch import local, prepare
-from fsdp_lab.observe import rundir
+from fsdp_lab.observe import heartbeat, rundir
 from fsdp_lab.train import preempt
 
 
@@ -76,10 +76,32 @@ def test_a_rank_that_died_silently_is_the_cause_not_its_peers_errors(tmp_path):
         json.dumps({"rank": 0, "time": time.time(), "error": "Connection reset by peer"})
     )
     procs = [Exited(1), Exited(-signal.SIGKILL)]
-    reason = local._first_failure(tmp_path, procs, {0: time.time(), 1: time.time() - 1})
+    reason = local._first_failure(tmp_path, procs, {0: time.time(), 1: time.time() - 1}, {})
     assert reason.startswith("rank 1 died (signal 9) without an error message")
-    reason = local._first_failure(tmp_path, [Exited(1), Exited(0)], {0: time.time()})
+    reason = local._first_failure(tmp_path, [Exited(1), Exited(0)], {0: time.time()}, {})
     assert reason.startswith("rank 0 failed: Connection reset by peer")
+
+
+def test_a_timeout_is_reported_as_the_rank_that_stopped_beating(tmp_path):
+    """rank 0 timed out; rank 1 (stopped, then killed by the launcher) beat last 20 s earlier."""
+    (tmp_path / "logs").mkdir()
+    now = time.time()
+    rundir.error_file(tmp_path, 0).write_text(
+        json.dumps({"rank": 0, "time": now, "error": "RuntimeError: Timed out waiting 20000ms"})
+    )
+    beats = {0: (now, 35), 1: (now - 20, 34)}
+    reason = local._first_failure(tmp_path, [Exited(1), Exited(-signal.SIGKILL)], {0: now}, beats)
+    assert reason.startswith(
+        "rank 1 stopped responding after step 34 (no heartbeat for 20 s); "
+        "rank 0 timed out waiting for it"
+    )
+    # Not a timeout, or every rank beating: the error itself is the cause.
+    assert local._first_failure(
+        tmp_path, [Exited(1), Exited(-signal.SIGKILL)], {0: now}, {0: (now, 35), 1: (now, 35)}
+    ).startswith("rank 0 failed: RuntimeError: Timed out")
+    assert heartbeat.describe_stall({0: (now, 3)}, 2, waiting=0).startswith(
+        "rank 1 never sent a heartbeat"
+    )
 
 
 def test_waiting_reports_the_first_failure_and_preemption_is_not_one():
