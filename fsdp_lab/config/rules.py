@@ -28,7 +28,7 @@ from fsdp_lab.config.schema import (
     WrapPolicy,
 )
 from fsdp_lab.config.strategies import strategy_of, with_replica_groups
-from fsdp_lab.config.topology import Topology, replicate_size
+from fsdp_lab.config.topology import Topology, dp_size, replicate_size
 
 
 def _positive(value: int | float, name: str) -> None:
@@ -71,6 +71,7 @@ def check_fields(cfg: Config) -> None:
     if h.peak_tflops is not None:
         _positive(h.peak_tflops, "hardware.peak_tflops")
     _positive(cfg.logger.init_timeout_s, "logger.init_timeout_s")
+    _positive(cfg.parallel.tensor, "parallel.tensor")
     _positive(h.time_limit_min, "hardware.time_limit_min")
     if cfg.wrap.policy is WrapPolicy.size:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
@@ -291,6 +292,35 @@ def refuse_for_xla(cfg: Config) -> None:
             raise ConfigError(f"hardware=tpu cannot run {message}")
 
 
+def _check_parallel(cfg: Config, topo: Topology) -> int:
+    """parallel.*: the TP degree, checked against the ranks and what TP combines with."""
+    p = cfg.parallel
+    if p.context != 1:
+        raise ConfigError(
+            f"parallel.context={p.context}: context parallelism is not supported (torch's "
+            "context_parallel has no sharding strategy for CPU SDPA, so it cannot be verified "
+            "here); set parallel.context=1"
+        )
+    tensor = p.tensor
+    if tensor == 1:
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1")
+        return 1
+    if topo.world_size % tensor:
+        raise ConfigError(
+            f"parallel.tensor={tensor} does not divide the {topo.world_size} ranks; set "
+            "hardware.nproc_per_node to a multiple of it"
+        )
+    refusals = (
+        (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
+        (cfg.compile, "compile=true (not verified with TP)"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(f"parallel.tensor={tensor} cannot combine with {what} yet")
+    return tensor
+
+
 def validate(cfg: Config, topo: Topology) -> None:
     """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
     s = cfg.sharding
@@ -302,27 +332,29 @@ def validate(cfg: Config, topo: Topology) -> None:
             f"sharding.replicate_size={s.replicate_size} applies only to sharding="
             f"{' or '.join(with_replica_groups())} (got sharding={s.strategy.name}); remove it"
         )
-    replicate = replicate_size(s, topo)
+    tensor = _check_parallel(cfg, topo)
+    dp = dp_size(topo, tensor)
+    replicate = replicate_size(s, topo, tensor)
     if hybrid:
-        if replicate < 1 or topo.world_size % replicate:
+        if replicate < 1 or dp % replicate:
             raise ConfigError(
-                f"sharding.replicate_size={replicate} does not divide the world size "
-                f"{topo.world_size}; set sharding.replicate_size to a divisor of it"
+                f"sharding.replicate_size={replicate} does not divide the {dp} data-parallel "
+                "ranks; set sharding.replicate_size to a divisor of it"
             )
-        if topo.world_size // replicate < 2:
+        if dp // replicate < 2:
             more = (
                 "4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
                 if topo.device is HardwareKind.tpu
                 else "4+ ranks (hardware.nproc_per_node=4)"
             )
             raise ConfigError(
-                f"sharding={s.strategy.name} on {topo.world_size} ranks with replicate_size="
+                f"sharding={s.strategy.name} on {dp} data-parallel ranks with replicate_size="
                 f"{replicate} leaves shard groups of 1 rank; use {more}, a smaller "
                 "sharding.replicate_size, or sharding=full"
             )
     raf = s.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):
-        shard_size = topo.world_size // replicate
+        shard_size = dp // replicate
         if shard_size % raf or raf >= shard_size:
             raise ConfigError(
                 f"sharding.reshard_after_forward={raf} must be a proper divisor of the shard "

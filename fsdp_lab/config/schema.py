@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -155,6 +155,26 @@ class ShardingConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """How many units ahead FSDP2 issues all-gathers (FSDP1's forward_prefetch and
     backward_prefetch)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism beside FSDP, on the same device mesh: tensor parallelism (TP), innermost."""
+
+    tensor: int = 1
+    """TP degree: each layer's linear layers split over this many contiguous ranks (the model's
+    own TP plan); the sharding strategy then applies to the world size / tensor data-parallel
+    ranks. 1: no TP."""
+    sequence_parallel: bool = False
+    """Between the TP regions, keep activations split on the sequence (norms run on their
+    rows; reduce-scatter and all-gather replace all-reduce): 1/tensor of the activations
+    between layers. Llama-style layers (Llama, Qwen2, Mistral)."""
+    plan: Optional[Dict[str, str]] = None
+    """Module pattern -> style (colwise, rowwise, colwise_gather_output, rowwise_split_input),
+    instead of the model's ``base_model_tp_plan``; patterns are relative to the base model
+    (``layers.*.self_attn.q_proj``)."""
+    context: int = 1
+    """Context-parallel degree; only 1 (see rules)."""
 
 
 @dataclass
@@ -384,6 +404,7 @@ class TrainerConfig:
 @dataclass
 class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     wrap: WrapConfig = field(default_factory=WrapConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)

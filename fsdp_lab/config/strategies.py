@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fsdp_lab.config.schema import ShardingConfig, ShardingStrategy
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
+TENSOR_AXIS = "tp"  # parallel.tensor > 1: appended innermost, after the strategy's axes
 
 
 class Replicas(enum.Enum):

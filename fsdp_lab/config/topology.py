@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_lab.config.schema import HardwareKind, ShardingConfig
-from fsdp_lab.config.strategies import Replicas, strategy_of
+from fsdp_lab.config.strategies import TENSOR_AXIS, Replicas, strategy_of
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,18 @@ class Topology:
     device: HardwareKind  # cpu, gpu or tpu, never auto
 
 
-def replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
-    """Ranks along the replicate axis: 1 on a 1D mesh, the world size for no_shard."""
+def dp_size(topo: Topology, tensor: int = 1) -> int:
+    """The data-parallel ranks: every rank, or with tensor parallelism one per TP group."""
+    return topo.world_size // tensor
+
+
+def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1) -> int:
+    """Ranks along the replicate axis: 1 on a 1D mesh, every data-parallel rank for no_shard."""
     match strategy_of(cfg.strategy).replicas:
         case Replicas.one:
             return 1
         case Replicas.every_rank:
-            return topo.world_size
+            return dp_size(topo, tensor)
         case Replicas.groups:
             if cfg.replicate_size is not None:
                 return cfg.replicate_size
@@ -38,9 +43,19 @@ def replicate_size(cfg: ShardingConfig, topo: Topology) -> int:
             raise RuntimeError(f"no replicate size for replicas={other}")
 
 
-def mesh_shape(cfg: ShardingConfig, topo: Topology) -> tuple[int, ...]:
-    """(N,) on a 1D mesh, (replicate, shard) on a 2D one."""
+def mesh_shape(cfg: ShardingConfig, topo: Topology, tensor: int = 1) -> tuple[int, ...]:
+    """(N,) on a 1D mesh, (replicate, shard) on a 2D one; with tensor parallelism the TP axis
+    is appended, innermost (a TP group is contiguous ranks: one node)."""
+    dp = dp_size(topo, tensor)
     if len(strategy_of(cfg.strategy).mesh_axes) == 1:
-        return (topo.world_size,)
-    replicate = replicate_size(cfg, topo)
-    return (replicate, topo.world_size // replicate)
+        shape: tuple[int, ...] = (dp,)
+    else:
+        replicate = replicate_size(cfg, topo, tensor)
+        shape = (replicate, dp // replicate)
+    return (*shape, tensor) if tensor > 1 else shape
+
+
+def mesh_axes(cfg: ShardingConfig, tensor: int = 1) -> tuple[str, ...]:
+    """The axis names of ``mesh_shape``."""
+    axes = strategy_of(cfg.strategy).mesh_axes
+    return (*axes, TENSOR_AXIS) if tensor > 1 else axes

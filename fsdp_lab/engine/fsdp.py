@@ -23,16 +23,27 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
-from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
-from fsdp_lab.config.topology import Topology, mesh_shape
+from fsdp_lab.config.strategies import TENSOR_AXIS, reshard_after_forward
+from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
 
 
-def build_mesh(cfg: ShardingConfig, topo: Topology, *, device_type: str) -> DeviceMesh:
+def build_mesh(
+    cfg: ShardingConfig, topo: Topology, *, device_type: str, tensor: int = 1
+) -> DeviceMesh:
     """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
-    replicate_size is the number of nodes): the frequent all-gathers stay intra-node."""
+    replicate_size is the number of nodes): the frequent all-gathers stay intra-node. With
+    tensor parallelism the TP axis is innermost: a TP group is contiguous ranks."""
     return init_device_mesh(
-        device_type, mesh_shape(cfg, topo), mesh_dim_names=strategy_of(cfg.strategy).mesh_axes
+        device_type, mesh_shape(cfg, topo, tensor), mesh_dim_names=mesh_axes(cfg, tensor)
     )
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh FSDP shards on: every axis but TP."""
+    names = mesh.mesh_dim_names
+    if TENSOR_AXIS not in names:
+        return mesh
+    return mesh[tuple(n for n in names if n != TENSOR_AXIS)]
 
 
 def apply_fsdp(
@@ -115,17 +126,22 @@ def build_model(
 
     model, kind = meta_model, topo.device
     tied = model_lib.tied_groups(model)
+    tensor = cfg.parallel.tensor
+    mesh = build_mesh(cfg.sharding, topo, device_type=device.type, tensor=tensor)
+    if tensor > 1:  # TP first, then activation checkpointing, compile, fully_shard
+        from fsdp_lab.engine import tensor_parallel
+
+        tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:
         activations.compile_units(units)
-    mesh = build_mesh(cfg.sharding, topo, device_type=device.type)
     apply_fsdp(
         model,
         units,
-        mesh=mesh,
+        mesh=data_parallel_mesh(mesh),
         reshard_after_forward=reshard_after_forward(cfg.sharding),
         mp_policy=precision.build_mp_policy(cfg.precision),
         offload_policy=build_offload_policy(

@@ -92,6 +92,10 @@ def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    if cfg.parallel.tensor > 1:  # a model without a TP plan, or one the degree cannot split
+        from fsdp_lab.engine import tensor_parallel
+
+        tensor_parallel.check(meta_model, cfg.parallel)
     wrap.select_units(meta_model, cfg.wrap)
     return cfg, meta_model
 

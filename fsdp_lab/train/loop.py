@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine import hardware, tensor_parallel
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.train.loss import Loss
 
@@ -70,11 +69,10 @@ def train_step(
         total += value.detach().float()
     if scaler is not None:
         scaler.unscale_(optimizer)  # so clipping sees true gradient magnitudes
-    norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_norm=grad_clip if grad_clip is not None else math.inf
+    # Over every mesh the parameters live on (with TP: (dp, tp) and dp), reduced on each.
+    norm = tensor_parallel.clip_grad_norm(
+        model.parameters(), grad_clip if grad_clip is not None else math.inf
     )
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
     skipped = None
     if scaler is not None:
         # The scale backs off exactly when a step is skipped; compared on the device.
@@ -175,11 +173,19 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data, *, loss: Loss, num_batches: int, device: torch.device, place
+    model: nn.Module,
+    data,
+    *,
+    loss: Loss,
+    num_batches: int,
+    device: torch.device,
+    place,
+    replicas: int = 1,
 ) -> EvalResult:
     """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
     number: each forward is a collective). Sums of token losses and counts are all-reduced, so
-    the mean is over tokens, whatever rows a rank got or how many positions a mask chose."""
+    the mean is over tokens, whatever rows a rank got or how many positions a mask chose.
+    ``replicas``: ranks that see the same rows (a TP group), counted once."""
     start = time.perf_counter()
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -189,7 +195,7 @@ def evaluate(
     sums = sums.to(hardware.collective_device(device))
     dist.all_reduce(sums)
     model.train()
-    total, count = sums.tolist()
+    total, count = (x / replicas for x in sums.tolist())
     mean = total / max(count, 1.0)
     return EvalResult(
         loss=mean,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl, to_container
-from fsdp_lab.config.topology import Topology
+from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import fsdp, hardware, precision
@@ -122,7 +122,10 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         checkpointer=checkpointer,
         start_step=0,
         tokens_seen=0,
-        tokens_per_step=topo.world_size * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
+        tokens_per_step=dp_size(topo, cfg.parallel.tensor)
+        * t.micro_batch_size
+        * t.grad_accum_steps
+        * t.seq_len,
         eval_batches=data.num_val_batches(t.eval_batches) if t.eval_every else 0,
     )
     _resume(cfg, state)
@@ -135,13 +138,14 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
     ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
+    tensor = cfg.parallel.tensor  # a TP group (contiguous ranks) reads the same rows
     data = build_data(
         cfg,
         corpus=corpus,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
-        dp_size=ctx.topo.world_size,
-        dp_rank=ctx.rank * ranks_here,
+        dp_size=dp_size(ctx.topo, tensor),
+        dp_rank=ctx.rank * ranks_here // tensor,
         local_ranks=ranks_here,
     )
     return tokenizer, corpus, data

@@ -209,6 +209,7 @@ def _evaluate(r: RankRun, step: int) -> None:
         num_batches=r.state.eval_batches,
         device=r.ctx.device,
         place=r.state.sharded.place_batch,
+        replicas=r.cfg.parallel.tensor,
     )
     if r.reporter is not None:
         r.reporter.validation(step, result)
