@@ -34,7 +34,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
-from fsdp_lab.config.topology import Topology, mesh_shape
+from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
 from fsdp_lab.tools import memory
 
 ASSUMED_GPUS_PER_NODE = 8
@@ -109,7 +109,8 @@ class ModelFacts:
     units: str  # wrap.describe's line
     num_units: int  # the root included
     unit_classes: dict[str, int]
-    params: list[memory.ParamShape]
+    params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
+    total_params: int  # the model's, whole
     layer: memory.LayerShape
     num_checkpointed: int  # decoder layers under activation checkpointing
     last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
@@ -117,6 +118,31 @@ class ModelFacts:
     loss: str  # the resolved loss.kind
     loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
     notes: list[str] = field(default_factory=list)
+
+
+def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
+    """What a rank keeps of each TP-split parameter before FSDP shards it on the data-parallel
+    ranks: (elements, rows). A colwise layer keeps 1/tensor of its rows (weight and bias), a
+    rowwise one 1/tensor of its columns (its bias stays whole)."""
+    if parallel.tensor == 1:
+        return {}
+    import fnmatch
+
+    from fsdp_lab.engine import tensor_parallel
+
+    tp, out = parallel.tensor, {}
+    for pattern, style in tensor_parallel.check(model, parallel).items():
+        for name, module in model.named_modules():
+            if not fnmatch.fnmatchcase(name, pattern):
+                continue
+            w = module.weight
+            if style.startswith("colwise"):
+                out[id(w)] = (w.numel() // tp, w.shape[0] // tp)
+                if module.bias is not None:
+                    out[id(module.bias)] = (module.bias.numel() // tp, module.bias.shape[0] // tp)
+            else:
+                out[id(w)] = (w.numel() // tp, w.shape[0])
+    return out
 
 
 # Long: every fact the plan reads off the meta model, gathered in one pass.
@@ -148,9 +174,21 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     for index in reversed(range(len(units))):  # bottom-up, as fsdp.apply_fsdp shards them
         for p in units[index].parameters():
             owner.setdefault(id(p), index)
+    split = _tensor_parallel_shapes(model, cfg.parallel)  # id(param) -> (numel, dim0) on tp
+    tp_note = (
+        [
+            f"parallel.tensor={cfg.parallel.tensor}: model state is exact per rank; activations "
+            "and transients are counted as without TP, an upper bound (TP splits attention and "
+            "MLP activations, sequence parallelism those between layers too)"
+        ]
+        if split
+        else []
+    )
     params = [
         memory.ParamShape(
-            numel=p.numel(), dim0=p.shape[0] if p.ndim else 1, group=owner.get(id(p), -1)
+            numel=split.get(id(p), (p.numel(), 0))[0],
+            dim0=split.get(id(p), (0, p.shape[0] if p.ndim else 1))[1],
+            group=owner.get(id(p), -1),
         )
         for p in model.parameters()
     ]
@@ -176,13 +214,14 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
         num_units=len(units) + 1,
         unit_classes=classes,
         params=params,
+        total_params=sum(p.numel() for p in model.parameters()),
         layer=layer,
         num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
         last_checkpointed=any(units[i] is last for i in chosen),
         vocab_source=vocab_source,
         loss=loss.name,
         loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
-        notes=notes,
+        notes=notes + tp_note,
     )
 
 
@@ -217,11 +256,14 @@ def strategy_plan(
         if chosen:
             raise
         return {"available": False, "reason": str(e)}
-    mesh = mesh_shape(variant, topo)
+    tp = cfg.parallel.tensor
+    mesh = mesh_shape(variant, topo, tp)
+    dp_mesh = mesh[:-1] if tp > 1 else mesh  # FSDP shards over these; a TP group repeats
     reshard = reshard_after_forward(variant)
     p = cfg.precision
     b, rb = TORCH_DTYPES[p.param_dtype].itemsize, TORCH_DTYPES[p.reduce_dtype].itemsize
-    per_rank = memory.per_rank_state(facts.params, mesh)
+    by_dp_rank = memory.per_rank_state(facts.params, dp_mesh)
+    per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]  # TP innermost
     t = cfg.trainer
     act = memory.activations(
         facts.layer,
@@ -233,7 +275,7 @@ def strategy_plan(
         loss_chunk=facts.loss_chunk,
     )
     trans = memory.transient(
-        memory.group_numels(facts.params, mesh[-1]),
+        memory.group_numels(facts.params, dp_mesh[-1]),
         reshard=reshard,
         param_bytes=b,
         reduce_bytes=rb,
@@ -244,12 +286,12 @@ def strategy_plan(
     on_device = not (offload and topo.device is HardwareKind.gpu)
     top = per_rank[0]  # chunk 0 is never smaller than another rank's
     paper = memory.zero_paper(
-        sum(q.numel for q in facts.params), stage=row.zero_stage, dp_size=mesh[-1]
+        sum(q.numel for q in facts.params), stage=row.zero_stage, dp_size=dp_mesh[-1]
     )
     return {
         "available": True,
         "mesh": list(mesh),
-        "mesh_axes": list(row.mesh_axes),
+        "mesh_axes": list(mesh_axes(variant, tp)),
         "reshard_after_forward": reshard,
         "state_location": (
             "host (offload=cpu)"
@@ -268,7 +310,7 @@ def strategy_plan(
         "sum": top.total + act.saved + trans.total,
         "zero_paper": {
             "stage": row.zero_stage,
-            "dp_size": mesh[-1],
+            "dp_size": dp_mesh[-1],
             **dataclasses.asdict(paper),
             "total": paper.total,
         },
@@ -305,7 +347,7 @@ def build_plan(overrides: list[str]) -> dict:
         "nproc_per_node": topo.nproc_per_node,
         "device": topo.device.name,
         "model_class": facts.model_class,
-        "num_params": sum(q.numel for q in facts.params),
+        "num_params": facts.total_params,
         "vocab_size": layer.vocab,
         "vocab_source": facts.vocab_source,
         "units": {
