@@ -212,3 +212,17 @@ def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
             return int(path.read_text())
         time.sleep(0.1)
     raise AssertionError(f"no worker of rank {rank} found ({path})")
+
+
+@pytest.fixture
+def fake_group():
+    """``fake_group(rank, world)``: join a fake process group of ``world`` ranks as ``rank``
+    (collectives return at once): layouts of any world size in this one process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    yield lambda rank, world: dist.init_process_group(
+        "fake", store=FakeStore(), rank=rank, world_size=world
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()

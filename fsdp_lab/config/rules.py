@@ -334,12 +334,14 @@ def validate(cfg: Config, topo: Topology) -> None:
         )
     tensor = _check_parallel(cfg, topo)
     dp = dp_size(topo, tensor)
+    ranks = f"{dp} data-parallel ranks" if tensor > 1 else f"{dp} ranks"
     replicate = replicate_size(s, topo, tensor)
     if hybrid:
         if replicate < 1 or dp % replicate:
             raise ConfigError(
-                f"sharding.replicate_size={replicate} does not divide the {dp} data-parallel "
-                "ranks; set sharding.replicate_size to a divisor of it"
+                f"sharding.replicate_size={replicate} does not divide the "
+                f"{ranks if tensor > 1 else f'world size {dp}'}; set sharding.replicate_size "
+                "to a divisor of it"
             )
         if dp // replicate < 2:
             more = (
@@ -348,7 +350,7 @@ def validate(cfg: Config, topo: Topology) -> None:
                 else "4+ ranks (hardware.nproc_per_node=4)"
             )
             raise ConfigError(
-                f"sharding={s.strategy.name} on {dp} data-parallel ranks with replicate_size="
+                f"sharding={s.strategy.name} on {ranks} with replicate_size="
                 f"{replicate} leaves shard groups of 1 rank; use {more}, a smaller "
                 "sharding.replicate_size, or sharding=full"
             )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lab.config import (
@@ -81,17 +80,6 @@ def test_fp16_gets_a_sharded_grad_scaler():
         PrecisionConfig(param_dtype=Dtype.fp16, grad_scaler_enabled=True), torch.device("cpu")
     )
     assert isinstance(scaler, ShardedGradScaler)
-
-
-@pytest.fixture
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(rank: int, world: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-    yield init
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

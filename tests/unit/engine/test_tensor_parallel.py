@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lab.config import (
@@ -63,17 +62,6 @@ def _llama(**kw):
             )
         )
     )
-
-
-@pytest.fixture
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(rank: int, world: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-    yield init
-    dist.destroy_process_group()
 
 
 def test_hybrid_with_tp_on_8_fake_ranks(fake_group):

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from plan_cases import MEDIUM, peak_less_params
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,16 +160,6 @@ def test_bad_input_is_one_line_exit_2(capsys, overrides, words):
 
 
 # --- exact per-rank state on a fake process group (any world size, one process) ------------
-
-
-@pytest.fixture
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    yield lambda rank, world: dist.init_process_group(
-        "fake", store=FakeStore(), rank=rank, world_size=world
-    )
-    dist.destroy_process_group()
 
 
 def sharded_rank(overrides: list[str]):
