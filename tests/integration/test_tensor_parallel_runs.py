@@ -82,8 +82,8 @@ def test_tp_with_each_strategy_matches_one_unsharded_process(run_dir, world, ove
 
 def test_resume_exactly_and_across_tp_degrees_then_export(shared_run, tmp_path):
     """A dp 2 x tp 2 run checkpointed at 4 and 8: its state bytes as planned; resumed on its
-    mesh bitwise, into tp 1 (the same data-parallel ranks: shared full-2) within fp32
-    tolerance; its export equals the pure FSDP run's."""
+    mesh bitwise, into tp 1 (the same data-parallel ranks: shared full-2) and the pure-FSDP
+    checkpoint into tp 2 within fp32 tolerance; its export equals the pure FSDP run's."""
     tp_run = tmp_path / "tp"
     base = (*SHARED_RUNS["full-2"][:-1], "hardware.nproc_per_node=4", f"parallel.tensor={TP}")
     check_ok(train(tp_run, *base))
@@ -102,6 +102,11 @@ def test_resume_exactly_and_across_tp_degrees_then_export(shared_run, tmp_path):
     check_ok(train(into_fsdp, *SHARED_RUNS["full-2"], f"resume={half}"))
     want = _losses(shared_run("full-2"))
     assert max(abs(_losses(into_fsdp)[s] - want[s]) for s in range(5, STEPS + 1)) <= FP32_TOL
+    # and the other way: the pure-FSDP run's checkpoint into a TP run
+    into_tp = tmp_path / "into_tp"
+    fsdp_half = shared_run("full-2") / "checkpoints" / ckpt.step_dir_name(4)
+    check_ok(train(into_tp, *base, f"resume={fsdp_half}"))
+    assert max(abs(_losses(into_tp)[s] - want[s]) for s in range(5, STEPS + 1)) <= FP32_TOL
 
     from transformers import AutoModelForCausalLM
 
