@@ -16,6 +16,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdp_lab.config import ConfigError, ParallelConfig
 
-STYLES: dict[str, type[ParallelStyle] | object] = {
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
@@ -58,36 +60,61 @@ def model_plan(model: nn.Module, cfg: ParallelConfig) -> dict[str, str]:
     return {f"{prefix}.{k}" if prefix else k: v for k, v in dict(plan).items()}
 
 
+@dataclass(frozen=True)
+class Split:
+    """One linear layer the plan splits over the TP ranks."""
+
+    pattern: str  # the plan's pattern that matched it
+    name: str
+    module: nn.Module
+    style: str
+
+    @property
+    def splits_output(self) -> bool:
+        """colwise: the output features (the weight's rows) are split; rowwise: the input."""
+        return self.style.startswith("colwise")
+
+
+def splits(model: nn.Module, plan: dict[str, str]) -> list[Split]:
+    """Every module each pattern of ``plan`` matches, in the plan's order."""
+    names = [n for n, _ in model.named_modules()]
+    return [
+        Split(pattern, name, model.get_submodule(name), style)
+        for pattern, style in plan.items()
+        for name in names
+        if fnmatch.fnmatchcase(name, pattern)
+    ]
+
+
 def check(model: nn.Module, cfg: ParallelConfig) -> dict[str, str]:
     """Refuse, before launch, a plan this model cannot take at this degree; the plan."""
     plan = model_plan(model, cfg)
-    names = [n for n, _ in model.named_modules()]
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ConfigError(
                 f"parallel.plan: {pattern} has style {style!r}; use one of {sorted(STYLES)}"
             )
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
+    found = splits(model, plan)
+    for pattern in plan:
+        if not any(s.pattern == pattern for s in found):
             linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]
             raise ConfigError(
                 f"parallel.plan: {pattern} matches no module of {type(model).__name__} "
                 f"(its linear layers include {linear})"
             )
-        for name in matched:
-            module = model.get_submodule(name)
-            if not isinstance(module, nn.Linear):
-                raise ConfigError(
-                    f"parallel.plan: {name} is a {type(module).__name__}; only nn.Linear "
-                    "layers are split by this plan"
-                )
-            dim = module.out_features if style.startswith("colwise") else module.in_features
-            if dim % cfg.tensor:
-                raise ConfigError(
-                    f"parallel.tensor={cfg.tensor} does not divide {name}'s "
-                    f"{'output' if style.startswith('colwise') else 'input'} size {dim}; "
-                    "use a TP degree that divides it"
-                )
+    for s in found:
+        if not isinstance(s.module, nn.Linear):
+            raise ConfigError(
+                f"parallel.plan: {s.name} is a {type(s.module).__name__}; only nn.Linear "
+                "layers are split by this plan"
+            )
+        dim = s.module.out_features if s.splits_output else s.module.in_features
+        if dim % cfg.tensor:
+            raise ConfigError(
+                f"parallel.tensor={cfg.tensor} does not divide {s.name}'s "
+                f"{'output' if s.splits_output else 'input'} size {dim}; "
+                "use a TP degree that divides it"
+            )
     c = model.config
     for field in ("num_attention_heads", "num_key_value_heads"):
         n = getattr(c, field, None)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_lab.config import CheckpointConfig, CheckpointFormat, CheckpointVerify, OnSaveError
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine import fsdp, hardware
 from fsdp_lab.state import integrity, safe_load
 from fsdp_lab.state.integrity import MARKER, CheckpointError, verify
 
@@ -136,7 +136,7 @@ def _newest_good(root: Path, mode: CheckpointVerify) -> Path | None:
     candidates += [p for p in reversed(complete_checkpoints(root)) if p != first]
     for path in candidates:
         try:
-            integrity.verify(path, mode)
+            check(path, mode)
         except integrity.CheckpointDamaged as e:  # a refusal (unsafe, too old) is not damage
             kept = _set_aside(path)
             fallback = next((p.name for p in candidates if p.name < path.name), None)
@@ -147,7 +147,6 @@ def _newest_good(root: Path, mode: CheckpointVerify) -> Path | None:
                 kept.name,
             )
             continue
-        safe_load.scan(path, integrity.read_marker(path))  # unsafe is refused, never skipped
         return path
     return None
 
@@ -320,12 +319,9 @@ class Checkpointer:
             raise _SaveFailed(verdict[0])
 
     def _state_bytes(self) -> int:
-        """This rank's bytes of model and optimizer state (its shards)."""
-        tensors = list(self.model.parameters())
-        tensors += [
-            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        ]
-        return sum(_local(t).numel() * t.element_size() for t in tensors)
+        """This rank's bytes of model and optimizer state (its shards): what it will write."""
+        held = fsdp.state_bytes(self.model, self.optimizer)
+        return held["params"] + held["optimizer"]
 
     def _collective(self, fn) -> None:
         """Run a collective write that raises on every rank or none (DCP's)."""
@@ -337,19 +333,21 @@ class Checkpointer:
             log.error("checkpoint write failed", exc_info=True)
             raise _SaveFailed(self._describe(e)) from e
 
-    def _agree(self, fn, *args) -> None:
+    def _agree(self, fn, *args) -> list:
         """Run this rank's part of a save; if it failed on any rank, fail on every rank, with
-        the first failing rank's reason."""
-        reason = None
+        the first failing rank's reason. Else every rank's result of ``fn``, in rank order
+        (one gather carries both)."""
+        result = reason = None
         try:
-            fn(*args)
+            result = fn(*args)
         except Exception as e:  # reported below, on every rank
             log.error("checkpoint write failed on rank %d", self.rank, exc_info=True)
             reason = self._describe(e)
-        reasons = hardware.gather_from_processes(reason)
-        first = next((r for r in reasons if r is not None), None)
+        gathered = hardware.gather_from_processes((reason, result))
+        first = next((r for r, _ in gathered if r is not None), None)
         if first is not None:
             raise _SaveFailed(first)
+        return [value for _, value in gathered]
 
     def _describe(self, e: BaseException) -> str:
         return integrity.describe_write_failure(e, self.root)
@@ -410,13 +408,7 @@ class Checkpointer:
         """After every rank wrote: each checksums its own files; rank 0 adds the trainer state,
         checksums the rest and writes the marker, renames the dir into place, then moves
         `latest`, then prunes old checkpoints, in that order."""
-        digests: dict[str, dict] = {}
-
-        def checksum_own() -> None:
-            digests.update(integrity.describe(tmp, self._own_files(tmp)))
-
-        self._agree(checksum_own)
-        every = hardware.gather_from_processes(digests)
+        every = self._agree(lambda: integrity.describe(tmp, self._own_files(tmp)))
         self._agree(self._publish, tmp, step, tokens_seen, every)
 
     def _publish(self, tmp: Path, step: int, tokens_seen: int, every: list[dict]) -> None:
@@ -518,10 +510,6 @@ class _SaveFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _mb(n: int) -> str:

@@ -92,8 +92,8 @@ def check_files(path: Path, marker: dict, mode: CheckpointVerify) -> list[FileCh
             pass
         elif not f.is_file():
             problem = "is missing"
-        elif f.stat().st_size != want["size"]:
-            problem = f"has {f.stat().st_size} bytes, expected {want['size']}"
+        elif (size := f.stat().st_size) != want["size"]:
+            problem = f"has {size} bytes, expected {want['size']}"
         elif mode is CheckpointVerify.checksum and file_digest(f) != want[DIGEST]:
             problem = f"does not match its checksum ({DIGEST} {want[DIGEST][:12]}...)"
         out.append(FileCheck(name, want["size"], problem))

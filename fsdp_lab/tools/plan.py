@@ -126,22 +126,17 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
     rowwise one 1/tensor of its columns (its bias stays whole)."""
     if parallel.tensor == 1:
         return {}
-    import fnmatch
-
     from fsdp_lab.engine import tensor_parallel
 
     tp, out = parallel.tensor, {}
-    for pattern, style in tensor_parallel.check(model, parallel).items():
-        for name, module in model.named_modules():
-            if not fnmatch.fnmatchcase(name, pattern):
-                continue
-            w = module.weight
-            if style.startswith("colwise"):
-                out[id(w)] = (w.numel() // tp, w.shape[0] // tp)
-                if module.bias is not None:
-                    out[id(module.bias)] = (module.bias.numel() // tp, module.bias.shape[0] // tp)
-            else:
-                out[id(w)] = (w.numel() // tp, w.shape[0])
+    for split in tensor_parallel.splits(model, tensor_parallel.check(model, parallel)):
+        w, bias = split.module.weight, split.module.bias
+        if split.splits_output:
+            out[id(w)] = (w.numel() // tp, w.shape[0] // tp)
+            if bias is not None:
+                out[id(bias)] = (bias.numel() // tp, bias.shape[0] // tp)
+        else:
+            out[id(w)] = (w.numel() // tp, w.shape[0])
     return out
 
 

@@ -296,9 +296,9 @@ def run_and_exit(
 
 def _record_failure(run_dir: Path, e: BaseException, *, launcher_reports: bool) -> None:
     """This rank's error file, which the launcher reads to name the root cause; rank 0 also
-    marks run.json failed (the launcher refines the reason). A collective that timed out is
-    reported as the rank it waited for, from the heartbeats; under torchrun or srun (no
-    launcher of ours to say it) on this rank's stderr too."""
+    marks run.json failed (the launcher refines the reason). Under torchrun or srun (no
+    launcher of ours to read the heartbeats) a collective that timed out is reported as the
+    rank it waited for, on this rank's stderr too."""
     rank = int(os.environ.get("RANK", 0))
     path = error_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -306,13 +306,13 @@ def _record_failure(run_dir: Path, e: BaseException, *, launcher_reports: bool) 
     if isinstance(e, ConfigError):  # a message written for the user: no class name before it
         line = str(e)
     beat = heartbeat.current()
-    if beat is not None and heartbeat.is_timeout(line):  # name the rank it waited for
+    # Locally the launcher reads the beats (it hosts the store); here only under torchrun/srun.
+    if beat is not None and not launcher_reports and heartbeat.is_timeout(line):
         world = int(os.environ.get("WORLD_SIZE", 1))
         stall = heartbeat.describe_stall(heartbeat.read(beat.store, world), world, waiting=rank)
-        if stall is not None:
+        if stall is not None:  # name the rank it waited for
             line = stall
-            if not launcher_reports:
-                print(f"fsdp_lab: error: {stall}", file=sys.stderr)
+            print(f"fsdp_lab: error: {stall}", file=sys.stderr)
     log.error("rank %d failed: %s", rank, line, exc_info=True)  # the traceback: log file only
     path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
     if rank == 0 and (run_dir / RUN_FILE).is_file():
