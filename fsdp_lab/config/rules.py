@@ -17,6 +17,8 @@ from fsdp_lab.config.schema import (
     DataConfig,
     DataKind,
     Dtype,
+    FinetuneConfig,
+    FinetuneMethod,
     HardwareKind,
     LossKind,
     ModelArch,
@@ -25,6 +27,7 @@ from fsdp_lab.config.schema import (
     OffloadDevice,
     OptimImpl,
     PrecisionConfig,
+    QuantizeBase,
     WrapPolicy,
 )
 from fsdp_lab.config.strategies import strategy_of, with_replica_groups
@@ -100,6 +103,7 @@ def check_fields(cfg: Config) -> None:
         )
     _check_checkpoint(cfg.checkpoint)
     _check_precision(cfg.precision)
+    _check_finetune(cfg.finetune)
     raf = cfg.sharding.reshard_after_forward
     if raf is not None and not isinstance(raf, (bool, int)):
         raise ConfigError(
@@ -207,6 +211,47 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         )
 
 
+def _check_finetune(f: FinetuneConfig) -> None:
+    """The finetune group: each method's own settings, and no setting of another method."""
+    default = FinetuneConfig()
+    if f.method is not FinetuneMethod.freeze:
+        for name in ("freeze", "freeze_blocks"):
+            if getattr(f, name) != getattr(default, name):
+                raise ConfigError(
+                    f"finetune.{name} applies only to finetune=freeze (this run is "
+                    f"finetune={f.method.name}); remove it or set finetune=freeze"
+                )
+    if f.method is not FinetuneMethod.lora:
+        for name in ("r", "alpha", "dropout", "target_modules", "quantize_base"):
+            if getattr(f, name) != getattr(default, name):
+                raise ConfigError(
+                    f"finetune.{name} applies only to finetune=lora (this run is "
+                    f"finetune={f.method.name}); remove it or set finetune=lora"
+                )
+    if f.freeze_blocks < 0:
+        raise ConfigError(f"finetune.freeze_blocks={f.freeze_blocks} must be >= 0")
+    if f.method is FinetuneMethod.freeze and not f.freeze and not f.freeze_blocks:
+        raise ConfigError(
+            "finetune=freeze freezes nothing; set finetune.freeze=[<module pattern>, ...] "
+            "and/or finetune.freeze_blocks=N"
+        )
+    _positive(f.r, "finetune.r")
+    _positive(f.alpha, "finetune.alpha")
+    if not 0 <= f.dropout < 1:
+        raise ConfigError(f"finetune.dropout={f.dropout} must be in [0, 1)")
+    if f.target_modules is not None and not f.target_modules:
+        raise ConfigError(
+            "finetune.target_modules=[] names no module; list them (e.g. [q_proj,v_proj]) "
+            "or set finetune.target_modules=null for PEFT's default"
+        )
+    if f.quantize_base is QuantizeBase.nf4:
+        raise ConfigError(
+            "finetune.quantize_base=nf4 (QLoRA) is not built: bitsandbytes' 4-bit weights are "
+            "not FSDP2-aware and torchao's NF4Tensor route is unverified here; set "
+            "finetune.quantize_base=none"
+        )
+
+
 def _check_precision(p: PrecisionConfig) -> None:
     if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
         raise ConfigError(
@@ -282,6 +327,11 @@ def refuse_for_xla(cfg: Config) -> None:
             "written synchronously; set checkpoint.async_enabled=false",
         ),
         (
+            cfg.finetune.method is not FinetuneMethod.full,
+            f"finetune={cfg.finetune.method.name}: frozen parameters and adapters are not "
+            "verified on torch_xla; use finetune=full",
+        ),
+        (
             cfg.hardware.num_nodes != 1,
             f"hardware.num_nodes={cfg.hardware.num_nodes}: "
             "multi-host TPU slices are not supported yet; run on one TPU VM host",
@@ -314,6 +364,11 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
     refusals = (
         (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
         (cfg.compile, "compile=true (not verified with TP)"),
+        (
+            cfg.finetune.method is FinetuneMethod.lora,
+            "finetune=lora (PEFT wraps q_proj as q_proj.base_layer: the TP plan no longer "
+            "matches it)",
+        ),
     )
     for refused, what in refusals:
         if refused:

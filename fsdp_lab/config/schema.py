@@ -123,6 +123,17 @@ class CheckpointVerify(enum.Enum):
     none = "none"  # only the marker; reading stays safe (no code from a checkpoint, ever)
 
 
+class FinetuneMethod(enum.Enum):
+    full = "full"  # every parameter trains
+    freeze = "freeze"  # the modules finetune.freeze names (and the first freeze_blocks) are frozen
+    lora = "lora"  # PEFT's LoRA adapters train; the whole base model is frozen
+
+
+class QuantizeBase(enum.Enum):
+    none = "none"
+    nf4 = "nf4"  # QLoRA's 4-bit NormalFloat base: not built (see rules)
+
+
 # "continue" is a keyword, hence the functional form; OmegaConf matches members by name.
 OnSaveError = enum.Enum("OnSaveError", [("stop", "stop"), ("continue", "continue")])
 OnSaveError.__doc__ = """A checkpoint that cannot be written (too little free space, ENOSPC, EIO):
@@ -261,6 +272,34 @@ class ModelConfig:
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = False
     """Share the input embedding with the output head (GPT-2, small Qwen2)."""
+
+
+@dataclass
+class FinetuneConfig:
+    """Which parameters train. Frozen parameters hold no gradient and no optimizer state;
+    they may share an FSDP unit with trainable ones (FSDP2 shards per parameter)."""
+
+    method: FinetuneMethod = FinetuneMethod.full
+    """full: every parameter trains; freeze: the parameters under finetune.freeze and
+    finetune.freeze_blocks are frozen; lora: PEFT's LoRA adapters on finetune.target_modules
+    train and the whole base model is frozen."""
+    freeze: List[str] = field(default_factory=list)
+    """freeze: module or parameter name patterns (fnmatch; a module freezes everything under
+    it), e.g. [model.embed_tokens, "model.layers.0.*"]. Names as in model.named_modules()."""
+    freeze_blocks: int = 0
+    """freeze: also freeze the first N transformer blocks (the model's stack of layers)."""
+    r: int = 8
+    """lora: the adapters' rank."""
+    alpha: int = 16
+    """lora: the scale is alpha / r."""
+    dropout: float = 0.0
+    """lora: dropout on the adapters' input (0.0: none; > 0 makes ranks draw different masks)."""
+    target_modules: Optional[List[str]] = None
+    """lora: module names (a name or its last parts, as PEFT matches them, e.g. [q_proj,
+    v_proj]; all-linear: every linear layer but the head). None: PEFT's default for the
+    architecture."""
+    quantize_base: QuantizeBase = QuantizeBase.none
+    """lora: nf4 would hold the frozen base in 4 bits (QLoRA); not built, refused."""
 
 
 @dataclass
@@ -410,6 +449,7 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -110,6 +110,7 @@ class ShardedModel:
     full_state_dict: Callable[[], dict]  # whole weights on the host of rank 0 (others: {})
     checkpoint_io: object | None = None  # how sharded checkpoints are written; None: DTensors
     param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
+    frozen_fingerprint: str | None = None  # of the frozen parameters rank 0 read (finetune)
 
 
 def build_model(
@@ -124,9 +125,8 @@ def build_model(
     from fsdp_lab.engine import activations, hardware, precision, wrap
     from fsdp_lab.engine import model as model_lib
 
-    model, kind = meta_model, topo.device
+    model, kind, tensor = meta_model, topo.device, cfg.parallel.tensor
     tied = model_lib.tied_groups(model)
-    tensor = cfg.parallel.tensor
     mesh = build_mesh(cfg.sharding, topo, device_type=device.type, tensor=tensor)
     if tensor > 1:  # TP first, then activation checkpointing, compile, fully_shard
         from fsdp_lab.engine import tensor_parallel
@@ -150,7 +150,7 @@ def build_model(
         prefetch=cfg.sharding.prefetch,
     )
     model_lib.check_tied(model, tied)
-    model_lib.materialize(
+    fingerprint = model_lib.materialize(
         model, device=device, source=source, offload=cfg.offload.device is OffloadDevice.cpu
     )
     model_lib.check_tied(model, tied)
@@ -171,6 +171,7 @@ def build_model(
         local_numels=lambda: hardware.gather_from_processes(local_numel(model)),
         state_bytes=lambda optimizer: hardware.gather_from_processes(state_bytes(model, optimizer)),
         full_state_dict=full_state_dict,
+        frozen_fingerprint=fingerprint,
     )
 
 

@@ -254,7 +254,9 @@ def check_tied(model: nn.Module, expected: list[list[str]]) -> None:
         )
 
 
-def materialize(model: nn.Module, *, device: torch.device, source, offload: bool = False) -> None:
+def materialize(
+    model: nn.Module, *, device: torch.device, source, offload: bool = False
+) -> str | None:
     """Give the sharded meta model real storage on ``device`` and rank 0's initial weights.
     With ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and
     only the buffers, which FSDP does not move, go to ``device``.
@@ -264,7 +266,12 @@ def materialize(model: nn.Module, *, device: torch.device, source, offload: bool
 
     Non-persistent buffers (rotary ``inv_freq``) are not in a state dict, so they are copied from
     rank 0's CPU model too: after ``to_empty`` they hold garbage (loss silently off by ~4e-4).
+
+    Returns, on every rank, the fingerprint of the frozen parameters rank 0 read (None: none
+    is frozen): what a checkpoint that leaves the base out records and a resume compares.
     """
+    from fsdp_lab.engine.finetune import frozen_fingerprint
+
     rank = dist.get_rank()
     model.to_empty(device=torch.device("cpu") if offload else device)
     if offload and device.type != "cpu":
@@ -274,10 +281,12 @@ def materialize(model: nn.Module, *, device: torch.device, source, offload: bool
                     module._buffers[key] = buffer.to(device)
     full_sd: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
+    fingerprint = None
     if rank == 0:
         full = source()
         full_sd = full.state_dict()
         buffers = _non_persistent_buffers(full)
+        fingerprint = frozen_fingerprint(full)
         del full  # the state dict keeps the tensors alive, not a second copy
     hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
     set_model_state_dict(
@@ -285,7 +294,7 @@ def materialize(model: nn.Module, *, device: torch.device, source, offload: bool
         full_sd,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
-    payload = [buffers]
+    payload = [buffers, fingerprint]
     dist.broadcast_object_list(payload, src=0)
     own = _non_persistent_buffers(model)
     assert own.keys() == payload[0].keys(), (own.keys(), payload[0].keys())
@@ -294,3 +303,4 @@ def materialize(model: nn.Module, *, device: torch.device, source, offload: bool
             own[name].copy_(value.to(own[name].device))
     for name, param in model.named_parameters():
         assert not param.is_meta, f"{name} was not materialised"
+    return payload[1]

@@ -70,7 +70,9 @@ def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn
     cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
-    loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile)
+    loss_kind = loss_lib.resolve_kind(
+        cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
+    )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     if cfg.model.pretrained:
         model_lib.check_weights(cfg.model.name_or_path)
@@ -92,12 +94,38 @@ def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    _check_finetune(cfg, meta_model, loss_kind)
     if cfg.parallel.tensor > 1:  # a model without a TP plan, or one the degree cannot split
         from fsdp_lab.engine import tensor_parallel
 
         tensor_parallel.check(meta_model, cfg.parallel)
     wrap.select_units(meta_model, cfg.wrap)
     return cfg, meta_model
+
+
+def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None:
+    """The finetune group on the model's structure: patterns that match nothing, nothing left
+    to train, and LoRA on the output head under a loss that reads the head's weight alone."""
+    from fsdp_lab.config import FinetuneMethod
+    from fsdp_lab.engine import finetune
+    from fsdp_lab.train import loss as loss_lib
+
+    finetune.apply(meta_model, cfg.finetune)
+    method = cfg.finetune.method
+    if method is FinetuneMethod.full:
+        return
+    if finetune.adapts_head(meta_model) and loss_kind in loss_lib.FUSED_KINDS:
+        raise ConfigError(
+            f"finetune.target_modules adapts the output head, and loss={loss_kind.name} "
+            "computes the logits from the head's weight alone (without its adapter); set "
+            "loss=hf, or leave the head out of finetune.target_modules"
+        )
+    if method is FinetuneMethod.lora and not cfg.model.pretrained:
+        log.warning(
+            "finetune=lora on a randomly initialised base (model.pretrained=false): legal, but "
+            "the frozen base is noise; set model=local model.name_or_path=DIR "
+            "(model.pretrained=true) to adapt a pretrained model"
+        )
 
 
 def _resume_point(
@@ -120,6 +148,13 @@ def _resume_point(
                 "export` and start from that (model=local model.name_or_path=<export>)"
             )
         ckpt.check_compatible(resume_path, meta_model)
+        base = json.loads((resume_path / ckpt.TRAINER_FILE).read_text()).get("frozen_base")
+        if base and not base["saved"] and not cfg.model.pretrained:
+            raise ConfigError(
+                f"resume={resume_path}: the checkpoint holds only the trainable parameters of "
+                f"a fine-tune of {base['source']}, whose frozen base this run does not read; "
+                f"set model.pretrained=true model.name_or_path={base['source']}"
+            )
     continuing = resume_path is not None and cfg.resume == "auto"
     _claim_run_dir(run_dir, continuing=continuing, job=job)
     if continuing:

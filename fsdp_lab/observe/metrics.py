@@ -149,18 +149,21 @@ def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B; as in
     torchtitan and nanoGPT). N: parameters that do matmuls (embedding lookups do none, a head
     tied to the input embedding does); L layers, H heads, Q head dim, T sequence length.
-    Activation-checkpointing recompute is not counted (MFU, not hardware FLOPs utilisation)."""
+    Activation-checkpointing recompute is not counted (MFU, not hardware FLOPs utilisation).
+    A frozen parameter (finetune=freeze, lora) costs 4 of the 6: forward and the gradient of
+    its input, no weight gradient (counted also below the lowest trainable layer, where
+    backward does not reach: an upper bound there)."""
     embeddings = {
         id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
     }
-    params = {id(p): p.numel() for p in model.parameters()}
-    dense = sum(n for i, n in params.items() if i not in embeddings)
+    dense = {id(p): p for p in model.parameters() if id(p) not in embeddings}
     head = model.get_output_embeddings()
     if head is not None and id(head.weight) in embeddings:
-        dense += head.weight.numel()
+        dense[id(head.weight)] = head.weight
+    matmul = sum((6 if p.requires_grad else 4) * p.numel() for p in dense.values())
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return 6 * dense + 12 * hf_config.num_hidden_layers * heads * head_dim * seq_len
+    return matmul + 12 * hf_config.num_hidden_layers * heads * head_dim * seq_len
 
 
 def throughput(

@@ -141,6 +141,7 @@ class WandbLogger:
                     "num_fsdp_units",
                     "model_class",
                     "total_params",
+                    "trainable_params",
                     "tokens_per_step",
                 )
                 if k in facts

@@ -60,6 +60,43 @@ class CheckpointSaveError(CheckpointError):
     """A checkpoint that could not be written; the last complete one is still ``latest``."""
 
 
+@dataclass(frozen=True)
+class FrozenBase:
+    """How much of the model a checkpoint holds. A fine-tune of a pretrained model
+    (finetune=freeze or lora with model.pretrained=true) saves only its trainable parameters:
+    the frozen base is read again from ``source`` at resume, and must then have
+    ``fingerprint`` (``finetune.frozen_fingerprint``), or the resume is refused. Every other
+    run saves the whole model (a random-init base cannot be read again from anywhere)."""
+
+    trainable: frozenset[str] | None = None  # the names saved; None: the whole model
+    fingerprint: str | None = None  # of the frozen parameters; None: nothing is frozen
+    source: str | None = None  # model.name_or_path the base is read from
+
+    @classmethod
+    def of(cls, cfg, sharded) -> FrozenBase:
+        from fsdp_lab.engine import finetune
+
+        fingerprint = sharded.frozen_fingerprint
+        if fingerprint is None or not cfg.model.pretrained:
+            return cls(fingerprint=fingerprint)
+        names = frozenset(finetune.trainable_names(sharded.model))
+        return cls(trainable=names, fingerprint=fingerprint, source=cfg.model.name_or_path)
+
+    def record(self) -> dict:
+        """What trainer.json says of it."""
+        return {
+            "saved": self.trainable is None,
+            "fingerprint": self.fingerprint,
+            "source": self.source,
+        }
+
+    def keep(self, model_sd: dict) -> dict:
+        """The entries of a model state dict a checkpoint holds."""
+        if self.trainable is None:
+            return model_sd
+        return {k: v for k, v in model_sd.items() if k in self.trainable}
+
+
 @dataclass
 class Restored:
     step: int
@@ -217,8 +254,10 @@ class Checkpointer:
         device: torch.device,
         data=None,
         io=None,
+        frozen: FrozenBase | None = None,
     ) -> None:
         self.cfg, self.root, self.data, self.io = cfg, root, data, io
+        self.frozen = frozen or FrozenBase()
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.config, self.device = config, device
@@ -274,7 +313,7 @@ class Checkpointer:
                 self._agree(lambda: self.io.save(self.model, self.optimizer, tmp))
             case CheckpointFormat.sharded:
                 state = {
-                    "model": get_model_state_dict(self.model),
+                    "model": self.frozen.keep(get_model_state_dict(self.model)),
                     "optim": get_optimizer_state_dict(self.model, self.optimizer),
                 }
                 if self.cfg.async_enabled and not blocking:
@@ -285,7 +324,7 @@ class Checkpointer:
                 self._collective(lambda: dcp.save(state, checkpoint_id=str(tmp)))
             case CheckpointFormat.full:
                 opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-                model_sd = get_model_state_dict(self.model, options=opts)
+                model_sd = self.frozen.keep(get_model_state_dict(self.model, options=opts))
                 optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
 
                 def write() -> None:
@@ -420,6 +459,7 @@ class Checkpointer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "data": self.data.state(step) if self.data is not None else None,
+            "frozen_base": self.frozen.record(),
             "config": self.config,
         }
         _fsync_write(tmp / TRAINER_FILE, json.dumps(trainer, indent=1).encode())
@@ -461,12 +501,13 @@ class Checkpointer:
         (verified and scanned by the launcher; read here through the same guards)."""
         marker = integrity.read_marker(path)
         trainer = json.loads((path / TRAINER_FILE).read_text())
+        held = self._held(path, trainer)
         match CheckpointFormat[marker["format"]]:
             case CheckpointFormat.sharded if self.io is not None:
                 self.io.load(self.model, self.optimizer, path, reader=safe_load.Reader(path))
             case CheckpointFormat.sharded:
                 state = {
-                    "model": get_model_state_dict(self.model),
+                    "model": held.keep(get_model_state_dict(self.model)),
                     "optim": get_optimizer_state_dict(self.model, self.optimizer),
                 }
                 dcp.load(
@@ -474,10 +515,15 @@ class Checkpointer:
                     storage_reader=safe_load.Reader(path),
                     planner=safe_load.LoadPlanner(path),
                 )
-                set_model_state_dict(self.model, state["model"])
+                partial = StateDictOptions(strict=held.trainable is None)
+                set_model_state_dict(self.model, state["model"], options=partial)
                 set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
             case CheckpointFormat.full:
-                opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                opts = StateDictOptions(
+                    full_state_dict=True,
+                    broadcast_from_rank0=True,
+                    strict=held.trainable is None,
+                )
                 model_sd = optim_sd = {}
                 if self.rank == 0:
                     model_sd = safe_load.load_plain(path / "model.pt", mmap=True)
@@ -504,6 +550,23 @@ class Checkpointer:
         return Restored(
             step=trainer["step"], tokens_seen=trainer["tokens_seen"], data_state=trainer.get("data")
         )
+
+    def _held(self, path: Path, trainer: dict) -> FrozenBase:
+        """What of the model ``path`` holds. One without the frozen base resumes only onto the
+        same base: its fingerprint must be the one this run's rank 0 read (every rank has both,
+        so every rank refuses together)."""
+        record = trainer.get("frozen_base") or {"saved": True}
+        if record["saved"]:
+            return FrozenBase()
+        if record["fingerprint"] != self.frozen.fingerprint:
+            raise CheckpointError(
+                f"checkpoint {path} holds only the trainable parameters of a fine-tune of "
+                f"{record['source']}, and the frozen base this run read from "
+                f"model.name_or_path differs from that one (fingerprint "
+                f"{str(self.frozen.fingerprint)[:12]}, not {record['fingerprint'][:12]}); set "
+                f"model.name_or_path={record['source']} (the same weights) or resume=never"
+            )
+        return self.frozen
 
 
 class _SaveFailed(Exception):
@@ -533,10 +596,19 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def check_compatible(path: Path, model: torch.nn.Module) -> None:
     """A checkpoint of another model fails before launch, naming a parameter that differs.
 
-    ``model`` may be on the meta device: only names and shapes are compared.
+    ``model`` may be on the meta device: only names and shapes are compared. A fine-tune's
+    checkpoint that leaves out the frozen base is compared on its trainable parameters; the
+    base is checked by its fingerprint when the ranks have read it.
     """
+    from fsdp_lab.engine import finetune
+
     saved = saved_shapes(path)
-    for name, tensor in model.state_dict().items():
+    record = json.loads((path / TRAINER_FILE).read_text()).get("frozen_base") or {"saved": True}
+    expected = model.state_dict()
+    if not record["saved"]:
+        trainable = finetune.trainable_names(model)
+        expected = {k: v for k, v in expected.items() if k in trainable}
+    for name, tensor in expected.items():
         if name not in saved:
             raise CheckpointError(
                 f"checkpoint {path} has no {name}: it is of another model; set resume=never "

@@ -12,12 +12,21 @@ from pathlib import Path
 
 import torch
 
-from fsdp_lab.config import CheckpointVerify, Config, ConfigError, ModelTask, to_typed
+from fsdp_lab.config import (
+    CheckpointVerify,
+    Config,
+    ConfigError,
+    FinetuneMethod,
+    ModelTask,
+    to_typed,
+)
+from fsdp_lab.engine import finetune
 from fsdp_lab.engine.model import (
     align_special_tokens,
     build_full_model,
     build_hf_config,
     build_meta_model,
+    load_pretrained,
 )
 from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.state import integrity, safe_load
@@ -64,13 +73,80 @@ def export_hf(
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    _swap_into_place(tmp, out_dir)
+    return out_dir
+
+
+def export_run(
+    model_sd: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: Path,
+    cfg: Config,
+    *,
+    merge: bool = False,
+    **kwargs,
+) -> Path:
+    """A run's trained weights as a Hugging Face directory: a LoRA run's as a PEFT adapter
+    directory (``PeftModel.from_pretrained(base, out_dir)``; with peft installed
+    ``from_pretrained(out_dir)`` too), or with ``merge`` as a whole model with the adapters
+    merged into the base; every other run's as a whole model (``export_hf``)."""
+    if cfg.finetune.method is FinetuneMethod.lora:
+        peft_model = _peft_model(model_sd, hf_config, cfg)
+        if not merge:
+            return _save_adapter(peft_model, out_dir, **kwargs)
+        merged = peft_model.merge_and_unload()
+        model_sd = merged.state_dict()
+    return export_hf(model_sd, hf_config, out_dir, task=cfg.model.task, **kwargs)
+
+
+def _peft_model(model_sd: dict[str, torch.Tensor], hf_config, cfg: Config):
+    """A PeftModel holding ``model_sd`` (our names: PEFT's without ``base_model.model.``),
+    built on meta and given the tensors, not a copy of them."""
+    from peft import get_peft_model
+
+    base = build_meta_model(hf_config, cfg.model.task)
+    if cfg.model.pretrained:
+        base.name_or_path = cfg.model.name_or_path  # the adapter config's base model
+    lora = finetune.lora_config(cfg.finetune, hf_config.model_type)
+    if cfg.model.task is ModelTask.causal_lm:
+        lora.task_type = "CAUSAL_LM"  # so AutoModelForCausalLM.from_pretrained takes the dir
+    peft_model = get_peft_model(base, lora, adapter_name=finetune.ADAPTER)
+    prefixed = {f"base_model.model.{k}": v for k, v in model_sd.items()}
+    missing, unexpected = peft_model.load_state_dict(prefixed, strict=False, assign=True)
+    tied = {f"base_model.model.{k}" for k in _tied_keys(base)}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ConfigError(
+            f"export: the weights do not fit a LoRA {type(base).__name__} (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    if getattr(hf_config, "tie_word_embeddings", False):
+        base.tie_weights()
+    return peft_model
+
+
+def _save_adapter(peft_model, out_dir: Path, *, replace: bool = False, tokenizer=None, **_) -> Path:
+    """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) and the
+    tokenizer; complete or invisible, as ``export_hf``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not replace:
+        raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    _swap_into_place(tmp, out_dir)
+    return out_dir
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
-    return out_dir
 
 
 def _tied_keys(model) -> set[str]:
@@ -89,15 +165,17 @@ def load_checkpoint_weights(
     trainer = json.loads((path / ckpt.TRAINER_FILE).read_text())
     cfg = to_typed(trainer["config"])
     hf_config = build_hf_config(cfg.model)
+    model, held = _model_for(path, trainer, cfg, hf_config)
     if marker["format"] == "full":
-        return safe_load.load_plain(path / "model.pt"), hf_config, cfg
+        sd = held.keep(safe_load.load_plain(path / "model.pt"))
+        model.load_state_dict(sd, strict=held.trainable is None)
+        return model.state_dict(), hf_config, cfg
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    # DCP loads in place into tensors of the right shapes: a CPU model supplies them.
-    model = build_full_model(hf_config, seed=0, task=cfg.model.task)
-    state = {"model": model.state_dict()}
+    # DCP loads in place into the model's tensors, of the right shapes.
+    state = {"model": held.keep(model.state_dict())}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(
@@ -106,4 +184,26 @@ def load_checkpoint_weights(
             planner=safe_load.LoadPlanner(path),
             no_dist=True,
         )
-    return state["model"], hf_config, cfg
+    return model.state_dict(), hf_config, cfg
+
+
+def _model_for(path: Path, trainer: dict, cfg: Config, hf_config):
+    """A CPU model with the checkpoint's parameters (its finetune applied), and what of it the
+    checkpoint holds. A fine-tune's checkpoint without its frozen base gets the base read
+    from where the run read it, checked against the fingerprint the run recorded."""
+    record = trainer.get("frozen_base") or {"saved": True}
+    if record["saved"]:  # every weight comes from the checkpoint: any init gives the shapes
+        model = build_full_model(hf_config, seed=0, task=cfg.model.task)
+        finetune.apply(model, cfg.finetune)
+        return model, ckpt.FrozenBase()
+    model = load_pretrained(record["source"], cfg.model.task)
+    finetune.apply(model, cfg.finetune, seed=cfg.seed)
+    fingerprint = finetune.frozen_fingerprint(model)
+    if fingerprint != record["fingerprint"]:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} holds only the trainable parameters of a fine-tune of "
+            f"{record['source']}, whose weights have changed since (fingerprint "
+            f"{fingerprint[:12]}, not {record['fingerprint'][:12]}); restore that base model"
+        )
+    names = frozenset(finetune.trainable_names(model))
+    return model, ckpt.FrozenBase(trainable=names, fingerprint=fingerprint, source=record["source"])

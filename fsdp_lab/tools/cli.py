@@ -1,6 +1,7 @@
 """The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
 
 fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
+                                       #   (LoRA: a PEFT adapter; --merge: the merged model)
 fsdp-lab verify CHECKPOINT             # every file against its checksum, every pickle checked
 fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
@@ -38,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("out_dir", type=Path, help="new or empty output directory")
     exp.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (2GB)")
     exp.add_argument(*VERIFY_ARGS, **VERIFY_KWARGS)
+    exp.add_argument(
+        "--merge",
+        action="store_true",
+        help="finetune=lora: merge the adapters into the base and write a whole model "
+        "(default: PEFT's adapter directory)",
+    )
     ver = sub.add_parser(
         "verify",
         help="check a checkpoint's files against their sizes and checksums, and that every "
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         match args.command:
             case "export":
                 from fsdp_lab.data.corpus import load_tokenizer
-                from fsdp_lab.state.export import export_hf, load_checkpoint_weights
+                from fsdp_lab.state.export import export_run, load_checkpoint_weights
 
                 sd, hf_config, cfg = load_checkpoint_weights(
                     args.checkpoint, CheckpointVerify[args.verify]
@@ -75,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                 except ConfigError as e:  # the run's tokenizer dir moved: weights still export
                     print(f"fsdp-lab: warning: exporting without a tokenizer: {e}", file=sys.stderr)
                     tokenizer = None
-                out = export_hf(
+                out = export_run(
                     sd,
                     hf_config,
                     args.out_dir,
+                    cfg,
+                    merge=args.merge,
                     max_shard_size=args.max_shard_size,
-                    task=cfg.model.task,
                     tokenizer=tokenizer,
                     preset=cfg.model.arch is not None,
                 )

@@ -31,6 +31,7 @@ class ParamShape:
     numel: int
     dim0: int  # the size of the dim FSDP2 shards (Shard(0)); 1 for a 0-dim parameter
     group: int  # the FSDP unit that owns it, in wrap order; -1 for the root
+    trainable: bool = True  # frozen (finetune): no gradient, no optimizer state
 
     @property
     def row(self) -> int:
@@ -45,6 +46,7 @@ class StateBytes:
     grads: int  # its fp32 sharded gradients
     optimizer: int  # AdamW exp_avg + exp_avg_sq + step
     padding: int  # storage FSDP2 allocates past the shard (params and grads padded to chunk 0)
+    grad_padding: int = 0  # the grads' part of padding (trainable parameters only)
 
     @property
     def total(self) -> int:
@@ -59,16 +61,24 @@ def chunk_rows(dim0: int, num_chunks: int, index: int) -> int:
 
 
 def rank_state(params: list[ParamShape], *, shard_size: int, shard_rank: int) -> StateBytes:
-    """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks."""
-    local = padded = 0
+    """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks;
+    only trainable parameters have gradients and optimizer state."""
+    local = padded = local_t = padded_t = 0
     for p in params:
-        local += chunk_rows(p.dim0, shard_size, shard_rank) * p.row
-        padded += chunk_rows(p.dim0, shard_size, 0) * p.row
+        mine, first = (
+            chunk_rows(p.dim0, shard_size, shard_rank) * p.row,
+            chunk_rows(p.dim0, shard_size, 0) * p.row,
+        )
+        local, padded = local + mine, padded + first
+        if p.trainable:
+            local_t, padded_t = local_t + mine, padded_t + first
+    grad_padding = FP32 * (padded_t - local_t)
     return StateBytes(
         params=FP32 * local,
-        grads=FP32 * local,
-        optimizer=2 * FP32 * local + ADAM_STEP_BYTES * len(params),
-        padding=2 * FP32 * (padded - local),
+        grads=FP32 * local_t,
+        optimizer=2 * FP32 * local_t + ADAM_STEP_BYTES * sum(p.trainable for p in params),
+        padding=FP32 * (padded - local) + grad_padding,
+        grad_padding=grad_padding,
     )
 
 
@@ -83,10 +93,14 @@ def per_rank_state(params: list[ParamShape], mesh: tuple[int, ...]) -> list[Stat
     return [by_shard[r % shard] for r in range(world)]
 
 
-def zero_paper(num_params: int, *, stage: int, dp_size: int, k: int = ZERO_K) -> StateBytes:
+def zero_paper(
+    num_params: int, *, stage: int, dp_size: int, k: int = ZERO_K, trainable: int | None = None
+) -> StateBytes:
     """Model-state bytes per rank of ZeRO stage 0 (DDP), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p) for
     Psi parameters over N ranks: (2+2+K)Psi, 4Psi+KPsi/N, 2Psi+(2+K)Psi/N, (2+2+K)Psi/N.
-    Divisions round up (a rank holds whole elements)."""
+    Divisions round up (a rank holds whole elements). With ``trainable`` < Psi (a frozen
+    base) gradients and the K bytes count only the trainable parameters."""
+    tuned = num_params if trainable is None else trainable
 
     def split(nbytes: int, sharded: bool) -> int:
         return -(-nbytes // dp_size) if sharded else nbytes
@@ -95,16 +109,21 @@ def zero_paper(num_params: int, *, stage: int, dp_size: int, k: int = ZERO_K) ->
         raise ValueError(f"ZeRO stage {stage} is not 0, 1, 2 or 3")
     return StateBytes(
         params=split(2 * num_params, stage >= 3),
-        grads=split(2 * num_params, stage >= 2),
-        optimizer=split(k * num_params, stage >= 1),
+        grads=split(2 * tuned, stage >= 2),
+        optimizer=split(k * tuned, stage >= 1),
         padding=0,
     )
 
 
-def group_numels(params: list[ParamShape], shard_size: int) -> dict[int, int]:
-    """Elements each FSDP unit all-gathers (its unsharded params, padded to shard_size chunks)."""
+def group_numels(
+    params: list[ParamShape], shard_size: int, *, trainable_only: bool = False
+) -> dict[int, int]:
+    """Elements each FSDP unit all-gathers (its unsharded params, padded to shard_size chunks);
+    ``trainable_only``: those it reduce-scatters gradients of."""
     out: dict[int, int] = {}
     for p in params:
+        if trainable_only and not p.trainable:
+            continue
         out[p.group] = out.get(p.group, 0) + chunk_rows(p.dim0, shard_size, 0) * shard_size * p.row
     return out
 
@@ -140,11 +159,14 @@ def transient(
     reduce_bytes: int,
     grad_accum_steps: int,
     backward: int,
+    grad_groups: dict[int, int] | None = None,
 ) -> Transient:
     """FSDP2's working set. The root (-1) is not resharded after forward when there are units
     (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
     ``reshard`` False every unit stays gathered until its backward (grad_op, hybrid_zero2,
-    no_shard), with an int N each keeps a 1/N shard."""
+    no_shard), with an int N each keeps a 1/N shard. ``grad_groups``: the elements of each
+    unit that get gradients, where some are frozen (default: all of ``groups``)."""
+    grad_groups = groups if grad_groups is None else grad_groups
     units = {g: n for g, n in groups.items() if g >= 0}
     root = groups.get(-1, 0)
     if not units:  # the root is the only unit and follows the strategy
@@ -158,13 +180,13 @@ def transient(
         kept += sum(-(-n // reshard) for n in others.values())
     largest = sorted(others.values(), reverse=True)
     gathered = 0 if reshard is False else sum(largest[:2])  # current + prefetched unit
-    biggest = max([root, *units.values()])
+    biggest = max(grad_groups.values(), default=0)
     return Transient(
         kept_params=kept * param_bytes,
         gathered=gathered * param_bytes,
         grad_buffers=biggest * (param_bytes + reduce_bytes),
         # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
-        accumulation=sum(groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0,
+        accumulation=sum(grad_groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0,
         backward=backward,
     )
 
@@ -178,13 +200,12 @@ def peak(
     on a GPU) only the working set counts."""
     if not state_on_device:
         return activations + transient_bytes
-    grads_padding = state.padding // 2  # the padding is half params', half grads'
     return (
         state.params
         + state.optimizer
         + state.padding
-        - grads_padding
-        + max(activations + transient_bytes, state.grads + grads_padding)
+        - state.grad_padding
+        + max(activations + transient_bytes, state.grads + state.grad_padding)
     )
 
 

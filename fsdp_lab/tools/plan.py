@@ -19,8 +19,6 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch import nn
-
 from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
@@ -111,6 +109,7 @@ class ModelFacts:
     unit_classes: dict[str, int]
     params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
     total_params: int  # the model's, whole
+    trainable_params: int  # total_params unless finetune freezes some or adds adapters
     layer: memory.LayerShape
     num_checkpointed: int  # decoder layers under activation checkpointing
     last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
@@ -144,7 +143,7 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
     from fsdp_lab.data import corpus
-    from fsdp_lab.engine import activations, wrap
+    from fsdp_lab.engine import activations, finetune, wrap
     from fsdp_lab.engine import model as model_lib
     from fsdp_lab.train import loss as loss_lib
 
@@ -163,6 +162,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     model_lib.check_task(hf_config, cfg.model.task)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    finetune.apply(model, cfg.finetune)  # frozen parameters: no grads, no optimizer state
     loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     owner: dict[int, int] = {}
@@ -184,14 +184,21 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
             numel=split.get(id(p), (p.numel(), 0))[0],
             dim0=split.get(id(p), (0, p.shape[0] if p.ndim else 1))[1],
             group=owner.get(id(p), -1),
+            trainable=p.requires_grad,
         )
         for p in model.parameters()
     ]
     layer, notes = memory.layer_shape(hf_config, cfg.model.task)
+    if any(not q.trainable for q in params):
+        notes.append(
+            f"finetune={cfg.finetune.method.name}: activations are counted as for full "
+            "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
+            "adds its adapters' small inputs)"
+        )
     fused = loss in loss_lib.FUSED_KINDS
     if loss in (LossKind.liger, LossKind.cce):
         notes.append(f"loss={loss.name}: its working memory is estimated as loss=chunked's")
-    layers = decoder_layers(model, layer.num_layers)
+    layers = finetune.blocks(model)
     layer_ids = {id(m) for m in layers}
     chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
     if any(id(units[i]) not in layer_ids for i in chosen):
@@ -210,6 +217,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
         unit_classes=classes,
         params=params,
         total_params=sum(p.numel() for p in model.parameters()),
+        trainable_params=finetune.counts(model)[0],
         layer=layer,
         num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
         last_checkpointed=any(units[i] is last for i in chosen),
@@ -218,14 +226,6 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
         loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
         notes=notes + tp_note,
     )
-
-
-def decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
-    """The model's stack of blocks: its first ModuleList of num_hidden_layers modules."""
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return list(module)
-    return []
 
 
 # Long: one strategy's figures, most of it the dict of what the JSON output holds.
@@ -271,6 +271,7 @@ def strategy_plan(
     )
     trans = memory.transient(
         memory.group_numels(facts.params, dp_mesh[-1]),
+        grad_groups=memory.group_numels(facts.params, dp_mesh[-1], trainable_only=True),
         reshard=reshard,
         param_bytes=b,
         reduce_bytes=rb,
@@ -281,7 +282,10 @@ def strategy_plan(
     on_device = not (offload and topo.device is HardwareKind.gpu)
     top = per_rank[0]  # chunk 0 is never smaller than another rank's
     paper = memory.zero_paper(
-        sum(q.numel for q in facts.params), stage=row.zero_stage, dp_size=dp_mesh[-1]
+        sum(q.numel for q in facts.params),
+        stage=row.zero_stage,
+        dp_size=dp_mesh[-1],
+        trainable=sum(q.numel for q in facts.params if q.trainable),
     )
     return {
         "available": True,
@@ -343,6 +347,8 @@ def build_plan(overrides: list[str]) -> dict:
         "device": topo.device.name,
         "model_class": facts.model_class,
         "num_params": facts.total_params,
+        "trainable_params": facts.trainable_params,
+        "finetune": cfg.finetune.method.name,
         "vocab_size": layer.vocab,
         "vocab_source": facts.vocab_source,
         "units": {
@@ -401,6 +407,15 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"{plan['model_class']}: {plan['num_params']:,} parameters, vocabulary "
         f"{plan['vocab_size']:,} (from {plan['vocab_source']})",
+        *(
+            [
+                f"finetune   {plan['finetune']}: {plan['trainable_params']:,} trainable "
+                f"({100 * plan['trainable_params'] / plan['num_params']:.2f}%); frozen "
+                "parameters hold no gradient and no optimizer state"
+            ]
+            if plan["trainable_params"] != plan["num_params"]
+            else []
+        ),
         f"ranks      {plan['world_size']} = {plan['num_nodes']} node(s) x "
         f"{plan['nproc_per_node']} ({plan['device']})",
         f"mesh       {_mesh(chosen['mesh'])} {tuple(chosen['mesh_axes'])}, reshard_after_forward="

@@ -50,6 +50,7 @@ class RunFacts:
     num_fsdp_units: int
     model_class: str
     total_params: int
+    trainable_params: int  # fewer than total_params with finetune=freeze or lora
     local_params_per_rank: list[int]
     tokens_per_step: int
     task: str
@@ -99,6 +100,7 @@ class RunFacts:
             num_fsdp_units=sharded.num_units,
             model_class=model.model_class,
             total_params=model.total_params,
+            trainable_params=model.trainable_params,
             local_params_per_rank=sharded.local_numels(),
             tokens_per_step=state.tokens_per_step,
             task=model.task.name,
@@ -253,6 +255,14 @@ def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:
         f"{facts.total_params:,}",
         [f"{n:,}" for n in facts.local_params_per_rank],
     )
+    if facts.trainable_params != facts.total_params:
+        log.info(
+            "finetune=%s: %s trainable parameters (%.2f%%); the rest hold no gradient and no "
+            "optimizer state",
+            cfg.finetune.method.name,
+            f"{facts.trainable_params:,}",
+            100 * facts.trainable_params / facts.total_params,
+        )
     log.info(
         "loss=%s%s | optimizer %s | numbers read from the device every %d steps",
         facts.loss_kind,

@@ -17,11 +17,11 @@ from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
-from fsdp_lab.engine import fsdp, hardware, precision
+from fsdp_lab.engine import finetune, fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.fsdp import ShardedModel
 from fsdp_lab.observe import metrics
-from fsdp_lab.state.checkpoint import Checkpointer, checkpoint_root
+from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
 from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
@@ -45,6 +45,7 @@ class ModelFacts:
     hf_config: object
     task: ModelTask
     total_params: int
+    trainable_params: int  # total_params unless finetune freezes some or adds adapters
     model_class: str
     flops_per_token: int
     peak_flops: float | None
@@ -86,7 +87,6 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
     sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
     load_rss = hardware.gather_from_processes(hardware.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
-
     tokenizer, corpus, data = _rank_data(cfg, ctx, facts.hf_config.vocab_size)
     # The optimizer over the sharded params (its state is sharded with them), schedule, scaler.
     t, topo = cfg.trainer, ctx.topo
@@ -107,6 +107,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         device=ctx.device,
         data=data,
         io=sharded.checkpoint_io,
+        frozen=FrozenBase.of(cfg, sharded),
     )
     state = TrainState(
         model=facts,
@@ -156,10 +157,13 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
     task = cfg.model.task
     hf_config = model_lib.build_hf_config(cfg.model)
     model = model_lib.build_meta_model(hf_config, task)
+    finetune.apply(model, cfg.finetune)  # freezes, or adds the LoRA adapters, on meta
+    trainable, total = finetune.counts(model)
     facts = ModelFacts(
         hf_config=hf_config,
         task=task,
-        total_params=sum(p.numel() for p in model.parameters()),
+        total_params=total,
+        trainable_params=trainable,
         model_class=type(model).__name__,  # before fully_shard renames it FSDP<name>
         flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
         peak_flops=hardware.peak_flops(
@@ -178,14 +182,14 @@ def _shard_and_fill(
     shards: rank 0 builds the full model (seeded random init, or the pretrained weights) and it
     reaches every rank's shards. No rank holds the full model on FSDP2."""
     task = cfg.model.task
-    if cfg.model.pretrained:
 
-        def source():
-            return model_lib.load_pretrained(cfg.model.name_or_path, task)
-    else:
-
-        def source():
-            return model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
+    def source():
+        if cfg.model.pretrained:
+            full = model_lib.load_pretrained(cfg.model.name_or_path, task)
+        else:
+            full = model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
+        finetune.apply(full, cfg.finetune, seed=cfg.seed)  # the same parameters as on meta
+        return full
 
     if ctx.kind is HardwareKind.tpu:
         from fsdp_lab.engine import xla as engine

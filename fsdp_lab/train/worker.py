@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import Config, ConfigError, Dtype, HardwareKind
+from fsdp_lab.config import Config, ConfigError, Dtype, FinetuneMethod, HardwareKind
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import hardware
@@ -240,21 +240,22 @@ def _tokens_seen(state: TrainState, step: int) -> int:
 
 def _export(r: RankRun) -> None:
     """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
-    from fsdp_lab.state.export import export_hf
+    from fsdp_lab.state.export import export_run
 
     sd = r.state.sharded.full_state_dict()
     out_dir = r.run_dir / HF_EXPORT_DIR
     if r.ctx.rank == 0:
-        export_hf(
+        export_run(
             sd,
             r.state.model.hf_config,
             out_dir,
+            r.cfg,
             replace=True,  # this run's own export
-            task=r.state.model.task,
             tokenizer=r.state.tokenizer,
             preset=r.cfg.model.arch is not None,
         )
-        log.info("exported Hugging Face model: %s", out_dir)
+        what = "LoRA adapter (PEFT)" if r.cfg.finetune.method is FinetuneMethod.lora else "model"
+        log.info("exported Hugging Face %s: %s", what, out_dir)
     dist.barrier()
 
 
