@@ -21,5 +21,5 @@ def peak_less_params(s: dict, rank: int) -> int:
     return (
         memory.peak(mine, activations=s["activations"], transient_bytes=s["transient"]["total"])
         - mine.params
-        - mine.padding // 2
+        - (mine.padding - mine.grad_padding)
     )

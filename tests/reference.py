@@ -14,10 +14,11 @@ import math
 
 import torch
 
-from fsdp_lab.config import Config, DataKind, HardwareKind
+from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import build_data
-from fsdp_lab.engine.model import build_full_model, build_hf_config
+from fsdp_lab.engine import finetune
+from fsdp_lab.engine.model import build_full_model, build_hf_config, load_pretrained
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
@@ -26,7 +27,11 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     torch.set_num_threads(1)
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)
-    model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
+    if cfg.model.pretrained:
+        model = load_pretrained(cfg.model.name_or_path, cfg.model.task)
+    else:
+        model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
+    model = _finetune(model, cfg)
     model.train()
     optimizer = build_optimizer(
         model,
@@ -67,3 +72,15 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
         losses.append(total)
         norms.append(norm.item())
     return losses, norms
+
+
+def _finetune(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """LoRA as PEFT's users write it (``get_peft_model``, the adapters seeded as the run's rank
+    0 seeds them); freezing through the run's own patterns."""
+    if cfg.finetune.method is not FinetuneMethod.lora:
+        finetune.apply(model, cfg.finetune)
+        return model
+    from peft import get_peft_model
+
+    torch.manual_seed(cfg.seed)
+    return get_peft_model(model, finetune.lora_config(cfg.finetune, model.config.model_type))

@@ -46,7 +46,11 @@ def _losses(run_dir) -> dict[int, float]:
             {"shard": 2, "tp": 2},
         ),
         (4, ("sharding=full", "precision=bf16"), {"shard": 2, "tp": 2}),
-        (2, ("sharding=full",), {"shard": 1, "tp": 2}),  # TP alone
+        (  # TP alone, with frozen parameters beside trainable ones (finetune=freeze)
+            2,
+            ("sharding=full", "finetune=freeze", "finetune.freeze_blocks=1"),
+            {"shard": 1, "tp": 2},
+        ),
         (  # 8 ranks on 2 cores: about 15 s
             8,
             ("sharding=hybrid", "parallel.sequence_parallel=true"),

@@ -33,6 +33,7 @@ REQUIRED = {
     ("model", "local"): ["model.name_or_path={tiny_model_dir}"],
     ("data", "text"): ["data.files=[corpus.txt]"],
     ("data", "hub"): ["data.name=roneneldan/TinyStories"],
+    ("finetune", "freeze"): ["finetune.freeze_blocks=1"],  # what to freeze is the user's
     # Its model is converted once by scripts/prepare_smollm2.py; a stand-in directory here.
     ("experiment", "smollm2_shakespeare"): ["model.name_or_path={tiny_model_dir}"],
 }
@@ -59,6 +60,7 @@ def test_groups_are_the_documented_ones():
         "checkpoint",
         "activation_checkpointing",
         "loss",
+        "finetune",
     } <= set(GROUPS)
     assert {o for g, o in OPTIONS if g == "loss"} == {k.value for k in LossKind}
     assert {o for g, o in OPTIONS if g == "sharding"} == {s.value for s in ShardingStrategy}

@@ -21,7 +21,7 @@ from fsdp_lab.config import (
     strategies,
 )
 from fsdp_lab.data import corpus
-from fsdp_lab.engine import activations, fsdp, precision, wrap
+from fsdp_lab.engine import activations, finetune, fsdp, precision, wrap
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.tools import cli, memory, plan
 from fsdp_lab.train import loss as loss_lib
@@ -60,7 +60,15 @@ def test_fsdp2_state_is_the_papers_16_bytes_regrouped():
     full, grad_op, no_shard = (p["strategies"][s] for s in ("full", "grad_op", "no_shard"))
     assert (
         full["per_rank"]
-        == [{"params": 2 * psi, "grads": 2 * psi, "optimizer": 4 * psi + 4 * tensors, "padding": 0}]
+        == [
+            {
+                "params": 2 * psi,
+                "grads": 2 * psi,
+                "optimizer": 4 * psi + 4 * tensors,
+                "padding": 0,
+                "grad_padding": 0,
+            }
+        ]
         * 2
     )
     assert full["zero_paper"]["total"] == 8 * psi
@@ -75,6 +83,7 @@ def test_fsdp2_state_is_the_papers_16_bytes_regrouped():
         "grads": 4 * psi,
         "optimizer": 8 * psi + 4 * tensors,
         "padding": 0,
+        "grad_padding": 0,
     }
     assert not p["strategies"]["hybrid"]["available"]
     assert "4+ ranks" in p["strategies"]["hybrid"]["reason"]
@@ -140,6 +149,7 @@ def test_cli_text_and_json(capsys):
         "grads",
         "optimizer",
         "padding",
+        "grad_padding",
     }
     assert data["not_counted"] and data["units"]["count"] == 3
 
@@ -170,6 +180,7 @@ def sharded_rank(overrides: list[str]):
         model_lib.resolve_vocab_size(cfg.model, corpus.load_tokenizer(cfg))
     )
     model = model_lib.build_meta_model(hf, cfg.model.task)
+    finetune.apply(model, cfg.finetune)
     loss_lib.build_loss(
         cfg.loss,
         model,
@@ -223,6 +234,28 @@ def storage_bytes(tensors) -> int:
         (["model=gpt2_tiny", "sharding=grad_op", "hardware.nproc_per_node=5"], 4),
         (["sharding=hybrid_zero2", "hardware.nproc_per_node=6", "precision=bf16_pure"], 5),
         (["hardware=cpu", "model=qwen2_tiny", "sharding=no_shard"], 1),
+        # frozen parameters beside trainable ones in one unit: no grads, no optimizer state
+        (["finetune=lora", "hardware.nproc_per_node=3"], 2),
+        (
+            [
+                "model=qwen2_tiny",
+                "finetune=lora",
+                "finetune.r=3",
+                "sharding=hybrid",
+                "hardware.nproc_per_node=4",
+                "finetune.target_modules=[all-linear]",
+            ],
+            3,
+        ),
+        (
+            [
+                "finetune=freeze",
+                "finetune.freeze_blocks=1",
+                "finetune.freeze=[model.embed_tokens]",
+                "hardware.nproc_per_node=3",
+            ],
+            1,
+        ),
     ],
 )
 def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
@@ -237,8 +270,12 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     }
     params = list(model.parameters())
     # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
-    assert storage_bytes(params) == expected["params"] + expected["padding"] // 2
-    assert storage_bytes([p.grad for p in params]) == expected["grads"] + expected["padding"] // 2
+    grads = [p.grad for p in params if p.grad is not None]
+    assert len(grads) == sum(p.requires_grad for p in params)  # a frozen one has none
+    assert (
+        storage_bytes(params) == expected["params"] + expected["padding"] - expected["grad_padding"]
+    )
+    assert storage_bytes(grads) == expected["grads"] + expected["grad_padding"]
 
 
 # Live tensor bytes (the profiler's count of every allocation) over two steps of the project's
@@ -321,7 +358,7 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
     for p in model.parameters():
         p.data = p.data.to(dtype)
     ac_cfg = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode[ac])
-    activations.apply_activation_checkpointing(model, plan.decoder_layers(model, 3), ac_cfg)
+    activations.apply_activation_checkpointing(model, finetune.blocks(model), ac_cfg)
     return model, memory.layer_shape(hf, task)[0], len(activations.checkpointed_indices(ac_cfg, 3))
 
 
