@@ -181,3 +181,18 @@ def test_prefetch_and_the_last_unit_on_a_fake_group(fake_group, prefetch, forwar
     # Resharding after forward shows as a mesh to reshard onto; the last unit has none.
     resharded = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
     assert resharded == [True, True, True, False]
+
+
+def test_master_weights_are_fp32_whatever_the_configs_dtype(tmp_path):
+    """Hub configs name their checkpoint's dtype (SmolLM2: bfloat16) and from_config builds in
+    it; the shards, their gradients and AdamW's state must still be fp32 master weights."""
+    from transformers import LlamaConfig
+
+    from fsdp_lab.config import ModelConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp_path)
+    assert '"dtype": "bfloat16"' in (tmp_path / "config.json").read_text()
+    hf = build_hf_config(ModelConfig(name_or_path=str(tmp_path)))
+    assert {p.dtype for p in build_meta_model(hf).parameters()} == {torch.float32}
