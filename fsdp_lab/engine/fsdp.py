@@ -184,7 +184,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _nbytes(tensors) -> int:
+def nbytes(tensors) -> int:
+    """Bytes this rank stores of ``tensors`` (their local shards)."""
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
@@ -194,9 +195,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     Measured after an optimizer step, before zero_grad; ``fsdp-lab plan`` predicts it."""
     params = list(model.parameters())
     return {
-        "params": _nbytes(params),
-        "grads": _nbytes(p.grad for p in params if p.grad is not None),
-        "optimizer": _nbytes(
+        "params": nbytes(params),
+        "grads": nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": nbytes(
             v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ),
     }

@@ -358,9 +358,13 @@ class Checkpointer:
             raise _SaveFailed(verdict[0])
 
     def _state_bytes(self) -> int:
-        """This rank's bytes of model and optimizer state (its shards): what it will write."""
+        """This rank's bytes of model and optimizer state (its shards): what it will write (of
+        a fine-tune that leaves its base out, the trainable parameters only)."""
         held = fsdp.state_bytes(self.model, self.optimizer)
-        return held["params"] + held["optimizer"]
+        if self.frozen.trainable is None:
+            return held["params"] + held["optimizer"]
+        trainable = (p for p in self.model.parameters() if p.requires_grad)
+        return fsdp.nbytes(trainable) + held["optimizer"]
 
     def _collective(self, fn) -> None:
         """Run a collective write that raises on every rank or none (DCP's)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,7 +134,9 @@ def _save_adapter(peft_model, out_dir: Path, *, replace: bool = False, tokenizer
         raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(tmp, safe_serialization=True)
+    with warnings.catch_warnings():  # transformers' deprecation of a name PEFT still reads
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     _swap_into_place(tmp, out_dir)
@@ -170,8 +173,6 @@ def load_checkpoint_weights(
         sd = held.keep(safe_load.load_plain(path / "model.pt"))
         model.load_state_dict(sd, strict=held.trainable is None)
         return model.state_dict(), hf_config, cfg
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
     # DCP loads in place into the model's tensors, of the right shapes.

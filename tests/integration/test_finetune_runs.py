@@ -59,6 +59,7 @@ CASES = {
             "finetune=freeze",
             "finetune.freeze_blocks=1",
             "finetune.freeze=[model.embed_tokens]",
+            "checkpoint=full",  # rank 0's consolidated files, without the base too
             "{llama}",
         ),
     ),
@@ -180,3 +181,14 @@ def test_adapter_and_merged_exports_give_the_trained_logits(finetune_run, bases,
         AutoModelForCausalLM.from_pretrained(bases["llama"], dtype=torch.float32), tmp_path / "ad"
     )
     torch.testing.assert_close(logits(again), want)
+
+
+def test_a_frozen_block_run_resumes_exactly_from_a_full_checkpoint(finetune_run, tmp_path):
+    run_dir, args = finetune_run("freeze")
+    step4 = run_dir / "checkpoints" / "step_00000004"
+    assert (step4 / "model.pt").is_file()
+    assert all(not k.startswith("model.layers.0.") for k in saved_shapes(step4))  # frozen
+    check_ok(train(tmp_path / "resumed", *args, f"resume={step4}"))
+    want = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")}
+    assert got == {s: want[s] for s in range(5, 9)}
