@@ -53,21 +53,11 @@ def export_hf(
     non-empty ``out_dir`` is an error unless ``replace`` (a run re-exporting its own hf/), and
     then it is swapped out only once the new export is whole.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not replace:
-        raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
+    out_dir = _new_out_dir(out_dir, replace)
     if preset and tokenizer is not None:
         align_special_tokens(hf_config, tokenizer)
     model = build_meta_model(hf_config, task)
-    missing, unexpected = model.load_state_dict(model_sd, strict=False, assign=True)
-    missing = [k for k in missing if k not in _tied_keys(model)]
-    if missing or unexpected:
-        raise ConfigError(
-            f"export: the weights do not fit {type(model).__name__} (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
-    if getattr(hf_config, "tie_word_embeddings", False):
-        model.tie_weights()
+    _assign(model, model_sd, hf_config)
     model.config.use_cache = True  # trained without a KV cache; generation wants one
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -112,26 +102,39 @@ def _peft_model(model_sd: dict[str, torch.Tensor], hf_config, cfg: Config):
     if cfg.model.task is ModelTask.causal_lm:
         lora.task_type = "CAUSAL_LM"  # so AutoModelForCausalLM.from_pretrained takes the dir
     peft_model = get_peft_model(base, lora, adapter_name=finetune.ADAPTER)
-    prefixed = {f"base_model.model.{k}": v for k, v in model_sd.items()}
-    missing, unexpected = peft_model.load_state_dict(prefixed, strict=False, assign=True)
-    tied = {f"base_model.model.{k}" for k in _tied_keys(base)}
+    _assign(peft_model, model_sd, hf_config, prefix="base_model.model.", base=base)
+    return peft_model
+
+
+def _assign(model, model_sd: dict, hf_config, *, prefix: str = "", base=None) -> None:
+    """Give ``model`` the tensors of ``model_sd`` (not copies; keys under ``prefix`` in it),
+    every weight but a tied one required; tied parameters re-tied on ``base`` (the HF model)."""
+    base = model if base is None else base
+    sd = {prefix + k: v for k, v in model_sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    tied = {prefix + k for k in _tied_keys(base)}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ConfigError(
-            f"export: the weights do not fit a LoRA {type(base).__name__} (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]})"
+            f"export: the weights do not fit {type(base).__name__}{' with LoRA' if prefix else ''} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     if getattr(hf_config, "tie_word_embeddings", False):
         base.tie_weights()
-    return peft_model
+
+
+def _new_out_dir(out_dir: Path, replace: bool) -> Path:
+    """An export's directory: new or empty, or (``replace``) a run's own earlier export."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not replace:
+        raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
+    return out_dir
 
 
 def _save_adapter(peft_model, out_dir: Path, *, replace: bool = False, tokenizer=None, **_) -> Path:
     """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) and the
     tokenizer; complete or invisible, as ``export_hf``."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not replace:
-        raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
+    out_dir = _new_out_dir(out_dir, replace)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with warnings.catch_warnings():  # transformers' deprecation of a name PEFT still reads
