@@ -237,15 +237,31 @@ class LayerShape:
     loss_upcast: bool  # HF's causal-LM loss casts the logits to fp32; BERT's masked LM does not
 
 
-def layer_bytes_per_token(s: LayerShape, b: int) -> int:
-    """Bytes one layer saves per token, its input included, computing in ``b``-byte dtype."""
+def _split(nbytes: int, ways: int) -> int:
+    return -(-nbytes // ways)
+
+
+def layer_bytes_per_token(
+    s: LayerShape, b: int, *, tensor: int = 1, sequence_parallel: bool = False
+) -> int:
+    """Bytes one layer saves per token, its input included, computing in ``b``-byte dtype, on
+    one rank of a ``tensor``-way TP group (TP plans exist for the Llama family only)."""
     h, i = s.hidden, s.intermediate
     lse = FP32 * s.num_heads  # sdpa's logsumexp, fp32 whatever the compute dtype
     match s.family:
         case "llama":
             # Two RMSNorms, each: its input upcast to fp32, 1/rms (fp32), the normalised and the
             # scaled output; attention: rotated q and k, v, output; SwiGLU: gate, up, silu, product.
-            return 2 * (FP32 * h + FP32) + b * (4 * h + 2 * s.q_dim + 2 * s.kv_dim + 4 * i) + lse
+            # TP splits attention (by heads) and the MLP (by width); the norms stay whole, or
+            # with sequence parallelism run on 1/tensor of the rows, and the linear layers after
+            # them save the all-gathered input instead of the norm's scaled output. Measured
+            # exactly on a fake group (tests/unit/tools/test_plan.py).
+            split = _split(b * (2 * s.q_dim + 2 * s.kv_dim + 4 * i) + lse, tensor)
+            if sequence_parallel and tensor > 1:
+                norms = 2 * (_split(FP32 * h + FP32 + b * h, tensor) + b * h)
+            else:
+                norms = 2 * (FP32 * h + FP32 + 2 * b * h)
+            return norms + split
         case "gpt2":
             # ln_1/ln_2: input, mean, rstd, output each; the fused qkv (3h: q, k and v are views
             # of it) and attention's output; MLP: c_fc out and gelu-tanh's four saves.
@@ -333,6 +349,8 @@ def activations(
     num_checkpointed: int,
     last_checkpointed: bool = False,
     loss_chunk: int | None = None,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
@@ -341,11 +359,15 @@ def activations(
 
     ``loss_chunk``: the tokens per chunk of a fused loss (None: the model's own loss). It
     computes its gradients in forward: it saves the head weight's gradient (V x H) and, while it
-    runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit)."""
+    runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit).
+
+    ``tensor``, ``sequence_parallel``: one rank of a TP group (``layer_bytes_per_token``); a
+    checkpointed layer's input is then 1/tensor of the rows with sequence parallelism."""
     tokens = batch * seq_len
     fused = loss_chunk is not None
-    layer = layer_bytes_per_token(s, b)
-    kept = b * s.hidden
+    sp = sequence_parallel and tensor > 1
+    layer = layer_bytes_per_token(s, b, tensor=tensor, sequence_parallel=sp)
+    kept = _split(b * s.hidden, tensor) if sp else b * s.hidden
     head = head_bytes_per_token(s, b, fused_loss=fused)
     per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
     rotary = 2 * seq_len * (s.q_dim // s.num_heads) * b if s.family == "llama" else 0
@@ -358,7 +380,7 @@ def activations(
         loss_grad = tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0))
         weight_grad = 0
     # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
-    layer_grads = 2 * tokens * b * max(s.intermediate, s.hidden)
+    layer_grads = 2 * tokens * b * max(_split(s.intermediate, tensor), s.hidden)
     return Activations(
         saved=tokens * per_token + rotary + weight_grad,
         loss_grad=loss_grad,

@@ -172,9 +172,9 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     split = _tensor_parallel_shapes(model, cfg.parallel)  # id(param) -> (numel, dim0) on tp
     tp_note = (
         [
-            f"parallel.tensor={cfg.parallel.tensor}: model state is exact per rank; activations "
-            "and transients are counted as without TP, an upper bound (TP splits attention and "
-            "MLP activations, sequence parallelism those between layers too)"
+            f"parallel.tensor={cfg.parallel.tensor}: model state is exact per rank; a layer's "
+            "saved activations are split as TP splits them (attention and MLP; the norms too "
+            "with sequence parallelism), the head's and the transients are counted whole"
         ]
         if split
         else []
@@ -268,6 +268,8 @@ def strategy_plan(
         num_checkpointed=facts.num_checkpointed,
         last_checkpointed=facts.last_checkpointed,
         loss_chunk=facts.loss_chunk,
+        tensor=cfg.parallel.tensor,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     trans = memory.transient(
         memory.group_numels(facts.params, dp_mesh[-1]),
@@ -335,6 +337,8 @@ def build_plan(overrides: list[str]) -> dict:
             b=b,
             num_checkpointed=n,
             loss_chunk=facts.loss_chunk,
+            tensor=cfg.parallel.tensor,
+            sequence_parallel=cfg.parallel.sequence_parallel,
         ).saved
         for name, n in (("none", 0), ("full", layer.num_layers))
     }

@@ -31,8 +31,11 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
         ["sharding=grad_op"],
         ["sharding=hybrid", "hardware.nproc_per_node=4"],
         ["sharding=full", "precision=bf16"],
+        # dp 2 x tp 2 with sequence parallelism: measured 150 MiB over the state against 132
+        # planned (1.14; TP's redistribution buffers are not modelled), within the slack
+        ["hardware.nproc_per_node=4", "parallel.tensor=2", "parallel.sequence_parallel=true"],
     ],
-    ids=["full", "grad_op", "hybrid", "full-bf16"],
+    ids=["full", "grad_op", "hybrid", "full-bf16", "dp2xtp2-sp"],
 )
 def test_measured_runs_match_the_plan(run_dir, overrides):
     args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none", *overrides]

@@ -441,6 +441,56 @@ def test_activations_with_a_fused_loss(arch, dtype):
     assert fused.loss_grad == chunk * shape.vocab * 8 < hf.loss_grad
 
 
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_activations_under_tensor_parallelism_are_what_autograd_saves(fake_group, tp, sp):
+    """One rank of a TP group on a fake group: TP splits attention and the MLP, sequence
+    parallelism the norms too (each DTensor counted by its local shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_lab.config import ParallelConfig
+    from fsdp_lab.engine import tensor_parallel
+
+    fake_group(0, tp)
+    cfg = ModelConfig(
+        arch=ModelArch.llama,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=4,
+    )
+    hf = model_lib.build_hf_config(cfg)
+    model = model_lib.build_full_model(hf, seed=0, task=ModelTask.causal_lm)
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    tensor_parallel.apply(model, mesh, ParallelConfig(tensor=tp, sequence_parallel=sp))
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 250, (3, 96))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    shape = memory.layer_shape(hf, ModelTask.causal_lm)[0]
+    estimate = memory.activations(
+        shape, batch=3, seq_len=96, b=4, num_checkpointed=0, tensor=tp, sequence_parallel=sp
+    ).saved
+    whole = memory.activations(shape, batch=3, seq_len=96, b=4, num_checkpointed=0).saved
+    measured = sum(seen.values())
+    assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
+    assert measured < whole
+
+
 @pytest.mark.parametrize("ac", ["full", "selective"])
 @pytest.mark.parametrize(
     "arch,dtype",
