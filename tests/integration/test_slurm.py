@@ -142,13 +142,15 @@ def test_an_sbatch_job_trains_on_two_srun_ranks_in_its_job_run_dir(slurm_cluster
         *COMMON,
         "trainer.max_steps=4",
         "sharding=grad_op",
+        "parallel.tensor=2",  # the srun ranks form a TP group (SLURM + TP, issue 16)
     )
     wait_gone(slurm_cluster, job)
     out = (tmp_path / f"slurm-{job}.out").read_text()
     run_dir = tmp_path / "outputs" / "slurm" / job
     facts = json.loads((run_dir / "run.json").read_text())
     assert facts["status"] == "completed", out
-    assert facts["world_size"] == 2 and facts["mesh_shape"] == [2]
+    assert facts["world_size"] == 2
+    assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == {"shard": 1, "tp": 2}
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert f"job {job} (restart 0) on localhost: 2 ranks" in out
     # Only the job's run dir: no rank made a timestamped one.
