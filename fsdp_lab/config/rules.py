@@ -363,7 +363,6 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
         )
     refusals = (
         (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
-        (cfg.compile, "compile=true (not verified with TP)"),
         (
             cfg.finetune.method is FinetuneMethod.lora,
             "finetune=lora (PEFT wraps q_proj as q_proj.base_layer: the TP plan no longer "
