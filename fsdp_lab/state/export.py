@@ -6,6 +6,7 @@ reads a checkpoint in one plain process, without the ranks that wrote it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -161,15 +162,26 @@ def _tied_keys(model) -> set[str]:
 
 
 def load_checkpoint_weights(
-    path: Path, verify: CheckpointVerify = CheckpointVerify.checksum
+    path: Path, verify: CheckpointVerify = CheckpointVerify.checksum, *, base: Path | None = None
 ) -> tuple[dict[str, torch.Tensor], object, Config]:
     """(full model state dict, transformers config, run config) of a checkpoint, in this one
     process; the checkpoint is verified as ``verify`` says and read through safe_load's guards
-    (a run dir or checkpoint root: its latest checkpoint)."""
+    (a run dir or checkpoint root: its latest checkpoint). ``base``: where the frozen base of a
+    fine-tune's checkpoint is here, if not where its run read it (another machine); the run
+    config returned then names it."""
     path = ckpt.resolve_resume(str(path), Path(path), verify)
     marker = integrity.read_marker(path)
     trainer = json.loads((path / ckpt.TRAINER_FILE).read_text())
     cfg = to_typed(trainer["config"])
+    if base is not None:
+        model_cfg = dataclasses.replace(cfg.model, name_or_path=str(Path(base).resolve()))
+        cfg = dataclasses.replace(cfg, model=model_cfg)
+    source = cfg.model.name_or_path  # the run's, or --base
+    if not (trainer.get("frozen_base") or {"saved": True})["saved"] and not Path(source).exists():
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} holds only the trainable parameters of a fine-tune of {source}, "
+            "which is not here; pass --base DIR (a directory of the same base weights)"
+        )
     hf_config = build_hf_config(cfg.model)
     model, held = _model_for(path, trainer, cfg, hf_config)
     if marker["format"] == "full":
@@ -200,14 +212,15 @@ def _model_for(path: Path, trainer: dict, cfg: Config, hf_config):
         model = build_full_model(hf_config, seed=0, task=cfg.model.task)
         finetune.apply(model, cfg.finetune)
         return model, ckpt.FrozenBase()
-    model = load_pretrained(record["source"], cfg.model.task)
+    source = cfg.model.name_or_path  # the run's, or --base (load_checkpoint_weights checked it)
+    model = load_pretrained(source, cfg.model.task)
     finetune.apply(model, cfg.finetune, seed=cfg.seed)
     fingerprint = finetune.frozen_fingerprint(model)
     if fingerprint != record["fingerprint"]:
         raise ckpt.CheckpointError(
-            f"checkpoint {path} holds only the trainable parameters of a fine-tune of "
-            f"{record['source']}, whose weights have changed since (fingerprint "
-            f"{fingerprint[:12]}, not {record['fingerprint'][:12]}); restore that base model"
+            f"checkpoint {path} holds only the trainable parameters of a fine-tune, and the "
+            f"weights in {source} differ from its base (fingerprint {fingerprint[:12]}, not "
+            f"{record['fingerprint'][:12]}); pass --base DIR with the base it was trained on"
         )
     names = frozenset(finetune.trainable_names(model))
-    return model, ckpt.FrozenBase(trainable=names, fingerprint=fingerprint, source=record["source"])
+    return model, ckpt.FrozenBase(trainable=names, fingerprint=fingerprint, source=source)

@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         help="finetune=lora: merge the adapters into the base and write a whole model "
         "(default: PEFT's adapter directory)",
     )
+    exp.add_argument(
+        "--base",
+        type=Path,
+        help="a fine-tune's checkpoint without its frozen base: the base model's directory "
+        "here, if not where the run read it (checked against the run's fingerprint)",
+    )
     ver = sub.add_parser(
         "verify",
         help="check a checkpoint's files against their sizes and checksums, and that every "
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 from fsdp_lab.state.export import export_run, load_checkpoint_weights
 
                 sd, hf_config, cfg = load_checkpoint_weights(
-                    args.checkpoint, CheckpointVerify[args.verify]
+                    args.checkpoint, CheckpointVerify[args.verify], base=args.base
                 )
                 try:
                     tokenizer = load_tokenizer(cfg)

@@ -9,6 +9,7 @@ ranks); the issue's bound is 1e-5, the tolerance here test_parity's 2e-6.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -174,6 +175,17 @@ def test_adapter_and_merged_exports_give_the_trained_logits(finetune_run, bases,
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     assert not any("lora" in k for k in merged.state_dict())
     torch.testing.assert_close(logits(merged), want, rtol=1e-5, atol=1e-5)
+    # The base moved (another machine): --base names it here; other weights are refused.
+    moved = tmp_path / "base-here"
+    shutil.copytree(bases["llama"], moved)
+    cli = ["-m", "fsdp_lab.tools.cli", "export", str(run_dir)]
+    check_ok(run_python([*cli, str(tmp_path / "m2"), "--merge", "--base", str(moved)]))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m2", dtype=torch.float32)
+    torch.testing.assert_close(logits(again), want, rtol=1e-5, atol=1e-5)
+    for other, words in ((bases["llama-other"], "differ"), (tmp_path / "nowhere", "not here")):
+        proc = run_python([*cli, str(tmp_path / "m3"), "--base", str(other)])
+        assert proc.returncode == 2 and words in proc.stderr and "--base" in proc.stderr
+        assert not (tmp_path / "m3").exists()
     # And the same checkpoint exports as an adapter again, without --merge.
     proc = run_python(["-m", "fsdp_lab.tools.cli", "export", str(run_dir), str(tmp_path / "ad")])
     check_ok(proc)
