@@ -147,9 +147,8 @@ def _resume_point(
                 "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "
                 "export` and start from that (model=local model.name_or_path=<export>)"
             )
-        ckpt.check_compatible(resume_path, meta_model)
-        base = json.loads((resume_path / ckpt.TRAINER_FILE).read_text()).get("frozen_base")
-        if base and not base["saved"] and not cfg.model.pretrained:
+        base = ckpt.check_compatible(resume_path, meta_model)
+        if not base["saved"] and not cfg.model.pretrained:
             raise ConfigError(
                 f"resume={resume_path}: the checkpoint holds only the trainable parameters of "
                 f"a fine-tune of {base['source']}, whose frozen base this run does not read; "

@@ -559,7 +559,7 @@ class Checkpointer:
         """What of the model ``path`` holds. One without the frozen base resumes only onto the
         same base: its fingerprint must be the one this run's rank 0 read (every rank has both,
         so every rank refuses together)."""
-        record = trainer.get("frozen_base") or {"saved": True}
+        record = frozen_base_record(trainer)
         if record["saved"]:
             return FrozenBase()
         if record["fingerprint"] != self.frozen.fingerprint:
@@ -597,8 +597,16 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_compatible(path: Path, model: torch.nn.Module) -> None:
+def frozen_base_record(trainer: dict) -> dict:
+    """trainer.json's ``frozen_base`` (FrozenBase.record): whether the checkpoint holds the
+    whole model (one written before fine-tuning existed does), else its base's source and
+    fingerprint."""
+    return trainer.get("frozen_base") or {"saved": True}
+
+
+def check_compatible(path: Path, model: torch.nn.Module) -> dict:
     """A checkpoint of another model fails before launch, naming a parameter that differs.
+    Returns its ``frozen_base_record``.
 
     ``model`` may be on the meta device: only names and shapes are compared. A fine-tune's
     checkpoint that leaves out the frozen base is compared on its trainable parameters; the
@@ -607,7 +615,7 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
     from fsdp_lab.engine import finetune
 
     saved = saved_shapes(path)
-    record = json.loads((path / TRAINER_FILE).read_text()).get("frozen_base") or {"saved": True}
+    record = frozen_base_record(json.loads((path / TRAINER_FILE).read_text()))
     expected = model.state_dict()
     if not record["saved"]:
         trainable = finetune.trainable_names(model)
@@ -624,3 +632,4 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
                 f"has {list(tensor.shape)}: it is of another model; set resume=never or point "
                 "resume at a checkpoint of this model"
             )
+    return record

@@ -176,14 +176,15 @@ def load_checkpoint_weights(
     if base is not None:
         model_cfg = dataclasses.replace(cfg.model, name_or_path=str(Path(base).resolve()))
         cfg = dataclasses.replace(cfg, model=model_cfg)
+    record = ckpt.frozen_base_record(trainer)
     source = cfg.model.name_or_path  # the run's, or --base
-    if not (trainer.get("frozen_base") or {"saved": True})["saved"] and not Path(source).exists():
+    if not record["saved"] and not Path(source).exists():
         raise ckpt.CheckpointError(
             f"checkpoint {path} holds only the trainable parameters of a fine-tune of {source}, "
             "which is not here; pass --base DIR (a directory of the same base weights)"
         )
     hf_config = build_hf_config(cfg.model)
-    model, held = _model_for(path, trainer, cfg, hf_config)
+    model, held = _model_for(path, record, cfg, hf_config)
     if marker["format"] == "full":
         sd = held.keep(safe_load.load_plain(path / "model.pt"))
         model.load_state_dict(sd, strict=held.trainable is None)
@@ -203,11 +204,10 @@ def load_checkpoint_weights(
     return model.state_dict(), hf_config, cfg
 
 
-def _model_for(path: Path, trainer: dict, cfg: Config, hf_config):
+def _model_for(path: Path, record: dict, cfg: Config, hf_config):
     """A CPU model with the checkpoint's parameters (its finetune applied), and what of it the
     checkpoint holds. A fine-tune's checkpoint without its frozen base gets the base read
     from where the run read it, checked against the fingerprint the run recorded."""
-    record = trainer.get("frozen_base") or {"saved": True}
     if record["saved"]:  # every weight comes from the checkpoint: any init gives the shapes
         model = build_full_model(hf_config, seed=0, task=cfg.model.task)
         finetune.apply(model, cfg.finetune)

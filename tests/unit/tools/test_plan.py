@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from plan_cases import MEDIUM, peak_less_params
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -338,7 +339,7 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, overrides, rank)
 # --- activations against what autograd saves ------------------------------------------------
 
 
-def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
+def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none", num_kv_heads: int = 2):
     """A preset on CPU with params in ``dtype`` (as FSDP2's param_dtype casts them; buffers stay
     fp32), its layers checkpointed as fsdp_lab does, and the plan's layer shape."""
     task = ModelTask.masked_lm if arch is ModelArch.bert else ModelTask.causal_lm
@@ -350,7 +351,7 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
         intermediate_size=384,
         num_layers=3,
         num_heads=8,
-        num_kv_heads=2,
+        num_kv_heads=num_kv_heads,
         tie_word_embeddings=arch is not ModelArch.llama,
     )
     hf = model_lib.build_hf_config(cfg)
@@ -363,13 +364,18 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none"):
 
 
 def saved_bytes(model, batch) -> int:
-    """Bytes autograd saves for backward in one forward, each storage once, weights excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Bytes autograd saves for backward in one forward, each storage once, weights excluded;
+    a DTensor (tensor parallelism) counts its local shard."""
+
+    def storage(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+
+    weights = {storage(p).data_ptr() for p in model.parameters()}
     seen = {}
 
     def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if storage(t).data_ptr() not in weights:
+            seen[storage(t).data_ptr()] = storage(t).nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -446,47 +452,20 @@ def test_activations_under_tensor_parallelism_are_what_autograd_saves(fake_group
     """One rank of a TP group on a fake group: TP splits attention and the MLP, sequence
     parallelism the norms too (each DTensor counted by its local shard)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from fsdp_lab.config import ParallelConfig
     from fsdp_lab.engine import tensor_parallel
 
     fake_group(0, tp)
-    cfg = ModelConfig(
-        arch=ModelArch.llama,
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=3,
-        num_heads=8,
-        num_kv_heads=4,
-    )
-    hf = model_lib.build_hf_config(cfg)
-    model = model_lib.build_full_model(hf, seed=0, task=ModelTask.causal_lm)
+    model, shape, _ = small_model(ModelArch.llama, torch.float32, num_kv_heads=4)
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     tensor_parallel.apply(model, mesh, ParallelConfig(tensor=tp, sequence_parallel=sp))
-
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        storage = local(t).untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     ids = torch.randint(0, 250, (3, 96))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
-    shape = memory.layer_shape(hf, ModelTask.causal_lm)[0]
+    measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     estimate = memory.activations(
         shape, batch=3, seq_len=96, b=4, num_checkpointed=0, tensor=tp, sequence_parallel=sp
     ).saved
     whole = memory.activations(shape, batch=3, seq_len=96, b=4, num_checkpointed=0).saved
-    measured = sum(seen.values())
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
     assert measured < whole
 
