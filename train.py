@@ -28,9 +28,9 @@ config.register_schema()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
-    sweep.run_job(
+    return sweep.run_job(
         cfg,
         run_dir=Path(hc.runtime.output_dir),
         multirun=hc.mode == RunMode.MULTIRUN,

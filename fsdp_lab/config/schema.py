@@ -57,6 +57,14 @@ class StartMethod(enum.Enum):
     spawn = "spawn"  # fresh interpreters, python -m fsdp_lab.launch.rank_main
 
 
+class Objective(enum.Enum):
+    """What train.py returns to a sweeper (hydra/sweeper=study), read from the run's run.json."""
+
+    val_loss = "val_loss"  # the last validation loss (minimize)
+    best_val_loss = "best_val_loss"  # the lowest validation loss of the run (minimize)
+    tokens_per_s = "tokens_per_s"  # median steady-state throughput, all ranks (maximize)
+
+
 class ModelArch(enum.Enum):
     llama = "llama"
     gpt2 = "gpt2"
@@ -465,6 +473,9 @@ class Config:
     """auto: continue from the latest complete checkpoint of this run dir, if it has one;
     never: always start fresh; a path: a checkpoint dir, or a run dir / checkpoint root to take
     the latest complete checkpoint of."""
+    objective: Objective = Objective.val_loss
+    """What the run returns to a search (hydra/sweeper=study, hparams_search=...): val_loss (the
+    last validation loss), best_val_loss, or tokens_per_s (to maximize)."""
     seed: int = 0
     """Seeds the model init (done once, on rank 0) and the data; the same seed gives the same run
     whatever the world size or strategy."""

@@ -14,12 +14,22 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from fsdp_lab.config import Objective
 from fsdp_lab.launch import run
 from fsdp_lab.observe import rundir
 from fsdp_lab.train import preempt
 
 # Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
 _FAILURES: list[str] = []
+# Set by a study (hydra/sweeper=study) that finished: its failed trials are part of the search.
+_STUDY_DONE: list[bool] = []
+
+# objective= -> the run.json key train.py returns to a sweeper
+OBJECTIVE_KEYS = {
+    Objective.val_loss: "final_val_loss",
+    Objective.best_val_loss: "best_val_loss",
+    Objective.tokens_per_s: "median_tokens_per_s",
+}
 
 
 def job_info(hydra_cfg) -> dict:
@@ -36,29 +46,55 @@ def job_info(hydra_cfg) -> dict:
         "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
         "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
         "num": hydra_cfg.job.num if multirun else None,
+        # hydra/sweeper=study: the job's number is its Optuna trial's
+        "study": hydra_cfg.sweeper.get("study_name") if multirun and _is_study(hydra_cfg) else None,
     }
+
+
+def _is_study(hydra_cfg) -> bool:
+    return str(hydra_cfg.sweeper.get("_target_", "")).endswith("StudySweeper")
 
 
 def run_job(
     dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: dict | None = None
-) -> None:
+) -> float | None:
+    """Run one job; its objective (``objective=``, from its run.json) for a sweeper, None if the
+    run failed or did not record it."""
     code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
     if code == 0:
-        return
+        objective = dict_cfg.get("objective", Objective.val_loss)
+        return objective_value(run_dir, Objective[getattr(objective, "name", str(objective))])
     if not multirun or code in (preempt.EXIT_CODE, 130):
         sys.exit(code)
     name = " ".join(job["overrides"]) if job else str(run_dir)
     _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
     print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr)
+    return None
+
+
+def objective_value(run_dir: Path, objective: Objective) -> float | None:
+    value = rundir.read_run_file(run_dir).get(OBJECTIVE_KEYS[objective])
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def study_finished() -> None:
+    """A study ran to its end: its failed trials were told to Optuna as failed, part of the
+    search (a diverging learning rate is an answer), so they do not fail the command."""
+    _STUDY_DONE.append(True)
 
 
 def exit_code() -> int:
-    """After all jobs: list the failed ones; 1 if any failed, else 0."""
+    """After all jobs: list the failed ones; 1 if any failed (outside a finished study)."""
     if _FAILURES:
-        print(f"fsdp_lab: {len(_FAILURES)} sweep job(s) failed:", file=sys.stderr)
+        what = (
+            "trial(s) of the study failed (recorded as failed)"
+            if _STUDY_DONE
+            else ("sweep job(s) failed")
+        )
+        print(f"fsdp_lab: {len(_FAILURES)} {what}:", file=sys.stderr)
         for line in _FAILURES:
             print(f"  {line}", file=sys.stderr)
-    return 1 if _FAILURES else 0
+    return 1 if _FAILURES and not _STUDY_DONE else 0
 
 
 def _record_failure(run_dir: Path, code: int, config_error: str | None, job: dict | None) -> str:

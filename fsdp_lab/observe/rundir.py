@@ -13,6 +13,7 @@ from fsdp_lab.config import Config, to_container, to_typed
 
 CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
 HF_EXPORT_DIR = "hf"
+STUDY_FILE = "study.json"  # a sweep dir's Optuna study (hydra/sweeper=study), see launch.study
 
 
 def create_run_file(run_dir: Path, facts: dict) -> bool:

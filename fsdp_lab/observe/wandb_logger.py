@@ -82,8 +82,12 @@ def run_identity(cfg: Config, run_dir: Path, job: dict | None) -> dict:
         group = "/".join(Path(sweep_dir).parts[-2:])
     choices = job.get("choices", {})
     tags = [f"{g}={o}" for g, o in sorted(choices.items())] + list(cfg.logger.tags)
+    name = ",".join(overrides) or run_dir.name
+    if job.get("study"):  # an Optuna study's trial: its number first, as the study reports it
+        tags.append(f"trial={job['num']}")
+        name = f"trial {job['num']}: {name}"
     return {
-        "name": cfg.logger.name or ",".join(overrides) or run_dir.name,
+        "name": cfg.logger.name or name,
         "group": group,
         "job_type": "sweep" if sweep_dir else "train",
         "tags": [t[:64] for t in tags],
@@ -126,6 +130,8 @@ class WandbLogger:
         run_id = resume_id or new_run_id()
         config = flatten(to_container(cfg))
         config.update({f"options.{g}": o for g, o in (job or {}).get("choices", {}).items()})
+        if (job or {}).get("study"):
+            config.update({"study.name": job["study"], "study.trial": job["num"]})
         config.update(
             {
                 f"system.{k}": facts[k]

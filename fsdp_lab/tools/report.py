@@ -2,10 +2,11 @@
 
     fsdp-lab report multirun/2026-11-22/06-00-00   # writes report.md and two PNGs there
 
-It reads only files: each job dir's run.json (status, error) and metrics.jsonl, and the sweep's
-multirun.yaml. So it works offline, on a sweep still running, on a partly failed one, and on old
-sweeps. A report is derived data: running it again replaces the earlier one. This module reads
-the run dirs and reduces them to figures; ``report_render`` writes report.md and the plots.
+It reads only files: each job dir's run.json (status, error) and metrics.jsonl, the sweep's
+multirun.yaml, and an Optuna study's study.json (its objective and best parameters). So it works
+offline, on a sweep still running, on a partly failed one, and on old sweeps. A report is derived
+data: running it again replaces the earlier one. This module reads the run dirs and reduces them
+to figures; ``report_render`` writes report.md and the plots.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe.loggers import read_metrics
-from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE
+from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE
 from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
 
 REPORT_FILE = "report.md"
@@ -40,7 +41,8 @@ def write_report(sweep_dir: Path) -> list[Path]:
     report = sweep_dir / REPORT_FILE
     try:
         plots = write_plots(jobs, figures, varying, sweep_dir)
-        _write_atomic(report, render_markdown(sweep_dir, jobs, figures, varying, fixed))
+        study = _read_study(sweep_dir)
+        _write_atomic(report, render_markdown(sweep_dir, jobs, figures, varying, fixed, study))
     except OSError as e:  # e.g. an old sweep on read-only storage: one line, not a traceback
         raise ConfigError(f"cannot write the report into {sweep_dir}: {e}") from e
     return [report, *plots]
@@ -164,6 +166,15 @@ def _read_run_file(path: Path) -> dict:
     except (OSError, ValueError) as e:
         return {"status": "unknown", "error": f"unreadable {RUN_FILE}: {e}"}
     return facts if isinstance(facts, dict) else {"status": "unknown"}
+
+
+def _read_study(sweep_dir: Path) -> dict | None:
+    """An Optuna study's record (hydra/sweeper=study writes it after every batch); None for a
+    grid sweep, or one the report cannot read (the table still is)."""
+    try:
+        return json.loads((sweep_dir / STUDY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _records(path: Path, split: str) -> list[dict]:

@@ -64,8 +64,10 @@ def render_markdown(
     figures: list[Figures],
     varying: list[str],
     fixed: dict[str, str],
+    study: dict | None = None,
 ) -> str:
-    """report.md: a header of what all jobs share, one table row per job, how to read it."""
+    """report.md: a header of what all jobs share (and an Optuna study's best trial), one table
+    row per job, how to read it."""
     counts = Counter(job.status for job in jobs)
     hardware = dict.fromkeys(
         f"{j.facts['hardware']}, {j.facts.get('world_size', '?')} ranks"
@@ -83,6 +85,10 @@ def render_markdown(
         lines += [f"hardware: {'; '.join(hardware)}", ""]
     if fixed:
         lines += ["fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), ""]
+    values: dict[str, float | None] = {}
+    if study:
+        lines += _study_lines(study)
+        values = {str(t["number"]): t.get("value") for t in study.get("trials", [])}
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
     header = [
@@ -97,6 +103,8 @@ def render_markdown(
         "final loss",
     ]
     header += ["val loss"] * has_val + ["MFU"] * has_mfu
+    if study:
+        header.append(f"objective ({study.get('objective')})")
     lines += [_row(header), _row(["---"] * len(header))]
     for job, f in zip(jobs, figures, strict=True):
         cells = [
@@ -111,6 +119,8 @@ def render_markdown(
             _fmt(f.final_loss, "{:.4f}"),
         ]
         cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
+        if study:
+            cells.append(_fmt(values.get(job.name), "{:.6g}"))
         lines.append(_row(cells))
     lines += [
         "",
@@ -122,6 +132,23 @@ def render_markdown(
         "",
     ]
     return "\n".join(lines)
+
+
+def _study_lines(study: dict) -> list[str]:
+    """The study's objective, its trials' outcome and its best trial (job dir = trial number)."""
+    trials = study.get("trials", [])
+    states = Counter(str(t.get("state", "?")).lower() for t in trials)
+    lines = [
+        f"Optuna study `{study.get('study_name')}`: objective {study.get('objective')} "
+        f"({study.get('direction')}), {len(trials)} trials "
+        f"({', '.join(f'{n} {state}' for state, n in states.items())}).",
+        "",
+    ]
+    best = study.get("best")
+    if best:
+        params = " ".join(f"{k}={v}" for k, v in best["params"].items())
+        lines += [f"best: trial {best['trial']}, {best['value']:.6g}: `{params}`", ""]
+    return lines
 
 
 NOTES = [

@@ -1,0 +1,311 @@
+"""``hydra/sweeper=study``: an Optuna search through Hydra that can be stopped and continued.
+
+    python train.py hparams_search=lr                                   # conf/hparams_search/
+    python train.py hparams_search=lr hydra.sweep.dir=multirun/lr-1     # again: it continues
+
+It is Hydra's Optuna sweeper (hydra-optuna-sweeper, the ``optuna`` extra: search-space syntax,
+samplers and ``hydra.sweeper.params`` are its own) with what a search of training runs needs:
+
+- The study lives in the sweep dir (``optuna.db``, SQLite). Rerun with the same
+  ``hydra.sweep.dir`` and it continues: finished trials count towards ``n_trials``; a trial that
+  was running when the study stopped is recorded as failed ("interrupted") and its parameters
+  are tried again first. The stock sweeper would run ``n_trials`` more and number the jobs from
+  0 again, over the earlier trials' run dirs.
+- Job dirs are numbered by Optuna's trial number, so no trial's dir is another's.
+- A trial that fails (refused before launch, diverged, crashed) is told to Optuna as failed, with
+  its run's one-line reason, and the study goes on. ``max_failure_rate`` (1.0 here, 0.0 in the
+  stock sweeper) stops the study when a batch fails more often than that.
+- The objective is ``objective`` (val_loss, best_val_loss, tokens_per_s), read from each run's
+  run.json; a direction that contradicts it is refused.
+- ``study.json`` in the sweep dir, after every batch: every trial's number, state, value,
+  parameters and reason, and the best one (``fsdp-lab report`` reads it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import optuna
+from hydra.core.utils import JobReturn, JobStatus
+from hydra_plugins.hydra_optuna_sweeper._impl import (
+    OptunaSweeperImpl,
+    create_params_from_overrides,
+)
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+
+from fsdp_lab.config import ConfigError, Objective
+from fsdp_lab.launch import sweep
+from fsdp_lab.observe import rundir
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "optimization_results.yaml"  # what the stock sweeper writes, for its readers
+INTERRUPTED = "interrupted: the study stopped while this trial ran; its parameters ran again"
+DIRECTION = {
+    Objective.val_loss: "minimize",
+    Objective.best_val_loss: "minimize",
+    Objective.tokens_per_s: "maximize",
+}
+
+
+class StudySweeper(OptunaSweeperImpl):
+    """The stock sweeper's configuration and parsing; its own loop (see the module doc)."""
+
+    def sweep(self, arguments: list[str]) -> None:
+        try:
+            self._sweep(arguments)
+        except ConfigError as e:
+            print(f"fsdp_lab: error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    # Long: the study's whole life in order: check, load or create, recover, batches, summary.
+    def _sweep(self, arguments: list[str]) -> None:
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        objective = _objective(self.config)
+        directions = self._get_directions()
+        if directions != [DIRECTION[objective]]:
+            raise ConfigError(
+                f"hydra.sweeper.direction={','.join(directions)} but objective="
+                f"{objective.name} is to {DIRECTION[objective]}: set "
+                f"hydra.sweeper.direction={DIRECTION[objective]}"
+            )
+        self._process_searchspace_config()
+        distributions, fixed = create_params_from_overrides(
+            [*self._parse_sweeper_params_config(), *arguments]
+        )
+        if self.search_space_distributions:
+            distributions = {**self.search_space_distributions, **distributions}
+        if isinstance(self.sampler, functools.partial):  # sampler=grid: built from the space
+            grid = {k: self._to_grid_sampler_choices(d) for k, d in distributions.items()}
+            self.sampler = self.sampler(grid)
+            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
+        for name in fixed:
+            distributions.pop(name, None)
+        if not distributions:
+            raise ConfigError(
+                "the study has nothing to search: give hydra.sweeper.params (see "
+                "conf/hparams_search/) or a range on the command line, e.g. "
+                "'optim.lr=interval(1e-4,1e-2)'"
+            )
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # its schema set-up, per line
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=_storage(self.storage, sweep_dir),
+            sampler=self.sampler,
+            directions=directions,
+            load_if_exists=True,
+        )
+        interrupted = sum(t.state is TrialState.RUNNING for t in study.get_trials(deepcopy=False))
+        grid_points = recover_interrupted(study)
+        seed = self.config.hydra.sweeper.sampler.get("seed")
+        _seed_sampler(self.sampler, self.config.seed if seed is None else seed, study)
+        ran = [
+            t
+            for t in study.get_trials(deepcopy=False)
+            if t.state.is_finished() and t.user_attrs.get("error") != INTERRUPTED
+        ]
+        to_go = self.n_trials - len(ran)
+        if ran or interrupted:
+            log.info(
+                "study %s in %s: %d trial(s) ran, %d interrupted (to run again); %d to go",
+                study.study_name,
+                sweep_dir,
+                len(ran),
+                interrupted,
+                max(to_go, 0),
+            )
+        while to_go > 0:
+            trials = [study.ask() for _ in range(min(self.n_jobs, to_go))]
+            for trial in trials:
+                _regrid(study, trial, grid_points)
+                _check_job_dir_free(sweep_dir, trial.number)
+            overrides = self._configure_trials(trials, distributions, fixed)
+            returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
+            failed = sum(
+                not tell(study, trial, ret, objective)
+                for trial, ret in zip(trials, returns, strict=True)
+            )
+            write_study_file(study, sweep_dir, objective)
+            if failed / len(trials) > self.max_failure_rate:
+                raise ConfigError(
+                    f"{failed} of {len(trials)} trial(s) failed, over "
+                    f"hydra.sweeper.max_failure_rate={self.max_failure_rate}; the study stops "
+                    "(it continues from here when rerun with the same hydra.sweep.dir)"
+                )
+            to_go -= len(trials)
+        write_study_file(study, sweep_dir, objective)
+        _summarize(study, sweep_dir, objective)
+
+
+def _objective(config) -> Objective:
+    value = config.get("objective", Objective.val_loss)
+    name = value.name if isinstance(value, Objective) else str(value)
+    try:
+        return Objective[name]
+    except KeyError:
+        raise ConfigError(
+            f"objective={name}: use one of {', '.join(o.name for o in Objective)}"
+        ) from None
+
+
+def _storage(storage, sweep_dir: Path):
+    """The storage URL; a relative SQLite path is taken from the working dir at launch, made
+    absolute so that the jobs (and SLURM's) find the same file."""
+    if storage is None:
+        return f"sqlite:///{sweep_dir / 'optuna.db'}"
+    text = str(storage)
+    prefix = "sqlite:///"
+    if text.startswith(prefix) and not text.startswith(prefix + "/"):
+        return prefix + str(Path(text[len(prefix) :]).resolve())
+    return storage
+
+
+def recover_interrupted(study: optuna.Study) -> dict[int, int]:
+    """Trials left running by a study that was stopped (Ctrl-C, a killed process, a preempted
+    allocation): recorded as failed, their parameters queued to run first. Returns {queued
+    trial's number: the interrupted trial's grid point} for sampler=grid (see ``_regrid``)."""
+    stale = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.RUNNING]
+    grid_points = {}
+    for t in stale:
+        study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
+        study.tell(t.number, state=TrialState.FAIL)
+        with warnings.catch_warnings():  # enqueue_trial is "experimental" in Optuna 2
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.enqueue_trial(t.params)
+        if "grid_id" in t.system_attrs:
+            grid_points[study.get_trials(deepcopy=False)[-1].number] = t.system_attrs["grid_id"]
+    return grid_points
+
+
+def _regrid(study: optuna.Study, trial: optuna.Trial, grid_points: dict[int, int]) -> None:
+    """Optuna 2's GridSampler gives a queued trial an unvisited grid point, which its fixed
+    parameters then replace: that point would never run. The queued rerun takes the grid point
+    of the trial it repeats instead."""
+    if trial.number in grid_points:
+        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", grid_points[trial.number])
+
+
+def _seed_sampler(sampler, seed: int, study: optuna.Study) -> None:
+    """Seed the sampler from (the sampler's seed, else the run's ``seed``; the trials so far):
+    a study is reproducible, and a continued one does not propose its first trials' parameters
+    again (a sampler seeded alike would restart the same random sequence)."""
+    new_seed = int(np.random.SeedSequence([int(seed), len(study.trials)]).generate_state(1)[0])
+    parts = [sampler, getattr(sampler, "_random_sampler", None)]
+    reseeded = False
+    for part in parts:
+        if isinstance(getattr(part, "_rng", None), np.random.RandomState):
+            part._rng = np.random.RandomState(new_seed)
+            reseeded = True
+    if not reseeded and study.trials:  # a sampler laid out otherwise: a fresh, unseeded one
+        sampler.reseed_rng()
+
+
+def _check_job_dir_free(sweep_dir: Path, number: int) -> None:
+    job_dir = sweep_dir / str(number)
+    if (job_dir / rundir.RUN_FILE).exists():
+        raise ConfigError(
+            f"{job_dir} holds a run but the study in {sweep_dir} has no trial {number} before "
+            "it (optuna.db replaced or deleted?): continue with the study that made these "
+            "dirs, or start a new search with another hydra.sweep.dir"
+        )
+
+
+def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Objective) -> bool:
+    """Tell Optuna how a trial's run ended: its objective, or failed with the run's reason."""
+    value, error = None, None
+    if ret.status is JobStatus.COMPLETED:
+        value = ret.return_value
+    else:
+        error = f"{type(ret._return_value).__name__}: {ret._return_value}"
+    if value is None and error is None:
+        run = rundir.read_run_file(_job_dir(ret)) if _job_dir(ret) else {}
+        error = run.get("error") or (
+            f"the run recorded no {sweep.OBJECTIVE_KEYS[objective]} (validation needs "
+            "trainer.eval_every > 0)"
+            if run.get("status") == "completed"
+            else f"run status {run.get('status', 'unknown')}"
+        )
+    if error is not None:
+        trial.set_user_attr("error", error[:500])
+        study.tell(trial, state=TrialState.FAIL)
+        log.warning("trial %d failed: %s", trial.number, error)
+        return False
+    try:
+        study.tell(trial, float(value))
+    except RuntimeError as e:  # GridSampler stops the study after its last point: told already
+        if "Study.stop" not in str(e):
+            raise
+    return True
+
+
+def _job_dir(ret: JobReturn) -> Path | None:
+    if ret.hydra_cfg is None:
+        return None
+    return Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
+
+
+def study_record(study: optuna.Study, objective: Objective) -> dict:
+    """study.json's content: the objective, the best trial, and every trial."""
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state is TrialState.COMPLETE]
+    best = None
+    if complete:
+        b = study.best_trial
+        best = {"trial": b.number, "value": b.value, "params": b.params}
+    return {
+        "study_name": study.study_name,
+        "objective": objective.name,
+        "direction": DIRECTION[objective],
+        "best": best,
+        "trials": [
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "value": t.value,
+                "params": t.params,
+                "error": t.user_attrs.get("error"),
+            }
+            for t in trials
+        ],
+    }
+
+
+def write_study_file(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:
+    path = sweep_dir / rundir.STUDY_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(study_record(study, objective), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _summarize(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:
+    record = study_record(study, objective)
+    failed = [t for t in record["trials"] if t["state"] == "FAIL"]
+    sweep.study_finished()
+    best = record["best"]
+    if best is None:
+        raise ConfigError(
+            f"no trial of study {study.study_name} completed ({len(failed)} failed; see "
+            f"{sweep_dir / rundir.STUDY_FILE})"
+        )
+    OmegaConf.save(
+        OmegaConf.create(
+            {"name": "optuna", "best_params": best["params"], "best_value": best["value"]}
+        ),
+        sweep_dir / RESULTS_FILE,
+    )
+    params = " ".join(f"{k}={v}" for k, v in best["params"].items())
+    print(
+        f"fsdp_lab: study {study.study_name}: {len(record['trials'])} trials, "
+        f"{len(failed)} failed; best {objective.name} {best['value']:.6g} "
+        f"(trial {best['trial']}: {params})",
+        file=sys.stderr,
+    )

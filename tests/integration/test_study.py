@@ -1,0 +1,103 @@
+"""hydra/sweeper=study: an Optuna search over train.py's runs that records failures, continues
+after being killed, and logs every trial to one W&B group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, check_ok, run_python
+from wandb_files import offline_runs
+
+pytestmark = pytest.mark.slow
+
+DIVERGES = 1e30  # loss is nan by step 3
+LRS = [1e-3, 2e-3, 3e-3, 5e-3, 8e-3, DIVERGES]
+
+
+def _study_args(sweep: Path) -> list[str]:
+    return [
+        str(ROOT / "train.py"),
+        "-m",  # a range on the command line (hparams_search alone needs no -m)
+        "hparams_search=lr",
+        f"hydra.sweep.dir={sweep}",
+        "hydra/sweeper/sampler=grid",  # the six points below, each once, in a seeded order
+        "hydra.sweeper.params=null",  # lr.yaml's space, replaced by one parameter's six points
+        f"optim.lr=choice({','.join(map(str, LRS))})",
+        "optim.warmup_steps=0",
+        "trainer.max_steps=3",
+        "trainer.eval_every=3",
+        "trainer.progress_bar=false",
+        "checkpoint=none",
+    ]
+
+
+def test_a_study_records_a_diverged_trial_and_continues_after_a_kill(tmp_path):
+    sweep = tmp_path / "study"
+    env = {"WANDB_MODE": "offline"}
+    first = subprocess.Popen(
+        [sys.executable, *_study_args(sweep)],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (sweep / "3" / "run.json").exists():  # trials 0-2 done, trial 3 started
+        assert first.poll() is None, first.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "trial 3 did not start in 240 s"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the study process and its ranks, mid-trial
+    first.wait()
+    done = json.loads((sweep / "study.json").read_text())
+    assert [t["number"] for t in done["trials"] if t["state"] != "RUNNING"] == [0, 1, 2]
+
+    proc = run_python(_study_args(sweep), env=env, timeout=300)  # the same sweep dir: continue
+    check_ok(proc)
+    study = json.loads((sweep / "study.json").read_text())
+    trials = {t["number"]: t for t in study["trials"]}
+    assert sorted(trials) == list(range(7)), trials.keys()  # 0-2, 3 interrupted, 4-6
+    assert trials[3]["state"] == "FAIL" and trials[3]["error"].startswith("interrupted")
+    assert trials[4]["params"] == trials[3]["params"]  # the interrupted point ran first
+    ran = [t for n, t in trials.items() if n != 3]
+    assert sorted(t["params"]["optim.lr"] for t in ran) == sorted(LRS)  # each point once
+    (diverged,) = [t for t in ran if t["params"]["optim.lr"] == DIVERGES]
+    assert diverged["state"] == "FAIL" and diverged["value"] is None
+    assert "loss is nan" in diverged["error"]
+    assert all(t["state"] == "COMPLETE" for t in ran if t is not diverged)
+
+    # The best value is the lowest of the trials' recorded validation losses, job dir = trial.
+    val = {}
+    for n in trials:
+        facts = json.loads((sweep / str(n) / "run.json").read_text())
+        if facts.get("status") == "completed":
+            val[n] = facts["final_val_loss"]
+            assert facts["job"]["num"] == n and facts["job"]["study"] == "fsdp_lab"
+    assert len(val) == 5
+    assert study["best"]["value"] == min(val.values())
+    assert study["best"]["trial"] == min(val, key=val.get)
+    assert "study fsdp_lab: 7 trials, 2 failed; best val_loss" in proc.stderr  # and exit 0
+
+    runs = [r for n in val for r in offline_runs(sweep / str(n))]
+    assert len(runs) == 5 and len({r.group for r in runs}) == 1 and runs[0].group
+    assert {r.config["study.trial"] for r in runs} == set(val)
+    report = (sweep / "report.md").read_text()
+    assert f"best: trial {study['best']['trial']}" in report and "objective (val_loss)" in report
+
+
+def test_an_objective_against_the_direction_is_one_line_before_any_trial(tmp_path):
+    sweep = tmp_path / "study"
+    proc = run_python([*_study_args(sweep), "objective=tokens_per_s"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        "error: hydra.sweeper.direction=minimize but objective=tokens_per_s is to maximize"
+        in proc.stderr
+    )
+    assert not (sweep / "0").exists()
