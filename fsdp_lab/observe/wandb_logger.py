@@ -127,7 +127,8 @@ class WandbLogger:
         import wandb
 
         ident = run_identity(cfg, run_dir, job)
-        run_id = resume_id or new_run_id()
+        # A W&B sweep agent starts train.py with the id of the run it created for the trial.
+        run_id = resume_id or os.environ.get("WANDB_RUN_ID") or new_run_id()
         config = flatten(to_container(cfg))
         config.update({f"options.{g}": o for g, o in (job or {}).get("choices", {}).items()})
         if (job or {}).get("study"):

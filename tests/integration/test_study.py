@@ -101,3 +101,55 @@ def test_an_objective_against_the_direction_is_one_line_before_any_trial(tmp_pat
         in proc.stderr
     )
     assert not (sweep / "0").exists()
+
+
+def agent_command(sweep_yaml: Path, values: dict) -> list[str]:
+    """The command a `wandb agent` runs for one trial of sweep_yaml: W&B's own functions and
+    the substitution loop of wandb_agent.Agent._command_run (W&B 0.18-0.31)."""
+    import yaml
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    spec = yaml.safe_load(sweep_yaml.read_text())
+    template = sweep_utils.create_sweep_command(list(spec["command"]))
+    sweep_vars = sweep_utils.create_sweep_command_args(
+        {"args": {k: {"value": v} for k, v in values.items()}}
+    )
+    sweep_vars |= {"interpreter": ["python"], "program": [spec["program"]], "env": []}
+    command = []
+    for chunk in map(str, template):
+        if chunk.startswith("${") and chunk.endswith("}"):
+            command += sweep_vars.get(chunk[2:-1]) or []
+        else:
+            command.append(chunk)
+    return command
+
+
+def test_the_wandb_sweep_agents_command_line_runs_train_py(tmp_path):
+    """What the agent would run for a trial of scripts/sweeps/wandb.yaml (a W&B server picks the
+    values; here, values of each parameter's kind), plus a short max_steps: it trains, and its
+    W&B run is the one the agent created (WANDB_RUN_ID)."""
+    values = {"optim.lr": 0.00123456789, "optim.warmup_steps": 10, "sharding": "grad_op"}
+    command = agent_command(ROOT / "scripts" / "sweeps" / "wandb.yaml", values)
+    assert command[:2] == ["python", "train.py"]
+    assert command[2:] == [
+        "optim.lr=0.00123456789",
+        "optim.warmup_steps=10",
+        "sharding=grad_op",
+        "trainer.max_steps=200",
+    ]
+    run_dir = tmp_path / "run"
+    proc = run_python(
+        [
+            str(ROOT / command[1]),
+            *command[2:],
+            f"hydra.run.dir={run_dir}",
+            "trainer.max_steps=2",  # after the command's: the last of a key wins
+            "trainer.progress_bar=false",
+            "checkpoint=none",
+        ],
+        env={"WANDB_MODE": "offline", "WANDB_RUN_ID": "agent123", "WANDB_SWEEP_ID": "sw1"},
+    )
+    check_ok(proc)
+    (run,) = offline_runs(run_dir)
+    assert run.run_id == "agent123"
+    assert run.config["optim.lr"] == 0.00123456789 and run.config["sharding.strategy"] == "grad_op"
