@@ -221,6 +221,40 @@ def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_pa
 
 
 @pytest.mark.slow
+def test_an_optuna_study_runs_its_trials_as_slurm_jobs_in_batches(slurm_cluster, tmp_path):
+    sweep = tmp_path / "study"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "hparams_search=lr",
+            "hydra/launcher=slurm",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.n_jobs=2",  # one batch of two SLURM jobs
+            "hardware=cpu",
+            "trainer.max_steps=2",
+            "trainer.eval_every=2",
+            "trainer.progress_bar=false",
+            "checkpoint=none",
+        ],
+        cwd=ROOT,
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    check_ok(proc)
+    study = json.loads((sweep / "study.json").read_text())
+    assert [t["state"] for t in study["trials"]] == ["COMPLETE", "COMPLETE"]
+    for trial in study["trials"]:
+        facts = json.loads((sweep / str(trial["number"]) / "run.json").read_text())
+        assert facts["world_size"] == 2 and facts["final_val_loss"] == trial["value"]
+    jobs = [p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)]
+    assert len(jobs) == 2, jobs
+
+
+@pytest.mark.slow
 def test_submitits_time_limit_signal_checkpoints_requeues_and_resumes(
     slurm_cluster, shared_run, tmp_path
 ):
