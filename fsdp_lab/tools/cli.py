@@ -6,6 +6,7 @@ fsdp-lab verify CHECKPOINT             # every file against its checksum, every 
 fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
+fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     pln.add_argument("overrides", nargs="*", help="the same overrides as train.py")
     pln.add_argument("--json", action="store_true", help="print the figures as JSON")
+    tun = sub.add_parser(
+        "tune",
+        help="the fastest strategy x checkpointing x offload x micro-batch that fits a memory "
+        "budget per rank: pruned by the plan, the best few probed on the real ranks",
+    )
+    tun.add_argument("overrides", nargs="*", help="the same overrides as train.py")
+    tun.add_argument(
+        "--memory-gib",
+        type=float,
+        required=True,
+        help="the budget per rank, GiB (peak RSS on CPU, the allocator's peak on GPU)",
+    )
+    tun.add_argument("--probes", type=int, default=3, help="candidates run for real (3)")
+    tun.add_argument("--steps", type=int, default=6, help="steps per probe (6)")
+    tun.add_argument("--max-micro-batch", type=int, default=32, help="largest micro-batch (32)")
+    tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
     rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
     rep.add_argument("sweep_dir", type=Path, help="a multirun dir (its job dirs hold run.json)")
     args = parser.parse_args(argv)
@@ -119,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
                 from fsdp_lab.tools.plan import print_plan
 
                 print_plan(args.overrides, as_json=args.json)
+            case "tune":
+                from fsdp_lab.tools.tune import tune_command
+
+                return tune_command(
+                    args.overrides,
+                    args.memory_gib,
+                    out_dir=args.out,
+                    probes=args.probes,
+                    steps=args.steps,
+                    max_micro_batch=args.max_micro_batch,
+                )
             case "report":
                 from fsdp_lab.tools.report import write_report
 

@@ -1,0 +1,400 @@
+"""`fsdp-lab tune [OVERRIDES] --memory-gib X`: the fastest FSDP setup that fits X GiB per rank.
+
+    fsdp-lab tune model=local model.path=$HOME/smollm2 trainer.seq_len=512 --memory-gib 6
+
+1. **Enumerate** sharding strategy x activation checkpointing (none, selective every 2, full) x
+   offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
+   up to ``--max-micro-batch``). Model, data, sequence length, ranks and precision are the
+   overrides'; an axis the overrides set (``sharding=full``) is held there.
+2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
+   predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
+3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
+   micro-batches, less communication per token) on the real ranks: a few steps each, measuring
+   peak memory and tokens/s. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
+   verdict, not a crash.
+4. **Print** a table and the winning command; write ``tune.json``.
+
+The budget's basis is what train.py reports as peak memory per rank: on CPU the resident-set
+high-water mark (VmHWM) of each rank process, interpreter and imports included (the baseline is
+measured here, in a fresh interpreter importing what a rank imports); on GPU the caching
+allocator's peak (``torch.cuda.max_memory_allocated``; the CUDA context is outside it, baseline
+0). On CPU every probe, and the printed command, set ``MALLOC_MMAP_THRESHOLD_=131072`` so that
+freed activation memory leaves the RSS (glibc's default keeps it: RSS then overstates live
+tensors up to 2x, and the plan could not predict it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_lab.config import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    ConfigError,
+    HardwareKind,
+    OffloadConfig,
+    OffloadDevice,
+    ShardingStrategy,
+)
+from fsdp_lab.config.rules import validate
+from fsdp_lab.tools import plan
+
+GIB, MIB = 2**30, 2**20
+# The plan's known error on real ranks (tests/integration/test_plan_runs.py, per architecture):
+# measured peak less the state before training is within 5% of the plan's + 48 MiB of the
+# process's own. SAFETY and SLACK add to that the RSS the baseline measurement cannot see
+# (gloo's buffers, the data loader, the first step's allocator growth).
+SAFETY, SLACK = 1.10, 64 * MIB
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+AC_OPTIONS = ("none", "selective", "full")
+RECOMPUTE = {"none": 1.0, "selective": 1 + 1 / 6, "full": 4 / 3}  # of one fwd+bwd (3 units)
+# Parameter bytes moved per micro-batch, in units of the model's parameter bytes: all-gather
+# (forward; again in backward after resharding) and reduce-scatter; all-reduce counts 2.
+COMM_UNITS = {
+    ShardingStrategy.full: 3.0,
+    ShardingStrategy.grad_op: 2.0,
+    ShardingStrategy.no_shard: 2.0,
+    ShardingStrategy.hybrid: 3.5,
+    ShardingStrategy.hybrid_zero2: 2.5,
+}
+# FLOPs per byte moved at which communication costs as much as compute, per device: a prior
+# for ordering probes only (the probes measure).
+FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
+OFFLOAD_PENALTY = 1.5  # offload=cpu on GPU: host AdamW and PCIe copies each step
+
+
+@dataclass
+class Candidate:
+    strategy: ShardingStrategy
+    ac: str  # none, selective, full
+    offload: bool
+    micro_batch: int
+    planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
+    plan_peak_bytes: int = 0  # the plan's tensors alone
+    prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
+    measured_bytes: int | None = None
+    tokens_per_s: float | None = None
+    verdict: str = "not probed"
+    run_dir: str | None = None
+
+    def overrides(self) -> list[str]:
+        return [
+            f"sharding={self.strategy.name}",
+            f"activation_checkpointing={self.ac}",
+            f"offload={'cpu' if self.offload else 'none'}",
+            f"trainer.micro_batch_size={self.micro_batch}",
+        ]
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.overrides())
+
+
+@dataclass
+class TuneResult:
+    budget_bytes: int
+    baseline_bytes: int
+    candidates: list[Candidate] = field(default_factory=list)
+    winner: Candidate | None = None
+    command: str | None = None
+
+
+def _held(overrides: list[str], *keys: str) -> bool:
+    return any(o.split("=", 1)[0].lstrip("+~") in keys for o in overrides)
+
+
+# Long: the grid and one plan per candidate, sharing one meta model per checkpointing choice.
+def enumerate_candidates(
+    overrides: list[str], max_micro_batch: int
+) -> tuple[list[Candidate], HardwareKind, int]:
+    """Every candidate the topology can run, with the plan's peak: (candidates, device, world
+    size). Raises ConfigError for overrides the plan refuses."""
+    cfg = plan.compose(overrides)
+    topo, _ = plan.topology(cfg)
+    validate(cfg, topo)
+    strategies = [cfg.sharding.strategy] if _held(overrides, "sharding") else list(ShardingStrategy)
+    acs = (
+        [cfg.activation_checkpointing.mode.name]
+        if _held(overrides, "activation_checkpointing")
+        else list(AC_OPTIONS)
+    )
+    offloads = [cfg.offload.device is OffloadDevice.cpu]
+    if not _held(overrides, "offload") and topo.device is not HardwareKind.cpu:
+        offloads = [False, True]
+    batches = [cfg.trainer.micro_batch_size]
+    if not _held(overrides, "trainer.micro_batch_size"):
+        batches = [2**i for i in range(max_micro_batch.bit_length()) if 2**i <= max_micro_batch]
+    out = []
+    for ac in acs:
+        ac_cfg = ActivationCheckpointingConfig(
+            mode=ActivationCheckpointingMode[ac],
+            every=cfg.activation_checkpointing.every,
+        )
+        base = dataclasses.replace(cfg, activation_checkpointing=ac_cfg)
+        facts = plan.inspect_model(base, topo.device)
+        for strategy in strategies:
+            for offload in offloads:
+                for mb in batches:
+                    variant = dataclasses.replace(
+                        base,
+                        offload=OffloadConfig(
+                            device=OffloadDevice.cpu if offload else OffloadDevice.none
+                        ),
+                        trainer=dataclasses.replace(base.trainer, micro_batch_size=mb),
+                    )
+                    try:
+                        s = plan.strategy_plan(variant, topo, facts, strategy)
+                    except ConfigError:
+                        continue
+                    if not s["available"]:
+                        continue
+                    out.append(Candidate(strategy, ac, offload, mb, plan_peak_bytes=int(s["peak"])))
+    for c in out:
+        comm = COMM_UNITS[c.strategy] if topo.world_size > 1 else 0.0
+        tokens = c.micro_batch * cfg.trainer.seq_len
+        # time per token ~ compute (6 FLOPs per param, x recompute) + bytes moved per token
+        # (4 per param per comm unit) weighted by the device's FLOPs per byte
+        c.prior = (6 * RECOMPUTE[c.ac] + FLOPS_PER_COMM_BYTE[topo.device] * 4 * comm / tokens) * (
+            OFFLOAD_PENALTY if c.offload else 1.0
+        )
+    return out, topo.device, topo.world_size
+
+
+def process_baseline_bytes(device: HardwareKind) -> int:
+    """What a rank holds before any tensor of the model: on CPU, the RSS of a fresh
+    interpreter that imported what a rank imports; on GPU 0 (the allocator's peak is the basis)."""
+    if device is not HardwareKind.cpu:
+        return 0
+    code = (
+        "import fsdp_lab.train.worker, torch.distributed\n"
+        "for line in open('/proc/self/status'):\n"
+        "    if line.startswith('VmHWM:'): print(int(line.split()[1]) * 1024)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise ConfigError(f"could not measure a rank's baseline memory: {proc.stderr[-300:]}")
+    return int(proc.stdout.split()[-1])
+
+
+def probe(
+    overrides: list[str], c: Candidate, run_dir: Path, *, steps: int, budget: int, env: dict
+) -> None:
+    """A few steps of the candidate on the real ranks: its measured peak per rank, tokens/s
+    and a verdict (fits, over budget, OOM, failed)."""
+    args = [
+        *overrides,
+        *c.overrides(),
+        f"trainer.max_steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "checkpoint=none",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+    ]
+    c.run_dir = str(run_dir)
+    proc = subprocess.run(
+        [sys.executable, str(_train_py()), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=False,
+    )
+    facts = {}
+    if (run_dir / "run.json").is_file():
+        facts = json.loads((run_dir / "run.json").read_text())
+    c.measured_bytes = facts.get("peak_mem_bytes")
+    c.tokens_per_s = facts.get("median_tokens_per_s")
+    if proc.returncode == 0:
+        fits = c.measured_bytes is not None and c.measured_bytes <= budget
+        c.verdict = "fits" if fits else "over budget"
+        return
+    error = str(facts.get("error") or proc.stderr.strip().splitlines()[-1:] or proc.returncode)
+    if "out of memory" in error.lower() or proc.returncode in (-9, 137):
+        c.verdict = "OOM"
+    else:
+        c.verdict = f"failed: {error[:120]}"
+
+
+def _train_py() -> Path:
+    return Path(__file__).resolve().parents[2] / "train.py"
+
+
+def command(overrides: list[str], c: Candidate, env: dict) -> str:
+    """The winner as one train.py command: the overrides (less the axes it sets) and its own."""
+    prefix = " ".join(f"{k}={v}" for k, v in env.items())
+    axes = {o.split("=", 1)[0] for o in c.overrides()}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in axes]
+    cmd = " ".join(["python", "train.py", *map(shlex.quote, [*kept, *c.overrides()])])
+    return f"{prefix} {cmd}" if prefix else cmd
+
+
+# Long: tune's four stages in order, each a few lines.
+def tune(
+    overrides: list[str],
+    memory_gib: float,
+    *,
+    out_dir: Path,
+    probes: int = 3,
+    steps: int = 6,
+    max_micro_batch: int = 32,
+    log=print,
+) -> TuneResult:
+    """Enumerate, drop, probe, pick. ConfigError (exit 2) when nothing fits."""
+    budget = int(memory_gib * GIB)
+    candidates, device, world = enumerate_candidates(overrides, max_micro_batch)
+    if not candidates:
+        raise ConfigError("no FSDP setup of these overrides is possible on this topology")
+    if all(SAFETY * c.plan_peak_bytes + SLACK > budget for c in candidates):  # before measuring
+        raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
+    baseline = process_baseline_bytes(device)
+    for c in candidates:
+        c.planned_bytes = baseline + int(SAFETY * c.plan_peak_bytes) + SLACK
+    result = TuneResult(budget, baseline, candidates)
+    fitting = sorted(
+        (c for c in candidates if c.planned_bytes <= budget),
+        key=lambda c: (c.prior, c.planned_bytes),
+    )
+    for c in candidates:
+        if c.planned_bytes > budget:
+            c.verdict = "dropped (plan)"
+    if not fitting:
+        raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
+    env = MALLOC_ENV if device is HardwareKind.cpu else {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(
+        f"tune: {len(candidates)} candidates, {len(fitting)} fit {memory_gib:g} GiB per rank by "
+        f"the plan (baseline {baseline / MIB:.0f} MiB + {SAFETY}x plan + {SLACK // MIB} MiB); "
+        f"probing {min(probes, len(fitting))}, {steps} steps each"
+    )
+    probed: list[Candidate] = []
+    for c in fitting:
+        if len(probed) == probes:
+            break
+        if c.planned_bytes > budget:  # after a probe measured more than the plan's basis
+            c.verdict = "dropped (plan + measured baseline)"
+            continue
+        probe(overrides, c, out_dir / f"probe-{len(probed)}", steps=steps, budget=budget, env=env)
+        probed.append(c)
+        mib = _mib(c.measured_bytes)
+        log(f"  probe {len(probed) - 1}: {c.name}: {c.verdict}, {mib} MiB, {_tps(c)}")
+        if c.measured_bytes is not None and c.measured_bytes - c.planned_bytes > 0:
+            # the process holds more than the baseline guessed: raise it for the rest
+            baseline += c.measured_bytes - c.planned_bytes
+            result.baseline_bytes = baseline
+            for other in candidates:
+                other.planned_bytes = baseline + int(SAFETY * other.plan_peak_bytes) + SLACK
+    ok = [c for c in probed if c.verdict == "fits"]
+    if not ok:
+        raise ConfigError(_nothing_fits(probed or fitting, budget, world, device, "measured"))
+    result.winner = max(ok, key=lambda c: c.tokens_per_s or 0.0)
+    result.command = command(overrides, result.winner, env)
+    return result
+
+
+def _nothing_fits(
+    candidates: list[Candidate], budget: int, world: int, device: HardwareKind, basis: str
+) -> str:
+    key = "planned_bytes" if basis == "planned" else "measured_bytes"
+    smallest = min(candidates, key=lambda c: getattr(c, key) or float("inf"))
+    ways = ["more ranks (hardware.nproc_per_node / num_nodes: the state shards further)"]
+    if device is not HardwareKind.cpu:
+        ways.append("offload=cpu")
+    ways += ["a shorter trainer.seq_len", "a smaller model, or a larger --memory-gib"]
+    return (
+        f"nothing fits in {budget / GIB:g} GiB per rank on {world} rank(s): the smallest "
+        f"{basis} peak is {(getattr(smallest, key) or 0) / GIB:.2f} GiB ({smallest.name}); "
+        f"try {', '.join(ways)}"
+    )
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.0f}"
+
+
+def _tps(c: Candidate) -> str:
+    return "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f} tokens/s"
+
+
+def format_table(result: TuneResult) -> str:
+    rows = [("candidate", "planned MiB", "measured MiB", "tokens/s", "verdict")]
+    order = sorted(result.candidates, key=lambda c: (c.measured_bytes is None, c.prior))
+    for c in order:
+        mark = "* " if c is result.winner else "  "
+        rows.append(
+            (
+                mark + c.name,
+                _mib(c.planned_bytes),
+                _mib(c.measured_bytes),
+                "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}",
+                c.verdict,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def write_json(result: TuneResult, path: Path, overrides: list[str]) -> None:
+    record = {
+        "overrides": overrides,
+        "budget_bytes": result.budget_bytes,
+        "baseline_bytes": result.baseline_bytes,
+        "safety": SAFETY,
+        "slack_bytes": SLACK,
+        "winner": result.winner.name if result.winner else None,
+        "command": result.command,
+        "candidates": [
+            {**dataclasses.asdict(c), "strategy": c.strategy.name, "name": c.name}
+            for c in result.candidates
+        ],
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def tune_command(
+    overrides: list[str],
+    memory_gib: float,
+    *,
+    out_dir: Path | None,
+    probes: int,
+    steps: int,
+    max_micro_batch: int,
+) -> int:
+    if memory_gib <= 0:
+        raise ConfigError(f"--memory-gib {memory_gib}: give the budget per rank in GiB, > 0")
+    if probes < 1 or steps < 3:
+        raise ConfigError("--probes must be >= 1 and --steps >= 3 (tokens/s skips the first)")
+    out_dir = out_dir or Path("outputs") / "tune" / time.strftime("%Y-%m-%d/%H-%M-%S")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir} already holds files: pick a new --out")
+    start = time.perf_counter()
+    result = tune(
+        overrides,
+        memory_gib,
+        out_dir=out_dir,
+        probes=probes,
+        steps=steps,
+        max_micro_batch=max_micro_batch,
+    )
+    write_json(result, out_dir / "tune.json", overrides)
+    print(format_table(result))
+    w = result.winner
+    print(
+        f"\nfastest that fits {memory_gib:g} GiB per rank: {w.name} "
+        f"({_tps(w)}, peak {_mib(w.measured_bytes)} MiB; tune took "
+        f"{time.perf_counter() - start:.0f} s; {out_dir / 'tune.json'})"
+    )
+    print(result.command)
+    return 0
