@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--probes", type=int, default=3, help="candidates run for real (3)")
     tun.add_argument("--steps", type=int, default=6, help="steps per probe (6)")
     tun.add_argument("--max-micro-batch", type=int, default=32, help="largest micro-batch (32)")
+    tun.add_argument("--sharding", help="strategies to try, e.g. full,grad_op (all)")
+    tun.add_argument("--checkpointing", help="of none,selective,full (all three)")
+    tun.add_argument("--micro-batches", help="sizes to try, e.g. 2,4,8 (powers of two)")
     tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
     rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
     rep.add_argument("sweep_dir", type=Path, help="a multirun dir (its job dirs hold run.json)")
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 print_plan(args.overrides, as_json=args.json)
             case "tune":
-                from fsdp_lab.tools.tune import tune_command
+                from fsdp_lab.tools.tune import Grid, tune_command
 
                 return tune_command(
                     args.overrides,
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     probes=args.probes,
                     steps=args.steps,
                     max_micro_batch=args.max_micro_batch,
+                    grid=Grid.parse(args.sharding, args.checkpointing, args.micro_batches),
                 )
             case "report":
                 from fsdp_lab.tools.report import write_report

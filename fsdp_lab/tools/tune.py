@@ -107,31 +107,70 @@ class TuneResult:
     command: str | None = None
 
 
+@dataclass
+class Grid:
+    """Axes restricted by the command line (--sharding, --checkpointing, --micro-batches);
+    None: every value."""
+
+    strategies: list[ShardingStrategy] | None = None
+    checkpointing: list[str] | None = None
+    micro_batches: list[int] | None = None
+
+    @classmethod
+    def parse(cls, sharding: str | None, checkpointing: str | None, micro: str | None) -> Grid:
+        def items(text: str | None, flag: str, allowed: list[str]) -> list[str] | None:
+            if text is None:
+                return None
+            values = [v.strip() for v in text.split(",") if v.strip()]
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ConfigError(f"{flag} {text}: use a comma list of {', '.join(allowed)}")
+            return values
+
+        names = items(sharding, "--sharding", [s.name for s in ShardingStrategy])
+        batches = None
+        if micro is not None:
+            try:
+                batches = [int(v) for v in micro.split(",")]
+            except ValueError:
+                batches = []
+            if not batches or min(batches) < 1:
+                raise ConfigError(f"--micro-batches {micro}: use a comma list of sizes >= 1")
+        return cls(
+            strategies=[ShardingStrategy[n] for n in names] if names else None,
+            checkpointing=items(checkpointing, "--checkpointing", list(AC_OPTIONS)),
+            micro_batches=batches,
+        )
+
+
 def _held(overrides: list[str], *keys: str) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") in keys for o in overrides)
 
 
 # Long: the grid and one plan per candidate, sharing one meta model per checkpointing choice.
 def enumerate_candidates(
-    overrides: list[str], max_micro_batch: int
+    overrides: list[str], max_micro_batch: int, grid: Grid | None = None
 ) -> tuple[list[Candidate], HardwareKind, int]:
     """Every candidate the topology can run, with the plan's peak: (candidates, device, world
-    size). Raises ConfigError for overrides the plan refuses."""
+    size). ``grid`` restricts the axes. Raises ConfigError for overrides the plan refuses."""
+    grid = grid or Grid()
     cfg = plan.compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    strategies = [cfg.sharding.strategy] if _held(overrides, "sharding") else list(ShardingStrategy)
-    acs = (
-        [cfg.activation_checkpointing.mode.name]
-        if _held(overrides, "activation_checkpointing")
-        else list(AC_OPTIONS)
-    )
+    strategies = grid.strategies or list(ShardingStrategy)
+    if _held(overrides, "sharding"):
+        strategies = [cfg.sharding.strategy]
+    acs = grid.checkpointing or list(AC_OPTIONS)
+    if _held(overrides, "activation_checkpointing"):
+        acs = [cfg.activation_checkpointing.mode.name]
     offloads = [cfg.offload.device is OffloadDevice.cpu]
     if not _held(overrides, "offload") and topo.device is not HardwareKind.cpu:
         offloads = [False, True]
-    batches = [cfg.trainer.micro_batch_size]
-    if not _held(overrides, "trainer.micro_batch_size"):
-        batches = [2**i for i in range(max_micro_batch.bit_length()) if 2**i <= max_micro_batch]
+    batches = grid.micro_batches or [
+        2**i for i in range(max_micro_batch.bit_length()) if 2**i <= max_micro_batch
+    ]
+    if _held(overrides, "trainer.micro_batch_size"):
+        batches = [cfg.trainer.micro_batch_size]
     out = []
     for ac in acs:
         ac_cfg = ActivationCheckpointingConfig(
@@ -248,14 +287,17 @@ def tune(
     probes: int = 3,
     steps: int = 6,
     max_micro_batch: int = 32,
+    grid: Grid | None = None,
     log=print,
 ) -> TuneResult:
     """Enumerate, drop, probe, pick. ConfigError (exit 2) when nothing fits."""
     budget = int(memory_gib * GIB)
-    candidates, device, world = enumerate_candidates(overrides, max_micro_batch)
+    candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid)
     if not candidates:
         raise ConfigError("no FSDP setup of these overrides is possible on this topology")
-    if all(SAFETY * c.plan_peak_bytes + SLACK > budget for c in candidates):  # before measuring
+    for c in candidates:  # without the process's own memory: nothing fits already?
+        c.planned_bytes = int(SAFETY * c.plan_peak_bytes) + SLACK
+    if all(c.planned_bytes > budget for c in candidates):
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
     baseline = process_baseline_bytes(device)
     for c in candidates:
@@ -371,6 +413,7 @@ def tune_command(
     probes: int,
     steps: int,
     max_micro_batch: int,
+    grid: Grid | None = None,
 ) -> int:
     if memory_gib <= 0:
         raise ConfigError(f"--memory-gib {memory_gib}: give the budget per rank in GiB, > 0")
@@ -387,6 +430,7 @@ def tune_command(
         probes=probes,
         steps=steps,
         max_micro_batch=max_micro_batch,
+        grid=grid,
     )
     write_json(result, out_dir / "tune.json", overrides)
     print(format_table(result))

@@ -1,0 +1,74 @@
+"""fsdp-lab tune without running anything: the grid, the command, the one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_lab.config import ConfigError, ShardingStrategy
+from fsdp_lab.tools import tune
+
+
+def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
+    gpu, device, world = tune.enumerate_candidates(["hardware=gpu", "hardware.nproc_per_node=8"], 4)
+    assert (device.name, world) == ("gpu", 8)
+    axes = {(c.strategy, c.ac, c.offload, c.micro_batch) for c in gpu}
+    assert len(axes) == len(gpu) == 5 * 3 * 2 * 3  # strategies x ac x offload x 1,2,4
+    cpu, _, _ = tune.enumerate_candidates(["hardware=cpu"], 4)
+    assert not any(c.offload for c in cpu)  # offload moves nothing on a CPU rank
+    # hybrid needs 4+ ranks: on 2 it is not a candidate
+    assert {c.strategy for c in cpu} == {
+        ShardingStrategy.full,
+        ShardingStrategy.grad_op,
+        ShardingStrategy.no_shard,
+    }
+    # more activations, more memory; checkpointing saves some; the prior prefers no recompute
+    by = {(c.strategy, c.ac, c.micro_batch): c for c in cpu}
+    full = ShardingStrategy.full
+    assert by[full, "none", 4].plan_peak_bytes > by[full, "none", 1].plan_peak_bytes
+    assert by[full, "full", 4].plan_peak_bytes < by[full, "none", 4].plan_peak_bytes
+    assert by[full, "none", 4].prior < by[full, "full", 4].prior
+
+
+def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
+    cands, _, _ = tune.enumerate_candidates(
+        ["hardware=cpu", "sharding=grad_op"], 8, tune.Grid.parse(None, "none,full", "2,8")
+    )
+    assert {(c.strategy.name, c.ac, c.micro_batch) for c in cands} == {
+        ("grad_op", ac, mb) for ac in ("none", "full") for mb in (2, 8)
+    }
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("full,zero3", None, None), "--sharding full,zero3: use a comma list of full"),
+        ((None, "some", None), "--checkpointing some: use a comma list of none, selective"),
+        ((None, None, "2,x"), "--micro-batches 2,x: use a comma list of sizes >= 1"),
+        ((None, None, "0"), "--micro-batches 0: use a comma list of sizes >= 1"),
+    ],
+)
+def test_a_bad_grid_is_one_line(args, message):
+    with pytest.raises(ConfigError, match="^" + message):
+        tune.Grid.parse(*args)
+
+
+def test_the_command_replaces_the_axes_the_overrides_held():
+    c = tune.Candidate(ShardingStrategy.no_shard, "full", False, 8)
+    cmd = tune.command(["sharding=full", "model.hidden_size=64", "trainer.seq_len=128"], c, {})
+    assert cmd == (
+        "python train.py model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
+        "activation_checkpointing=full offload=none trainer.micro_batch_size=8"
+    )
+    env = tune.MALLOC_ENV
+    assert tune.command([], c, env).startswith("MALLOC_MMAP_THRESHOLD_=131072 python train.py ")
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_would_help(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        tune.tune(["hardware=cpu"], 0.01, out_dir=tmp_path / "t", max_micro_batch=2)
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("nothing fits in 0.01 GiB per rank on 2 rank(s): the smallest planned")
+    assert "activation_checkpointing=full" in line  # the smallest is the most checkpointed
+    assert "more ranks" in line and "offload=cpu" not in line  # offload: GPU only
+    assert not (tmp_path / "t").exists()
