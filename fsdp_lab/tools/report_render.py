@@ -86,9 +86,15 @@ def render_markdown(
     if fixed:
         lines += ["fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), ""]
     values: dict[str, float | None] = {}
+    interrupted: set[str] = set()
     if study:
         lines += _study_lines(study)
         values = {str(t["number"]): t.get("value") for t in study.get("trials", [])}
+        interrupted = {
+            str(t["number"])
+            for t in study.get("trials", [])
+            if str(t.get("error") or "").startswith("interrupted")
+        }
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
     header = [
@@ -110,7 +116,8 @@ def render_markdown(
         cells = [
             job.name,
             *(job.options.get(k, "?") for k in varying),
-            _status_cell(job),
+            # a study's trial cut off by a stop: its run.json still says how far it got
+            "interrupted" if job.name in interrupted else _status_cell(job),
             _fmt(f.steps, "{}"),
             _fmt(f.tokens_per_s, "{:,.0f}"),
             _fmt(f.step_time_s and f.step_time_s * 1000, "{:.1f}"),

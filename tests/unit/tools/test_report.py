@@ -269,3 +269,39 @@ def test_cli_prints_the_paths_or_one_error_line(small_sweep, tmp_path):
     proc = cli_report(tmp_path / "nowhere")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("fsdp-lab: error:") and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_studys_report_has_its_best_trial_and_an_objective_column(tmp_path):
+    """hydra/sweeper=study's study.json: the study line, the best trial's parameters, each job's
+    objective (job dir = trial number), and an interrupted trial said as such."""
+    for num, lr in enumerate(("optim.lr=0.001", "optim.lr=0.01", "optim.lr=0.01")):
+        write_job(tmp_path, num, overrides=(lr,), steps=2, status="completed")
+    (tmp_path / "1" / "run.json").write_text(json.dumps({"status": "starting"}))
+    trial = lambda n, state, value, error=None: {
+        "number": n,
+        "state": state,
+        "value": value,
+        "params": {"optim.lr": [0.001, 0.01, 0.01][n]},
+        "error": error,
+    }
+    study = {
+        "study_name": "fsdp_lab",
+        "objective": "val_loss",
+        "direction": "minimize",
+        "best": {"trial": 2, "value": 4.25, "params": {"optim.lr": 0.01}},
+        "trials": [
+            trial(0, "COMPLETE", 4.5),
+            trial(1, "FAIL", None, "interrupted: the study stopped while this trial ran"),
+            trial(2, "COMPLETE", 4.25),
+        ],
+    }
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    text = write_report(tmp_path)[0].read_text()
+    assert (
+        "Optuna study `fsdp_lab`: objective val_loss (minimize), 3 trials (2 complete, 1 fail)"
+        in text
+    )
+    assert "best: trial 2, 4.25: `optim.lr=0.01`" in text
+    _, rows = read_table(write_report(tmp_path)[0])
+    assert [r["objective (val_loss)"] for r in rows] == ["4.5", "-", "4.25"]
+    assert rows[1]["status"] == "interrupted"
