@@ -41,7 +41,7 @@ MODEL = [
     "model.vocab_size=4096",
     "trainer.seq_len=256",
 ]
-GRID = tune.Grid.parse("full,grad_op,no_shard", "none,full", "2,4")
+GRID = tune.Grid.parse("full,grad_op,no_shard", "none,full", "2,4", "1")
 DEFAULT = "sharding=full activation_checkpointing=none offload=none trainer.micro_batch_size=4"
 
 

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--sharding", help="strategies to try, e.g. full,grad_op (all)")
     tun.add_argument("--checkpointing", help="of none,selective,full (all three)")
     tun.add_argument("--micro-batches", help="sizes to try, e.g. 2,4,8 (powers of two)")
+    tun.add_argument("--tensor", help="TP degrees to try, e.g. 1,2 (those the ranks allow)")
     tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
     rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
     rep.add_argument("sweep_dir", type=Path, help="a multirun dir (its job dirs hold run.json)")
@@ -149,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     probes=args.probes,
                     steps=args.steps,
                     max_micro_batch=args.max_micro_batch,
-                    grid=Grid.parse(args.sharding, args.checkpointing, args.micro_batches),
+                    grid=Grid.parse(
+                        args.sharding, args.checkpointing, args.micro_batches, args.tensor
+                    ),
                 )
             case "report":
                 from fsdp_lab.tools.report import write_report

@@ -4,8 +4,9 @@
 
 1. **Enumerate** sharding strategy x activation checkpointing (none, selective every 2, full) x
    offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
-   up to ``--max-micro-batch``). Model, data, sequence length, ranks and precision are the
-   overrides'; an axis the overrides set (``sharding=full``) is held there.
+   up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing the ranks per
+   node, where the model's TP plan takes it). Model, data, sequence length, ranks and precision
+   are the overrides'; an axis the overrides set (``sharding=full``) is held there.
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
 3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
@@ -26,6 +27,7 @@ tensors up to 2x, and the plan could not predict it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shlex
@@ -77,6 +79,7 @@ class Candidate:
     ac: str  # none, selective, full
     offload: bool
     micro_batch: int
+    tensor: int = 1  # parallel.tensor
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
     plan_peak_bytes: int = 0  # the plan's tensors alone
     prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
@@ -91,6 +94,7 @@ class Candidate:
             f"activation_checkpointing={self.ac}",
             f"offload={'cpu' if self.offload else 'none'}",
             f"trainer.micro_batch_size={self.micro_batch}",
+            *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
         ]
 
     @property
@@ -109,15 +113,22 @@ class TuneResult:
 
 @dataclass
 class Grid:
-    """Axes restricted by the command line (--sharding, --checkpointing, --micro-batches);
-    None: every value."""
+    """Axes restricted by the command line (--sharding, --checkpointing, --micro-batches,
+    --tensor); None: every value."""
 
     strategies: list[ShardingStrategy] | None = None
     checkpointing: list[str] | None = None
     micro_batches: list[int] | None = None
+    tensor: list[int] | None = None
 
     @classmethod
-    def parse(cls, sharding: str | None, checkpointing: str | None, micro: str | None) -> Grid:
+    def parse(
+        cls,
+        sharding: str | None,
+        checkpointing: str | None,
+        micro: str | None,
+        tensor: str | None = None,
+    ) -> Grid:
         def items(text: str | None, flag: str, allowed: list[str]) -> list[str] | None:
             if text is None:
                 return None
@@ -127,19 +138,23 @@ class Grid:
                 raise ConfigError(f"{flag} {text}: use a comma list of {', '.join(allowed)}")
             return values
 
-        names = items(sharding, "--sharding", [s.name for s in ShardingStrategy])
-        batches = None
-        if micro is not None:
+        def sizes(text: str | None, flag: str) -> list[int] | None:
+            if text is None:
+                return None
             try:
-                batches = [int(v) for v in micro.split(",")]
+                values = [int(v) for v in text.split(",")]
             except ValueError:
-                batches = []
-            if not batches or min(batches) < 1:
-                raise ConfigError(f"--micro-batches {micro}: use a comma list of sizes >= 1")
+                values = []
+            if not values or min(values) < 1:
+                raise ConfigError(f"{flag} {text}: use a comma list of sizes >= 1")
+            return values
+
+        names = items(sharding, "--sharding", [s.name for s in ShardingStrategy])
         return cls(
             strategies=[ShardingStrategy[n] for n in names] if names else None,
             checkpointing=items(checkpointing, "--checkpointing", list(AC_OPTIONS)),
-            micro_batches=batches,
+            micro_batches=sizes(micro, "--micro-batches"),
+            tensor=sizes(tensor, "--tensor"),
         )
 
 
@@ -171,40 +186,52 @@ def enumerate_candidates(
     ]
     if _held(overrides, "trainer.micro_batch_size"):
         batches = [cfg.trainer.micro_batch_size]
+    tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
+    if _held(overrides, "parallel.tensor"):
+        tensors = [cfg.parallel.tensor]
     out = []
-    for ac in acs:
-        ac_cfg = ActivationCheckpointingConfig(
-            mode=ActivationCheckpointingMode[ac],
-            every=cfg.activation_checkpointing.every,
+    for ac, tp in itertools.product(acs, tensors):
+        base = dataclasses.replace(
+            cfg,
+            activation_checkpointing=ActivationCheckpointingConfig(
+                mode=ActivationCheckpointingMode[ac], every=cfg.activation_checkpointing.every
+            ),
+            parallel=dataclasses.replace(cfg.parallel, tensor=tp),
         )
-        base = dataclasses.replace(cfg, activation_checkpointing=ac_cfg)
-        facts = plan.inspect_model(base, topo.device)
-        for strategy in strategies:
-            for offload in offloads:
-                for mb in batches:
-                    variant = dataclasses.replace(
-                        base,
-                        offload=OffloadConfig(
-                            device=OffloadDevice.cpu if offload else OffloadDevice.none
-                        ),
-                        trainer=dataclasses.replace(base.trainer, micro_batch_size=mb),
-                    )
-                    try:
-                        s = plan.strategy_plan(variant, topo, facts, strategy)
-                    except ConfigError:
-                        continue
-                    if not s["available"]:
-                        continue
-                    out.append(Candidate(strategy, ac, offload, mb, plan_peak_bytes=int(s["peak"])))
-    for c in out:
-        comm = COMM_UNITS[c.strategy] if topo.world_size > 1 else 0.0
-        tokens = c.micro_batch * cfg.trainer.seq_len
-        # time per token ~ compute (6 FLOPs per param, x recompute) + bytes moved per token
-        # (4 per param per comm unit) weighted by the device's FLOPs per byte
-        c.prior = (6 * RECOMPUTE[c.ac] + FLOPS_PER_COMM_BYTE[topo.device] * 4 * comm / tokens) * (
-            OFFLOAD_PENALTY if c.offload else 1.0
-        )
+        try:
+            validate(base, topo)
+            facts = plan.inspect_model(base, topo.device)
+        except ConfigError:  # e.g. a TP degree the heads do not divide: not a candidate
+            continue
+        for strategy, offload, mb in itertools.product(strategies, offloads, batches):
+            variant = dataclasses.replace(
+                base,
+                offload=OffloadConfig(device=OffloadDevice.cpu if offload else OffloadDevice.none),
+                trainer=dataclasses.replace(base.trainer, micro_batch_size=mb),
+            )
+            try:
+                s = plan.strategy_plan(variant, topo, facts, strategy)
+            except ConfigError:
+                continue
+            if s["available"]:
+                c = Candidate(strategy, ac, offload, mb, tensor=tp, plan_peak_bytes=int(s["peak"]))
+                c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
+                out.append(c)
     return out, topo.device, topo.world_size
+
+
+def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
+    """Relative time per token, for ordering probes: compute (6 FLOPs per parameter, times the
+    recomputation) plus bytes moved per token weighted by the device's FLOPs per byte: FSDP's
+    (4 bytes per parameter per communication unit, once per micro-batch) and TP's (two
+    all-reduces of the hidden state per layer, forward and backward)."""
+    w = FLOPS_PER_COMM_BYTE[topo.device]
+    dp = topo.world_size // c.tensor
+    fsdp = 4 * COMM_UNITS[c.strategy] / (c.micro_batch * seq_len) if dp > 1 else 0
+    layer = facts.layer
+    tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
+    penalty = OFFLOAD_PENALTY if c.offload else 1.0
+    return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp)) * penalty
 
 
 def process_baseline_bytes(device: HardwareKind) -> int:

@@ -11,8 +11,13 @@ from fsdp_lab.tools import tune
 def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
     gpu, device, world = tune.enumerate_candidates(["hardware=gpu", "hardware.nproc_per_node=8"], 4)
     assert (device.name, world) == ("gpu", 8)
-    axes = {(c.strategy, c.ac, c.offload, c.micro_batch) for c in gpu}
-    assert len(axes) == len(gpu) == 5 * 3 * 2 * 3  # strategies x ac x offload x 1,2,4
+    axes = {(c.strategy, c.ac, c.offload, c.micro_batch, c.tensor) for c in gpu}
+    # strategies x ac x offload x micro-batch 1,2,4 x TP 1,2 (4 and 8: the tiny Llama's 2 KV
+    # heads do not divide, the plan refuses them)
+    assert len(axes) == len(gpu) == 5 * 3 * 2 * 3 * 2
+    assert {c.tensor for c in gpu} == {1, 2}
+    tp2 = next(c for c in gpu if c.tensor == 2)
+    assert "parallel.tensor=2" in tp2.overrides()
     cpu, _, _ = tune.enumerate_candidates(["hardware=cpu"], 4)
     assert not any(c.offload for c in cpu)  # offload moves nothing on a CPU rank
     # hybrid needs 4+ ranks: on 2 it is not a candidate
@@ -22,7 +27,7 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
         ShardingStrategy.no_shard,
     }
     # more activations, more memory; checkpointing saves some; the prior prefers no recompute
-    by = {(c.strategy, c.ac, c.micro_batch): c for c in cpu}
+    by = {(c.strategy, c.ac, c.micro_batch): c for c in cpu if c.tensor == 1}
     full = ShardingStrategy.full
     assert by[full, "none", 4].plan_peak_bytes > by[full, "none", 1].plan_peak_bytes
     assert by[full, "full", 4].plan_peak_bytes < by[full, "none", 4].plan_peak_bytes
@@ -31,7 +36,9 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
 
 def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
     cands, _, _ = tune.enumerate_candidates(
-        ["hardware=cpu", "sharding=grad_op"], 8, tune.Grid.parse(None, "none,full", "2,8")
+        ["hardware=cpu", "sharding=grad_op", "parallel.tensor=1"],
+        8,
+        tune.Grid.parse(None, "none,full", "2,8", "2"),  # --tensor 2, but the override holds 1
     )
     assert {(c.strategy.name, c.ac, c.micro_batch) for c in cands} == {
         ("grad_op", ac, mb) for ac in ("none", "full") for mb in (2, 8)
@@ -45,6 +52,7 @@ def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
         ((None, "some", None), "--checkpointing some: use a comma list of none, selective"),
         ((None, None, "2,x"), "--micro-batches 2,x: use a comma list of sizes >= 1"),
         ((None, None, "0"), "--micro-batches 0: use a comma list of sizes >= 1"),
+        ((None, None, None, "2,"), "--tensor 2,: use a comma list of sizes >= 1"),
     ],
 )
 def test_a_bad_grid_is_one_line(args, message):
