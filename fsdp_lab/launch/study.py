@@ -71,6 +71,12 @@ class StudySweeper(OptunaSweeperImpl):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         objective = _objective(self.config)
         directions = self._get_directions()
+        if objective is not Objective.tokens_per_s and not self.config.trainer.eval_every:
+            raise ConfigError(
+                f"objective={objective.name} needs validation but trainer.eval_every=0: set "
+                "trainer.eval_every (validation also runs after the last step) or "
+                "objective=tokens_per_s"
+            )
         if directions != [DIRECTION[objective]]:
             raise ConfigError(
                 f"hydra.sweeper.direction={','.join(directions)} but objective="
@@ -96,7 +102,6 @@ class StudySweeper(OptunaSweeperImpl):
                 "'optim.lr=interval(1e-4,1e-2)'"
             )
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        logging.getLogger("alembic").setLevel(logging.WARNING)  # its schema set-up, per line
         study = optuna.create_study(
             study_name=self.study_name,
             storage=_storage(self.storage, sweep_dir),

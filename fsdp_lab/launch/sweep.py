@@ -8,6 +8,7 @@ and exits 1. A preemption signal or Ctrl-C still stops the whole sweep.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from fsdp_lab.config import Objective
 from fsdp_lab.launch import run
 from fsdp_lab.observe import rundir
 from fsdp_lab.train import preempt
+
+# Hydra imports every installed sweeper at start; Optuna's imports alembic, which logs each of
+# its plugins at INFO through Hydra's handler, a dozen lines before every run.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 # Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
 _FAILURES: list[str] = []
