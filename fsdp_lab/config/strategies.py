@@ -55,6 +55,17 @@ class Strategy:
         return self.replicas is Replicas.groups
 
     @property
+    def traffic(self) -> float:
+        """Collective traffic per micro-batch in units of the model's parameter bytes (what
+        `fsdp-lab tune` orders candidates by): one all-gather for forward, another for backward
+        after resharding, a reduce-scatter of the gradients; DDP's all-reduce counts 2; the
+        hybrids add the all-reduce of each gradient shard across the replica groups (0.5)."""
+        if self.replicas is Replicas.every_rank:
+            return 2.0
+        gathers = 2.0 if self.reshard_after_forward else 1.0
+        return gathers + 1.0 + (0.5 if self.has_replica_groups else 0.0)
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
         """Axis names, replicate-major: a shard group is contiguous ranks."""
         return (SHARD_AXIS,) if self.replicas is Replicas.one else (REPLICATE_AXIS, SHARD_AXIS)

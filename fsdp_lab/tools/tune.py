@@ -18,10 +18,10 @@
 The budget's basis is what train.py reports as peak memory per rank: on CPU the resident-set
 high-water mark (VmHWM) of each rank process, interpreter and imports included (the baseline is
 measured here, in a fresh interpreter importing what a rank imports); on GPU the caching
-allocator's peak (``torch.cuda.max_memory_allocated``; the CUDA context is outside it, baseline
-0). On CPU every probe, and the printed command, set ``MALLOC_MMAP_THRESHOLD_=131072`` so that
-freed activation memory leaves the RSS (glibc's default keeps it: RSS then overstates live
-tensors up to 2x, and the plan could not predict it).
+allocator's peak (the CUDA context is outside it: baseline 0). On CPU every probe, and the
+printed command, set ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed activation memory leaves the
+RSS (glibc's default keeps it: RSS then overstates live tensors up to 2x, and the plan could not
+predict it).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from fsdp_lab.config import (
     ShardingStrategy,
 )
 from fsdp_lab.config.rules import validate
+from fsdp_lab.config.strategies import strategy_of
 from fsdp_lab.tools import plan
 
 GIB, MIB = 2**30, 2**20
@@ -58,15 +59,6 @@ SAFETY, SLACK = 1.10, 64 * MIB
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 AC_OPTIONS = ("none", "selective", "full")
 RECOMPUTE = {"none": 1.0, "selective": 1 + 1 / 6, "full": 4 / 3}  # of one fwd+bwd (3 units)
-# Parameter bytes moved per micro-batch, in units of the model's parameter bytes: all-gather
-# (forward; again in backward after resharding) and reduce-scatter; all-reduce counts 2.
-COMM_UNITS = {
-    ShardingStrategy.full: 3.0,
-    ShardingStrategy.grad_op: 2.0,
-    ShardingStrategy.no_shard: 2.0,
-    ShardingStrategy.hybrid: 3.5,
-    ShardingStrategy.hybrid_zero2: 2.5,
-}
 # FLOPs per byte moved at which communication costs as much as compute, per device: a prior
 # for ordering probes only (the probes measure).
 FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
@@ -227,7 +219,8 @@ def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
     all-reduces of the hidden state per layer, forward and backward)."""
     w = FLOPS_PER_COMM_BYTE[topo.device]
     dp = topo.world_size // c.tensor
-    fsdp = 4 * COMM_UNITS[c.strategy] / (c.micro_batch * seq_len) if dp > 1 else 0
+    traffic = strategy_of(c.strategy).traffic  # parameter bytes per micro-batch, in params
+    fsdp = 4 * traffic / (c.micro_batch * seq_len) if dp > 1 else 0
     layer = facts.layer
     tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
     penalty = OFFLOAD_PENALTY if c.offload else 1.0
