@@ -134,15 +134,19 @@ class Transient:
 
     kept_params: int  # unsharded params (param_dtype) alive from forward to backward
     gathered: int  # the unit being computed and the one prefetched (param_dtype)
-    grad_buffers: int  # a unit's unsharded grads (param_dtype) + its reduce-scatter input
+    grad_buffers: int  # the largest block unit's reduce-scatter (`reduce_scatter_bytes`)
     accumulation: int  # grad_accum_steps > 1: unsharded grads kept between micro-batches
     backward: int  # autograd's own: the logits' gradients, or a layer's in-flight activation
     # gradients (and, under checkpointing, the recomputed layer), whichever is larger
+    end_of_backward: int = 0  # the root's backward and reduce-scatter, activations freed: see
+    # `transient`; the other units' sharded grads (`reduced_grads`) included
+    reduced_grads: int = 0  # the part of end_of_backward that is sharded grads (fp32)
 
     @property
     def total(self) -> int:
-        """At the peak: a unit's reduce-scatter follows its backward, once its activations are
-        freed, so it does not add to autograd's working memory (measured)."""
+        """At the forward/backward peak, on top of the saved activations: a unit's
+        reduce-scatter follows its backward, once its activations are freed, so it does not add
+        to autograd's working memory (measured)."""
         return (
             self.kept_params
             + self.gathered
@@ -151,6 +155,39 @@ class Transient:
         )
 
 
+def reduce_scatter_bytes(
+    numel: int, *, param_bytes: int, reduce_bytes: int, shard_size: int, gloo: bool, held: int = 0
+) -> int:
+    """A reduce-scatter's peak (FSDP2's foreach_reduce) of ``numel`` unsharded elements: the
+    unsharded grads while they are copied into its input, then the input and the sharded output
+    (and ``held``: grads someone else still references, so the copy-in did not free them).
+    Gloo has no reduce-scatter: it clones the whole input and all-reduces the clone
+    (ProcessGroupGloo::reduce_scatter_tensor_coalesced), one more unsharded copy at the call;
+    over one rank (no_shard) FSDP2 copies instead and all-reduces the output in place."""
+    copies = 2 if gloo and shard_size > 1 else 1
+    scatter = (copies * numel + -(-numel // shard_size)) * reduce_bytes + held
+    return max(numel * (param_bytes + reduce_bytes), scatter)
+
+
+def tied_grad_bytes(s: LayerShape, b: int, *, fused_loss: bool) -> int:
+    """The gradient bytes a tied input/output embedding holds beyond its own V x H in the
+    input embedding's backward, measured on a fake group: the head's gradient waits there for
+    the embedding's, and autograd sums the two out of place (three V x H tensors at once with
+    the model's own loss; a fused loss's gradient, made in forward, takes the sum in place)."""
+    if not s.tied:
+        return 0
+    return s.vocab * s.hidden * b * (1 if fused_loss else 2)
+
+
+def last_grad_numel(params: list[ParamShape], group: int) -> int:
+    """Elements of the last trainable parameter of FSDP unit ``group``: FSDP2's foreach_reduce
+    keeps the last unsharded gradient alive through the reduce-scatter (its loop variable, over
+    more than one rank), an untied head's V x H when it is the root's last."""
+    mine = [p.numel for p in params if p.group == group and p.trainable]
+    return mine[-1] if mine else 0
+
+
+# Long: FSDP2's working set in two phases, each a few lines with the measurement behind it.
 def transient(
     groups: dict[int, int],
     *,
@@ -160,17 +197,32 @@ def transient(
     grad_accum_steps: int,
     backward: int,
     grad_groups: dict[int, int] | None = None,
+    shard_size: int = 1,
+    tied_grads: int = 0,
+    held_grads: int = 0,
+    gloo: bool = False,
 ) -> Transient:
     """FSDP2's working set. The root (-1) is not resharded after forward when there are units
     (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
     ``reshard`` False every unit stays gathered until its backward (grad_op, hybrid_zero2,
     no_shard), with an int N each keeps a 1/N shard. ``grad_groups``: the elements of each
-    unit that get gradients, where some are frozen (default: all of ``groups``)."""
+    unit that get gradients, where some are frozen (default: all of ``groups``).
+
+    The root's gradients (embeddings, head) are reduced last, in FSDP2's final callback, after
+    every activation is freed: they are not added to the forward/backward peak but make a phase
+    of their own, ``end_of_backward``: the blocks' sharded grads over ``shard_size`` ranks,
+    and the larger of the input embedding's backward (the root's gathered params, its unsharded
+    grads, the last block's reduce-scatter input, which FSDP2 keeps until the next one) and the
+    root's own reduce-scatter, once it is resharded. ``tied_grads`` (``tied_grad_bytes``) add
+    to the first, the ``held_grads`` elements (``last_grad_numel``) to the second. ``gloo``: a
+    CPU process group, whose reduce-scatter copies its input."""
     grad_groups = groups if grad_groups is None else grad_groups
     units = {g: n for g, n in groups.items() if g >= 0}
     root = groups.get(-1, 0)
+    unit_grads = {g: n for g, n in grad_groups.items() if g >= 0}
+    root_grads = grad_groups.get(-1, 0) if units else 0
     if not units:  # the root is the only unit and follows the strategy
-        units, root = {-1: root}, 0
+        units, root, unit_grads = {-1: root}, 0, dict(grad_groups)
     last = max(units) if -1 not in units else None  # None: the root is the only unit
     kept = root + (units[last] if last is not None and reshard is not False else 0)
     others = {g: n for g, n in units.items() if g != last}
@@ -179,33 +231,56 @@ def transient(
     elif reshard is not True:  # an int: resharded to groups of `reshard` ranks after forward
         kept += sum(-(-n // reshard) for n in others.values())
     largest = sorted(others.values(), reverse=True)
-    gathered = 0 if reshard is False else sum(largest[:2])  # current + prefetched unit
-    biggest = max(grad_groups.values(), default=0)
+    gathered = sum(largest[:2])  # current + prefetched unit
+    if reshard is False:  # all kept; FSDP2 frees an all-gather's output at the next one's wait,
+        # so the last unit's stays (measured on a fake group)
+        gathered = units[last] if last is not None and shard_size > 1 else 0
+    rb = dict(param_bytes=param_bytes, reduce_bytes=reduce_bytes, shard_size=shard_size, gloo=gloo)
+    biggest = max(unit_grads.values(), default=0)
+    # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
+    accumulation = sum(grad_groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0
+    end = reduced = 0
+    if root_grads:
+        first = unit_grads[min(unit_grads)] if unit_grads else 0  # the last one reduced
+        in_backward = (root + root_grads) * param_bytes + tied_grads + first * reduce_bytes
+        reduced = FP32 * sum(-(-n // shard_size) for n in unit_grads.values())
+        held = held_grads * param_bytes if shard_size > 1 else 0
+        scatter = reduce_scatter_bytes(root_grads, **rb, held=held)
+        end = max(in_backward, scatter) + reduced + accumulation
     return Transient(
         kept_params=kept * param_bytes,
         gathered=gathered * param_bytes,
-        grad_buffers=biggest * (param_bytes + reduce_bytes),
-        # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
-        accumulation=sum(grad_groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0,
+        grad_buffers=reduce_scatter_bytes(biggest, **rb),
+        accumulation=accumulation,
         backward=backward,
+        end_of_backward=end,
+        reduced_grads=reduced,
     )
 
 
 def peak(
-    state: StateBytes, *, activations: int, transient_bytes: int, state_on_device: bool = True
+    state: StateBytes,
+    *,
+    activations: int,
+    transient_bytes: int,
+    end_of_backward: int = 0,
+    reduced_grads: int = 0,
+    state_on_device: bool = True,
 ) -> int:
-    """Peak device bytes: the state at rest, plus the larger of the forward/backward working
-    set (activations + transient; sharded grads are None then, zero_grad set them so) and the
-    optimizer step's (every sharded grad alive). Without the state on the device (offload=cpu
-    on a GPU) only the working set counts."""
+    """Peak device bytes: the state at rest, plus the largest of the forward/backward working
+    set (activations + transient; sharded grads are None then, zero_grad set them so), the
+    root's at the end of backward (``Transient.end_of_backward``: activations freed, the other
+    units' sharded grads made) and the optimizer step's (every sharded grad alive). Without the
+    state on the device (offload=cpu on a GPU) only the working sets count, less the sharded
+    grads (``reduced_grads``) that go to the host."""
     if not state_on_device:
-        return activations + transient_bytes
+        return max(activations + transient_bytes, end_of_backward - reduced_grads)
     return (
         state.params
         + state.optimizer
         + state.padding
         - state.grad_padding
-        + max(activations + transient_bytes, state.grads + state.grad_padding)
+        + max(activations + transient_bytes, end_of_backward, state.grads + state.grad_padding)
     )
 
 
@@ -235,6 +310,7 @@ class LayerShape:
     num_layers: int
     vocab: int
     loss_upcast: bool  # HF's causal-LM loss casts the logits to fp32; BERT's masked LM does not
+    tied: bool = False  # the head's weight is the input embedding's (tie_word_embeddings)
 
 
 def _split(nbytes: int, ways: int) -> int:
@@ -321,6 +397,7 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
         num_layers=hf_config.num_hidden_layers,
         vocab=hf_config.vocab_size,
         loss_upcast=task is ModelTask.causal_lm,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
     ), notes
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import check_ok, train
-from plan_cases import MEDIUM, peak_less_params
+from plan_cases import BIG_VOCAB, MEDIUM, peak_less_params
 
 from fsdp_lab.tools import plan
 
@@ -16,29 +16,84 @@ pytestmark = pytest.mark.slow
 # mark overstates live tensors up to 2x (measured: 543 MB of RSS for a 263 MB live peak); pinned,
 # large tensors are mmapped and returned when freed.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-# Measured peak RSS - RSS before the first step, over the estimate: 1.08-1.09 (fp32; 21 MB over)
-# and 1.19 (bf16; 28 MB over). Live tensor bytes are within 0-6% (the fake-group test in
-# tests/unit/tools/test_plan.py): the rest is not tensors (oneDNN's bf16 matmul workspaces,
-# malloc arenas), listed as not counted.
+# Measured peak RSS - RSS before the first step, over the estimate: 1.01-1.14 over Llama,
+# Mistral, Qwen2, GPT-2 and BERT, full, grad_op, no_shard and hybrid, fp32 and bf16, always
+# 8-25 MiB over. Live tensor bytes are within 0-4% (the fake-group test in
+# tests/unit/tools/test_plan.py): the rest is the process's, not tensors (what the first steps
+# page in: libraries, oneDNN's workspaces, malloc arenas), listed as not counted.
 # So: tensors within 5%, plus up to 48 MiB of the process's own.
 RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "base,overrides",
     [
-        ["sharding=full"],
-        ["sharding=grad_op"],
-        ["sharding=hybrid", "hardware.nproc_per_node=4"],
-        ["sharding=full", "precision=bf16"],
-        # dp 2 x tp 2 with sequence parallelism: measured 150 MiB over the state against 132
-        # planned (1.14; TP's redistribution buffers are not modelled), within the slack
-        ["hardware.nproc_per_node=4", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+        (MEDIUM, ["sharding=full"]),
+        (MEDIUM, ["sharding=grad_op"]),
+        (MEDIUM, ["sharding=hybrid", "hardware.nproc_per_node=4"]),
+        (MEDIUM, ["sharding=full", "precision=bf16"]),
+        # dp 2 x tp 2 with sequence parallelism: measured 151 MiB over the state against 133
+        # planned (1.13; TP's redistribution buffers are not modelled), within the slack
+        (
+            MEDIUM,
+            ["hardware.nproc_per_node=4", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+        ),
+        # One per architecture whose root unit (embeddings, head) outweighs its layers, 6 s
+        # each. Before the root's end of backward was modelled the plan added the root's
+        # gradient buffers to all the activations, and these failed here: measured 0.93x of it
+        # (gpt2, llama, mistral), 0.94x (qwen2 no_shard); bert's 1.21x passed on the slack.
+        (BIG_VOCAB, ["model=gpt2_tiny", "model.num_heads=4", "sharding=full"]),
+        # untied: the head's V x H gradient outlives the copy into the reduce-scatter, and gloo
+        # clones the root's whole reduce-scatter input (the peak)
+        (BIG_VOCAB, ["sharding=full"]),
+        (BIG_VOCAB, ["model=qwen2_tiny", "sharding=no_shard"]),
+        # the model's own loss, tied: three V x H gradients in the embedding's backward (the peak)
+        (BIG_VOCAB, ["model=bert_tiny", "sharding=grad_op"]),
     ],
-    ids=["full", "grad_op", "hybrid", "full-bf16", "dp2xtp2-sp"],
+    ids=[
+        "full",
+        "grad_op",
+        "hybrid",
+        "full-bf16",
+        "dp2xtp2-sp",
+        "gpt2-big-vocab",
+        "llama-big-vocab",
+        "qwen2-big-vocab-no_shard",
+        "bert-big-vocab-grad_op",
+    ],
 )
-def test_measured_runs_match_the_plan(run_dir, overrides):
-    args = [*MEDIUM, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none", *overrides]
+def test_measured_runs_match_the_plan(run_dir, base, overrides):
+    check_run_against_plan(run_dir, [*base, *overrides])
+
+
+def test_a_mistral_directory_matches_the_plan(run_dir, tmp_path):
+    """An architecture with no preset (model=local, random init): planned as a Llama."""
+    from transformers import MistralConfig
+
+    MistralConfig(
+        vocab_size=32768,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "mistral")
+    check_run_against_plan(
+        run_dir,
+        [
+            *[a for a in BIG_VOCAB if not a.startswith("model.")],
+            "model=local",
+            f"model.name_or_path={tmp_path / 'mistral'}",
+            "model.pretrained=false",
+        ],
+    )
+
+
+def check_run_against_plan(run_dir, overrides: list[str]) -> None:
+    """Two steps of train.py: each rank's state exactly the plan's, its peak within tolerance."""
+    args = [*overrides, "trainer.max_steps=2", "trainer.eval_every=0", "checkpoint=none"]
     check_ok(train(run_dir, *args, env=MALLOC_ENV))
     run = json.loads((run_dir / "run.json").read_text())
     expected = plan.build_plan(args)
