@@ -1,13 +1,13 @@
 """`fsdp-lab tune` against the grid it searches: does it find the grid's best, and how fast?
 
     python benchmarks/bench_tune.py                   # ~60M Llama, 2 CPU ranks, 12 candidates
-    python benchmarks/bench_tune.py --repeats 3 --steps 8 --budget-gib 2.0
+    python benchmarks/bench_tune.py --repeats 3 --steps 8 --budget-gib 2.0 --seq 128
 
 The grid: sharding full, grad_op, no_shard x activation checkpointing none, full x micro-batch
-2, 4 (12 candidates) of a ~60M-parameter Llama (hidden 768, 8 layers, vocabulary 4096, seq 256,
-fp32) on 2 CPU ranks. The budget defaults to the predicted peak of sharding=full without
-checkpointing at micro-batch 4 (+16 MiB): near the no-checkpointing peaks, so some candidates
-fit and some do not.
+2, 4 (12 candidates) of a ~60M-parameter Llama (hidden 768, 8 layers, vocabulary 4096, fp32,
+seq 256 unless --seq) on 2 CPU ranks. The budget defaults to the predicted peak of sharding=full
+without checkpointing at micro-batch 4 (+16 MiB): near the no-checkpointing peaks, so some
+candidates fit and some do not.
 
 1. `tune` itself (3 probes), timed end to end.
 2. Every candidate of the grid, `--repeats` times, interleaved (candidate order rotated per
@@ -39,7 +39,6 @@ MODEL = [
     "model.num_layers=8",
     "model.num_heads=12",
     "model.vocab_size=4096",
-    "trainer.seq_len=256",
 ]
 GRID = tune.Grid.parse("full,grad_op,no_shard", "none,full", "2,4", "1")
 DEFAULT = "sharding=full activation_checkpointing=none offload=none trainer.micro_batch_size=4"
@@ -51,8 +50,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--probes", type=int, default=3)
+    p.add_argument("--seq", type=int, default=256)
     a = p.parse_args()
-    candidates, device, _ = tune.enumerate_candidates(MODEL, 4, GRID)
+    model = [*MODEL, f"trainer.seq_len={a.seq}"]
+    candidates, device, _ = tune.enumerate_candidates(model, 4, GRID)
     baseline = tune.process_baseline_bytes(device)
     by_name = {c.name: c for c in candidates}
     budget_gib = a.budget_gib
@@ -65,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         result = tune.tune(
-            MODEL,
+            model,
             budget_gib,
             out_dir=Path(tmp) / "tune",
             probes=a.probes,
@@ -82,7 +83,7 @@ def main() -> None:
             for i, c in enumerate(order):
                 probe = tune.Candidate(c.strategy, c.ac, c.offload, c.micro_batch)
                 run_dir = Path(tmp) / f"grid-{r}-{i}"
-                tune.probe(MODEL, probe, run_dir, steps=a.steps, budget=budget, env=env)
+                tune.probe(model, probe, run_dir, steps=a.steps, budget=budget, env=env)
                 print(f"repeat {r} {c.name}: {probe.verdict} {tune._tps(probe)}", flush=True)
                 if probe.tokens_per_s:
                     tps[c.name].append(probe.tokens_per_s)
@@ -92,7 +93,7 @@ def main() -> None:
     lines = [
         f"# fsdp-lab tune vs its grid ({time.strftime('%Y-%m-%d')}, 2 CPU ranks)",
         "",
-        f"model: {' '.join(MODEL)}; budget {budget_gib:g} GiB per "
+        f"model: {' '.join(model)}; budget {budget_gib:g} GiB per "
         f"rank (peak RSS); grid of {len(candidates)}; {a.steps} steps per probe; "
         f"{a.repeats} interleaved repeats of the grid.",
         "",
