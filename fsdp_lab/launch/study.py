@@ -182,7 +182,7 @@ def recover_interrupted(study: optuna.Study) -> dict[int, int]:
     grid_points = {}
     for t in stale:
         study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
-        study.tell(t.number, state=TrialState.FAIL)
+        _tell(study, t.number, state=TrialState.FAIL)
         with warnings.catch_warnings():  # enqueue_trial is "experimental" in Optuna 2
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.enqueue_trial(t.params)
@@ -241,15 +241,21 @@ def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Ob
         )
     if error is not None:
         trial.set_user_attr("error", error[:500])
-        study.tell(trial, state=TrialState.FAIL)
+        _tell(study, trial, state=TrialState.FAIL)
         log.warning("trial %d failed: %s", trial.number, error)
         return False
+    _tell(study, trial, values=float(value))
+    return True
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial | int, **outcome) -> None:
+    """study.tell; Optuna 2's GridSampler calls study.stop() after the grid's last point, which
+    raises outside study.optimize once the trial is already recorded: the loop ends anyway."""
     try:
-        study.tell(trial, float(value))
-    except RuntimeError as e:  # GridSampler stops the study after its last point: told already
+        study.tell(trial, **outcome)
+    except RuntimeError as e:
         if "Study.stop" not in str(e):
             raise
-    return True
 
 
 def _job_dir(ret: JobReturn) -> Path | None:

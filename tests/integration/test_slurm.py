@@ -187,29 +187,36 @@ def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(
     assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == facts["wandb"]["id"]
 
 
-@pytest.mark.slow
-def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
+def _slurm_sweep(env: dict, sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """train.py's jobs (or trials) as SLURM jobs through submitit, CPU ranks, no checkpoints;
+    flags (-m) go first, before the overrides, as argparse wants them."""
+    flags = [o for o in overrides if o.startswith("-")]
+    return subprocess.run(
         [
             sys.executable,
             "train.py",
-            "-m",
+            *flags,
             "hydra/launcher=slurm",
             f"hydra.sweep.dir={sweep}",
             "hardware=cpu",
-            "trainer.max_steps=3",
             "trainer.progress_bar=false",
             "checkpoint=none",
-            "sharding=full,no_shard",
+            *(o for o in overrides if o not in flags),
         ],
         cwd=ROOT,
-        env=slurm_cluster,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    check_ok(proc)
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    check_ok(
+        _slurm_sweep(slurm_cluster, sweep, "-m", "trainer.max_steps=3", "sharding=full,no_shard")
+    )
     for num, strategy in enumerate(["full", "no_shard"]):
         facts = json.loads((sweep / str(num) / "run.json").read_text())
         assert facts["status"] == "completed", facts.get("error")
@@ -223,26 +230,14 @@ def test_a_submitit_sweep_runs_one_slurm_job_per_sweep_job(slurm_cluster, tmp_pa
 @pytest.mark.slow
 def test_an_optuna_study_runs_its_trials_as_slurm_jobs_in_batches(slurm_cluster, tmp_path):
     sweep = tmp_path / "study"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "hparams_search=lr",
-            "hydra/launcher=slurm",
-            f"hydra.sweep.dir={sweep}",
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.n_jobs=2",  # one batch of two SLURM jobs
-            "hardware=cpu",
-            "trainer.max_steps=2",
-            "trainer.eval_every=2",
-            "trainer.progress_bar=false",
-            "checkpoint=none",
-        ],
-        cwd=ROOT,
-        env=slurm_cluster,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = _slurm_sweep(
+        slurm_cluster,
+        sweep,
+        "hparams_search=lr",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",  # one batch of two SLURM jobs
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
     )
     check_ok(proc)
     study = json.loads((sweep / "study.json").read_text())
