@@ -59,7 +59,7 @@ def main() -> None:
     budget_gib = a.budget_gib
     if budget_gib is None:
         c = by_name[DEFAULT]
-        fit = baseline + tune.SAFETY * c.plan_peak_bytes + tune.SLACK + 16 * tune.MIB
+        fit = tune.predicted_bytes(c.plan_peak_bytes, baseline) + 16 * tune.MIB
         budget_gib = round(fit / tune.GIB, 3)
     budget = int(budget_gib * tune.GIB)
     env = tune.MALLOC_ENV
@@ -102,7 +102,7 @@ def main() -> None:
     ]
     fits = {}
     for c in candidates:
-        planned = result.baseline_bytes + int(tune.SAFETY * c.plan_peak_bytes) + tune.SLACK
+        planned = tune.predicted_bytes(c.plan_peak_bytes, result.baseline_bytes)
         values = tps[c.name]
         mean = statistics.mean(values) if values else None
         spread = (max(values) - min(values)) / mean if values and mean else None

@@ -24,7 +24,6 @@ samplers and ``hydra.sweeper.params`` are its own) with what a search of trainin
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import sys
@@ -66,41 +65,12 @@ class StudySweeper(OptunaSweeperImpl):
             print(f"fsdp_lab: error: {e}", file=sys.stderr)
             sys.exit(2)
 
-    # Long: the study's whole life in order: check, load or create, recover, batches, summary.
+    # The study's life in order: check, load or create, recover, batches, summary.
     def _sweep(self, arguments: list[str]) -> None:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        objective = _objective(self.config)
         directions = self._get_directions()
-        if objective is not Objective.tokens_per_s and not self.config.trainer.eval_every:
-            raise ConfigError(
-                f"objective={objective.name} needs validation but trainer.eval_every=0: set "
-                "trainer.eval_every (validation also runs after the last step) or "
-                "objective=tokens_per_s"
-            )
-        if directions != [DIRECTION[objective]]:
-            raise ConfigError(
-                f"hydra.sweeper.direction={','.join(directions)} but objective="
-                f"{objective.name} is to {DIRECTION[objective]}: set "
-                f"hydra.sweeper.direction={DIRECTION[objective]}"
-            )
-        self._process_searchspace_config()
-        distributions, fixed = create_params_from_overrides(
-            [*self._parse_sweeper_params_config(), *arguments]
-        )
-        if self.search_space_distributions:
-            distributions = {**self.search_space_distributions, **distributions}
-        if isinstance(self.sampler, functools.partial):  # sampler=grid: built from the space
-            grid = {k: self._to_grid_sampler_choices(d) for k, d in distributions.items()}
-            self.sampler = self.sampler(grid)
-            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
-        for name in fixed:
-            distributions.pop(name, None)
-        if not distributions:
-            raise ConfigError(
-                "the study has nothing to search: give hydra.sweeper.params (see "
-                "conf/hparams_search/) or a range on the command line, e.g. "
-                "'optim.lr=interval(1e-4,1e-2)'"
-            )
+        objective = _checked_objective(self.config, directions)
+        distributions, fixed = self._search_space(arguments)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(
             study_name=self.study_name,
@@ -109,8 +79,7 @@ class StudySweeper(OptunaSweeperImpl):
             directions=directions,
             load_if_exists=True,
         )
-        interrupted = sum(t.state is TrialState.RUNNING for t in study.get_trials(deepcopy=False))
-        grid_points = recover_interrupted(study)
+        reruns = recover_interrupted(study)
         seed = self.config.hydra.sweeper.sampler.get("seed")
         _seed_sampler(self.sampler, self.config.seed if seed is None else seed, study)
         ran = [
@@ -119,19 +88,19 @@ class StudySweeper(OptunaSweeperImpl):
             if t.state.is_finished() and t.user_attrs.get("error") != INTERRUPTED
         ]
         to_go = self.n_trials - len(ran)
-        if ran or interrupted:
+        if ran or reruns:
             log.info(
                 "study %s in %s: %d trial(s) ran, %d interrupted (to run again); %d to go",
                 study.study_name,
                 sweep_dir,
                 len(ran),
-                interrupted,
+                len(reruns),
                 max(to_go, 0),
             )
         while to_go > 0:
             trials = [study.ask() for _ in range(min(self.n_jobs, to_go))]
             for trial in trials:
-                _regrid(study, trial, grid_points)
+                _regrid(study, trial, reruns)
                 _check_job_dir_free(sweep_dir, trial.number)
             overrides = self._configure_trials(trials, distributions, fixed)
             returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
@@ -150,16 +119,46 @@ class StudySweeper(OptunaSweeperImpl):
         write_study_file(study, sweep_dir, objective)
         _summarize(study, sweep_dir, objective)
 
+    def _search_space(self, arguments: list[str]) -> tuple[dict, dict]:
+        """(Optuna distributions, fixed overrides) from hydra.sweeper.params and the command
+        line, parsed by the stock sweeper; sampler=grid is built from them here."""
+        self._process_searchspace_config()
+        distributions, fixed = create_params_from_overrides(
+            [*self._parse_sweeper_params_config(), *arguments]
+        )
+        if self.search_space_distributions:
+            distributions = {**self.search_space_distributions, **distributions}
+        if isinstance(self.sampler, functools.partial):  # sampler=grid: built from the space
+            grid = {k: self._to_grid_sampler_choices(d) for k, d in distributions.items()}
+            self.sampler = self.sampler(grid)
+            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
+        for name in fixed:
+            distributions.pop(name, None)
+        if not distributions:
+            raise ConfigError(
+                "the study has nothing to search: give hydra.sweeper.params (see "
+                "conf/hparams_search/) or a range on the command line, e.g. "
+                "'optim.lr=interval(1e-4,1e-2)'"
+            )
+        return distributions, fixed
 
-def _objective(config) -> Objective:
-    value = config.get("objective", Objective.val_loss)
-    name = value.name if isinstance(value, Objective) else str(value)
-    try:
-        return Objective[name]
-    except KeyError:
+
+def _checked_objective(config, directions: list[str]) -> Objective:
+    """``objective=``, refused where the search could not read it or would go the wrong way."""
+    objective = sweep.objective_of(config)
+    if objective is not Objective.tokens_per_s and not config.trainer.eval_every:
         raise ConfigError(
-            f"objective={name}: use one of {', '.join(o.name for o in Objective)}"
-        ) from None
+            f"objective={objective.name} needs validation but trainer.eval_every=0: set "
+            "trainer.eval_every (validation also runs after the last step) or "
+            "objective=tokens_per_s"
+        )
+    if directions != [DIRECTION[objective]]:
+        raise ConfigError(
+            f"hydra.sweeper.direction={','.join(directions)} but objective="
+            f"{objective.name} is to {DIRECTION[objective]}: set "
+            f"hydra.sweeper.direction={DIRECTION[objective]}"
+        )
+    return objective
 
 
 def _storage(storage, sweep_dir: Path):
@@ -174,29 +173,29 @@ def _storage(storage, sweep_dir: Path):
     return storage
 
 
-def recover_interrupted(study: optuna.Study) -> dict[int, int]:
+def recover_interrupted(study: optuna.Study) -> dict[int, int | None]:
     """Trials left running by a study that was stopped (Ctrl-C, a killed process, a preempted
     allocation): recorded as failed, their parameters queued to run first. Returns {queued
-    trial's number: the interrupted trial's grid point} for sampler=grid (see ``_regrid``)."""
+    trial's number: the interrupted trial's grid point, None outside sampler=grid} (see
+    ``_regrid``)."""
     stale = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.RUNNING]
-    grid_points = {}
+    reruns = {}
     for t in stale:
         study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
         _tell(study, t.number, state=TrialState.FAIL)
         with warnings.catch_warnings():  # enqueue_trial is "experimental" in Optuna 2
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.enqueue_trial(t.params)
-        if "grid_id" in t.system_attrs:
-            grid_points[study.get_trials(deepcopy=False)[-1].number] = t.system_attrs["grid_id"]
-    return grid_points
+        reruns[study.get_trials(deepcopy=False)[-1].number] = t.system_attrs.get("grid_id")
+    return reruns
 
 
-def _regrid(study: optuna.Study, trial: optuna.Trial, grid_points: dict[int, int]) -> None:
+def _regrid(study: optuna.Study, trial: optuna.Trial, reruns: dict[int, int | None]) -> None:
     """Optuna 2's GridSampler gives a queued trial an unvisited grid point, which its fixed
     parameters then replace: that point would never run. The queued rerun takes the grid point
     of the trial it repeats instead."""
-    if trial.number in grid_points:
-        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", grid_points[trial.number])
+    if reruns.get(trial.number) is not None:
+        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", reruns[trial.number])
 
 
 def _seed_sampler(sampler, seed: int, study: optuna.Study) -> None:
@@ -232,7 +231,8 @@ def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Ob
     else:
         error = f"{type(ret._return_value).__name__}: {ret._return_value}"
     if value is None and error is None:
-        run = rundir.read_run_file(_job_dir(ret)) if _job_dir(ret) else {}
+        job_dir = _job_dir(ret)
+        run = rundir.read_run_file(job_dir) if job_dir else {}
         error = run.get("error") or (
             f"the run recorded no {sweep.OBJECTIVE_KEYS[objective]} (validation needs "
             "trainer.eval_every > 0)"
@@ -291,10 +291,7 @@ def study_record(study: optuna.Study, objective: Objective) -> dict:
 
 
 def write_study_file(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:
-    path = sweep_dir / rundir.STUDY_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(study_record(study, objective), indent=2) + "\n")
-    tmp.replace(path)
+    rundir.write_json(sweep_dir / rundir.STUDY_FILE, study_record(study, objective))
 
 
 def _summarize(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from fsdp_lab.config import Objective
+from fsdp_lab.config import ConfigError, Objective
 from fsdp_lab.launch import run
 from fsdp_lab.observe import rundir
 from fsdp_lab.train import preempt
@@ -67,14 +67,25 @@ def run_job(
     run failed or did not record it."""
     code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
     if code == 0:
-        objective = dict_cfg.get("objective", Objective.val_loss)
-        return objective_value(run_dir, Objective[getattr(objective, "name", str(objective))])
+        return objective_value(run_dir, objective_of(dict_cfg))
     if not multirun or code in (preempt.EXIT_CODE, 130):
         sys.exit(code)
     name = " ".join(job["overrides"]) if job else str(run_dir)
     _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
     print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr)
     return None
+
+
+def objective_of(config: DictConfig) -> Objective:
+    """A composed config's ``objective`` (an enum once typed, a name in a sweeper's copy)."""
+    value = config.get("objective", Objective.val_loss)
+    name = getattr(value, "name", str(value))
+    try:
+        return Objective[name]
+    except KeyError:
+        raise ConfigError(
+            f"objective={name}: use one of {', '.join(o.name for o in Objective)}"
+        ) from None
 
 
 def objective_value(run_dir: Path, objective: Objective) -> float | None:
@@ -118,7 +129,6 @@ class LauncherChecks(Callback):
     other callback conf/config.yaml names.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from fsdp_lab.config import ConfigError
         from fsdp_lab.launch import slurm
 
         if "submitit" not in str(config.hydra.launcher.get("_target_", "")):

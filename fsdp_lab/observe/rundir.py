@@ -34,9 +34,15 @@ def read_run_file(run_dir: Path) -> dict:
 
 
 def write_run_file(run_dir: Path, facts: dict) -> None:
-    tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps(facts, indent=2) + "\n")
-    tmp.replace(run_dir / RUN_FILE)
+    write_json(run_dir / RUN_FILE, facts)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Indented JSON through a temporary file and a rename: a reader sees the old or the new
+    file, never half of one (run.json, a study's study.json, tune.json)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def update_run_file(run_dir: Path, **changes) -> None:

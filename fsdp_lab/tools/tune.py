@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import shlex
 import subprocess
@@ -48,6 +47,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import strategy_of
+from fsdp_lab.observe import rundir
 from fsdp_lab.tools import plan
 
 GIB, MIB = 2**30, 2**20
@@ -151,8 +151,13 @@ class Grid:
         )
 
 
+def _key(override: str) -> str:
+    """``+trainer.seq_len=64`` -> ``trainer.seq_len``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def _held(overrides: list[str], *keys: str) -> bool:
-    return any(o.split("=", 1)[0].lstrip("+~") in keys for o in overrides)
+    return any(_key(o) in keys for o in overrides)
 
 
 # Long: the grid and one plan per candidate, sharing one meta model per checkpointing choice.
@@ -270,9 +275,7 @@ def probe(
         env={**os.environ, **env},
         check=False,
     )
-    facts = {}
-    if (run_dir / "run.json").is_file():
-        facts = json.loads((run_dir / "run.json").read_text())
+    facts = rundir.read_run_file(run_dir)
     c.measured_bytes = facts.get("peak_mem_bytes")
     c.tokens_per_s = facts.get("median_tokens_per_s")
     if proc.returncode == 0:
@@ -286,6 +289,17 @@ def probe(
         c.verdict = f"failed: {error[:120]}"
 
 
+def predicted_bytes(plan_peak: int, baseline: int) -> int:
+    """A candidate's peak per rank on the budget's basis: the process's own, then the plan's
+    tensors with its measured margin."""
+    return baseline + int(SAFETY * plan_peak) + SLACK
+
+
+def _predict(candidates: list[Candidate], baseline: int) -> None:
+    for c in candidates:
+        c.planned_bytes = predicted_bytes(c.plan_peak_bytes, baseline)
+
+
 def _train_py() -> Path:
     return Path(__file__).resolve().parents[2] / "train.py"
 
@@ -293,8 +307,8 @@ def _train_py() -> Path:
 def command(overrides: list[str], c: Candidate, env: dict) -> str:
     """The winner as one train.py command: the overrides (less the axes it sets) and its own."""
     prefix = " ".join(f"{k}={v}" for k, v in env.items())
-    axes = {o.split("=", 1)[0] for o in c.overrides()}
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in axes]
+    axes = {_key(o) for o in c.overrides()}
+    kept = [o for o in overrides if _key(o) not in axes]
     cmd = " ".join(["python", "train.py", *map(shlex.quote, [*kept, *c.overrides()])])
     return f"{prefix} {cmd}" if prefix else cmd
 
@@ -316,13 +330,11 @@ def tune(
     candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid)
     if not candidates:
         raise ConfigError("no FSDP setup of these overrides is possible on this topology")
-    for c in candidates:  # without the process's own memory: nothing fits already?
-        c.planned_bytes = int(SAFETY * c.plan_peak_bytes) + SLACK
+    _predict(candidates, 0)  # without the process's own memory: nothing fits already?
     if all(c.planned_bytes > budget for c in candidates):
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
     baseline = process_baseline_bytes(device)
-    for c in candidates:
-        c.planned_bytes = baseline + int(SAFETY * c.plan_peak_bytes) + SLACK
+    _predict(candidates, baseline)
     result = TuneResult(budget, baseline, candidates)
     fitting = sorted(
         (c for c in candidates if c.planned_bytes <= budget),
@@ -355,8 +367,7 @@ def tune(
             # the process holds more than the baseline guessed: raise it for the rest
             baseline += c.measured_bytes - c.planned_bytes
             result.baseline_bytes = baseline
-            for other in candidates:
-                other.planned_bytes = baseline + int(SAFETY * other.plan_peak_bytes) + SLACK
+            _predict(candidates, baseline)
     ok = [c for c in probed if c.verdict == "fits"]
     if not ok:
         raise ConfigError(_nothing_fits(probed or fitting, budget, world, device, "measured"))
@@ -421,9 +432,7 @@ def write_json(result: TuneResult, path: Path, overrides: list[str]) -> None:
             for c in result.candidates
         ],
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    rundir.write_json(path, record)
 
 
 def tune_command(

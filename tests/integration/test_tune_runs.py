@@ -45,7 +45,7 @@ def test_tune_picks_the_fastest_probe_that_fits_and_its_command_reproduces(tmp_p
     candidates, device, _ = tune.enumerate_candidates(OVERRIDES, 32)
     baseline = tune.process_baseline_bytes(device)
     by_name = {(c.ac, c.micro_batch): c for c in candidates}
-    fit = baseline + tune.SAFETY * by_name["none", 8].plan_peak_bytes + tune.SLACK
+    fit = tune.predicted_bytes(by_name["none", 8].plan_peak_bytes, baseline)
     budget_gib = (fit + 24 * tune.MIB) / tune.GIB
     out = tmp_path / "tune"
     proc = fsdp_lab(
