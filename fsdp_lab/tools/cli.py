@@ -27,11 +27,21 @@ VERIFY_KWARGS = {
 }
 
 
-# Long: the argparse table of every fsdp-lab command, then the dispatch.
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    exp = sub.add_parser("export", help="write a from_pretrained directory from a checkpoint")
+    for name, (add, _) in COMMANDS.items():
+        add(sub, name)
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except ConfigError as e:
+        print(f"fsdp-lab: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_export(sub, name: str) -> None:
+    exp = sub.add_parser(name, help="write a from_pretrained directory from a checkpoint")
     exp.add_argument(
         "checkpoint",
         type=Path,
@@ -52,8 +62,37 @@ def main(argv: list[str] | None = None) -> int:
         help="a fine-tune's checkpoint without its frozen base: the base model's directory "
         "here, if not where the run read it (checked against the run's fingerprint)",
     )
+
+
+def _export(args) -> int:
+    from fsdp_lab.data.corpus import load_tokenizer
+    from fsdp_lab.state.export import export_run, load_checkpoint_weights
+
+    sd, hf_config, cfg = load_checkpoint_weights(
+        args.checkpoint, CheckpointVerify[args.verify], base=args.base
+    )
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except ConfigError as e:  # the run's tokenizer dir moved: weights still export
+        print(f"fsdp-lab: warning: exporting without a tokenizer: {e}", file=sys.stderr)
+        tokenizer = None
+    out = export_run(
+        sd,
+        hf_config,
+        args.out_dir,
+        cfg,
+        merge=args.merge,
+        max_shard_size=args.max_shard_size,
+        tokenizer=tokenizer,
+        preset=cfg.model.arch is not None,
+    )
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def _add_verify(sub, name: str) -> None:
     ver = sub.add_parser(
-        "verify",
+        name,
         help="check a checkpoint's files against their sizes and checksums, and that every "
         "pickle in it is plain data; exit 1 if one is damaged or unsafe",
     )
@@ -61,19 +100,54 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint", type=Path, help="a checkpoint dir, or a run dir / checkpoint root (all)"
     )
     ver.add_argument(*VERIFY_ARGS, **VERIFY_KWARGS)
-    acc = sub.add_parser(
-        "from-accelerate", help="print the train.py overrides of an accelerate FSDP config"
-    )
+
+
+def _verify(args) -> int:
+    from fsdp_lab.tools.verify import verify_command
+
+    return verify_command(args.checkpoint, CheckpointVerify[args.verify], sys.stdout)
+
+
+def _add_from_accelerate(sub, name: str) -> None:
+    acc = sub.add_parser(name, help="print the train.py overrides of an accelerate FSDP config")
     acc.add_argument("config", type=Path, help="the YAML `accelerate config` wrote")
+
+
+def _from_accelerate(args) -> int:
+    from fsdp_lab.tools.from_accelerate import from_file
+
+    result = from_file(args.config)
+    for note in result.notes:
+        print(f"fsdp-lab: note: {note}", file=sys.stderr)
+    for warning in result.warnings:
+        print(f"fsdp-lab: warning: {warning}", file=sys.stderr)
+    launcher = "python train.py"
+    if any(o.startswith("hardware.num_nodes=") for o in result.overrides):
+        launcher = "torchrun --nnodes=... --nproc_per_node=... train.py"
+    print(" ".join([launcher, *map(shlex.quote, result.overrides)]))
+    return 0
+
+
+def _add_plan(sub, name: str) -> None:
     pln = sub.add_parser(
-        "plan",
+        name,
         help="the mesh, FSDP units and per-rank memory of a run, "
         "computed on the meta device (no weights, no device)",
     )
     pln.add_argument("overrides", nargs="*", help="the same overrides as train.py")
     pln.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _plan(args) -> int:
+    from fsdp_lab.tools.plan import print_plan
+
+    print_plan(args.overrides, as_json=args.json)
+    return 0
+
+
+def _add_tune(sub, name: str) -> None:
     tun = sub.add_parser(
-        "tune",
+        name,
         help="the fastest strategy x checkpointing x offload x micro-batch that fits a memory "
         "budget per rank: pruned by the plan, the best few probed on the real ranks",
     )
@@ -92,79 +166,45 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--micro-batches", help="sizes to try, e.g. 2,4,8 (powers of two)")
     tun.add_argument("--tensor", help="TP degrees to try, e.g. 1,2 (those the ranks allow)")
     tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
-    rep = sub.add_parser("report", help="a sweep's table (report.md) and plots (PNG)")
+
+
+def _tune(args) -> int:
+    from fsdp_lab.tools.tune import Grid, tune_command
+
+    return tune_command(
+        args.overrides,
+        args.memory_gib,
+        out_dir=args.out,
+        probes=args.probes,
+        steps=args.steps,
+        max_micro_batch=args.max_micro_batch,
+        grid=Grid.parse(args.sharding, args.checkpointing, args.micro_batches, args.tensor),
+    )
+
+
+def _add_report(sub, name: str) -> None:
+    rep = sub.add_parser(name, help="a sweep's table (report.md) and plots (PNG)")
     rep.add_argument("sweep_dir", type=Path, help="a multirun dir (its job dirs hold run.json)")
-    args = parser.parse_args(argv)
-    try:
-        match args.command:
-            case "export":
-                from fsdp_lab.data.corpus import load_tokenizer
-                from fsdp_lab.state.export import export_run, load_checkpoint_weights
 
-                sd, hf_config, cfg = load_checkpoint_weights(
-                    args.checkpoint, CheckpointVerify[args.verify], base=args.base
-                )
-                try:
-                    tokenizer = load_tokenizer(cfg)
-                except ConfigError as e:  # the run's tokenizer dir moved: weights still export
-                    print(f"fsdp-lab: warning: exporting without a tokenizer: {e}", file=sys.stderr)
-                    tokenizer = None
-                out = export_run(
-                    sd,
-                    hf_config,
-                    args.out_dir,
-                    cfg,
-                    merge=args.merge,
-                    max_shard_size=args.max_shard_size,
-                    tokenizer=tokenizer,
-                    preset=cfg.model.arch is not None,
-                )
-                print(f"exported {args.checkpoint} -> {out}")
-            case "verify":
-                from fsdp_lab.tools.verify import verify_command
 
-                return verify_command(args.checkpoint, CheckpointVerify[args.verify], sys.stdout)
-            case "from-accelerate":
-                from fsdp_lab.tools.from_accelerate import from_file
+def _report(args) -> int:
+    from fsdp_lab.tools.report import write_report
 
-                result = from_file(args.config)
-                for note in result.notes:
-                    print(f"fsdp-lab: note: {note}", file=sys.stderr)
-                for warning in result.warnings:
-                    print(f"fsdp-lab: warning: {warning}", file=sys.stderr)
-                launcher = "python train.py"
-                if any(o.startswith("hardware.num_nodes=") for o in result.overrides):
-                    launcher = "torchrun --nnodes=... --nproc_per_node=... train.py"
-                print(" ".join([launcher, *map(shlex.quote, result.overrides)]))
-            case "plan":
-                from fsdp_lab.tools.plan import print_plan
-
-                print_plan(args.overrides, as_json=args.json)
-            case "tune":
-                from fsdp_lab.tools.tune import Grid, tune_command
-
-                return tune_command(
-                    args.overrides,
-                    args.memory_gib,
-                    out_dir=args.out,
-                    probes=args.probes,
-                    steps=args.steps,
-                    max_micro_batch=args.max_micro_batch,
-                    grid=Grid.parse(
-                        args.sharding, args.checkpointing, args.micro_batches, args.tensor
-                    ),
-                )
-            case "report":
-                from fsdp_lab.tools.report import write_report
-
-                for path in write_report(args.sweep_dir):
-                    print(path)
-            case _:
-                raise ValueError(f"unknown command {args.command}")
-    except ConfigError as e:
-        print(f"fsdp-lab: error: {e}", file=sys.stderr)
-        return 2
+    for path in write_report(args.sweep_dir):
+        print(path)
     return 0
+
+
+# Each command: (its argparse sub-parser, what it runs). Imports happen when a command runs,
+# so `fsdp-lab plan` does not load the checkpoint code, nor `export` the planner.
+COMMANDS = {
+    "export": (_add_export, _export),
+    "verify": (_add_verify, _verify),
+    "from-accelerate": (_add_from_accelerate, _from_accelerate),
+    "plan": (_add_plan, _plan),
+    "tune": (_add_tune, _tune),
+    "report": (_add_report, _report),
+}
 
 
 if __name__ == "__main__":
