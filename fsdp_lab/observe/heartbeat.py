@@ -1,13 +1,13 @@
 """Which rank stopped: every rank's heartbeat and last completed step, on the rendezvous store.
 
 A collective that times out tells the ranks that waited only that they waited too long ("Timed
-out waiting 20000ms for recv"), not for whom. So each rank's thread writes
-``fsdp_lab/heartbeat/<rank>`` = "<wall time> <steps done>" every second, and as each step
-completes, to the store all ranks
-already share (the local launcher's; torchrun's agent's, or rank 0's under srun), over a
-connection of its own. A rank that is stopped (SIGSTOP, a frozen node), killed or stuck without
-the GIL stops beating. Whoever reports the failure reads the beats: the local launcher, which
-hosts the store, or else the rank whose collective timed out.
+out waiting 20000ms for recv"), not for whom. So each rank writes
+``fsdp_lab/heartbeat/<rank>`` = "<wall time> <steps done>" as each step completes (the loop)
+and every second (a thread) to the store all ranks already share (the local launcher's;
+torchrun's agent's, or rank 0's under srun), over a connection of its own. A rank that is
+stopped (SIGSTOP, a frozen node), killed or stuck without the GIL stops beating. Whoever reports
+the failure reads the beats: the local launcher, which hosts the store, or else the rank whose
+collective timed out.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import datetime
 import re
 import threading
 import time
-from collections.abc import Callable
 
 INTERVAL_S = 1.0
 # A heartbeat this much older than the freshest one: that rank stopped (the others beat until
@@ -30,24 +29,38 @@ _current: Heartbeat | None = None
 
 
 class Heartbeat:
-    """This rank's beat; ``progress`` returns the optimizer steps completed so far."""
+    """This rank's beat: the last optimizer step it completed, sent by the loop itself as each
+    step completes (so a rank stopped right after a step cannot report the one before it: a
+    thread polling the step lagged two steps behind on a loaded machine) and again every
+    interval by a thread, so that a rank that stops beating is seen to."""
 
     def __init__(self, store, rank: int, interval_s: float = INTERVAL_S) -> None:
         self.store, self.rank, self.interval_s = store, rank, interval_s
-        self.progress: Callable[[], int] = lambda: 0
+        self._step = 0
+        # A store that stopped answering (its host gone) costs the loop one timeout, not one
+        # per step: the thread keeps trying on its own.
+        self._inline = True
+        self._lock = threading.Lock()  # one sender at a time: a late resend never goes back
         self._thread = threading.Thread(target=self._run, name="fsdp_lab-heartbeat", daemon=True)
 
+    def step_done(self, step: int) -> None:
+        """Record ``step`` as completed, and send it at once (~10 us on a local store)."""
+        self._step = step
+        if self._inline:
+            self._inline = self._send()
+
+    def _send(self) -> bool:
+        with self._lock:
+            try:
+                self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {self._step}")
+            except (RuntimeError, OSError):  # the store gone: the run ends, or its host stopped
+                return False
+            return True
+
     def _run(self) -> None:
-        """Beat every interval, and as soon as a step completes (looked at every 0.1 s), so
-        the last step a stopped rank reports is the one it really finished."""
-        sent_at, sent_step = 0.0, None
         while True:
-            step = self.progress()
-            if step != sent_step or time.monotonic() - sent_at >= self.interval_s:
-                with contextlib.suppress(Exception):  # a store gone away: the run is ending
-                    self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {step}")
-                    sent_at, sent_step = time.monotonic(), step
-            time.sleep(min(0.1, self.interval_s))
+            self._send()
+            time.sleep(self.interval_s)
 
 
 def start(rank: int) -> Heartbeat | None:

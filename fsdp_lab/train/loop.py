@@ -108,6 +108,7 @@ def train(
     on_records: Callable[[list[StepMetrics]], None],
     on_boundary: Callable[[int], None],
     stop_requested,
+    on_step: Callable[[int], None] = lambda step: None,
 ) -> tuple[StepMetrics | None, bool]:
     """Run optimizer steps start_step+1..max_steps. ``place`` puts this process's rows of a
     micro-batch on its device(s).
@@ -120,6 +121,7 @@ def train(
 
     Returns the last step's metrics and whether the run stopped early because some rank's
     ``stop_requested()`` said so (a preemption signal); all ranks stop after the same step.
+    ``on_step(step)`` is called as each step completes (the heartbeat's step).
     """
     model.train()
     window = StepWindow(device, tokens_per_step=tokens_per_step)
@@ -137,6 +139,7 @@ def train(
             model, batches, optimizer=optimizer, scaler=scaler, grad_clip=grad_clip, loss=loss
         )
         scheduler.step()
+        on_step(done)
         if done < max_steps:  # the next batch, copied while this step runs on the device
             batches = prepare(done)
         window.end_step(

@@ -67,7 +67,7 @@ def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -
     ctx = join(cfg)  # 1) device, threads, the process group
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
     if (beat := heartbeat.current()) is not None:
-        beat.progress = lambda: state.scheduler.last_epoch  # optimizer steps done
+        beat.step_done(state.start_step)
     facts = RunFacts.collect(cfg, ctx, state)
     reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if ctx.rank == 0 else None
     rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
@@ -179,6 +179,7 @@ def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
 
 def _train(r: RankRun, evaluates_at, on_boundary):
     cfg, ctx, state, t = r.cfg, r.ctx, r.state, r.cfg.trainer
+    beat = heartbeat.current()
     return train(
         state.sharded.model,
         data=state.data,
@@ -198,6 +199,7 @@ def _train(r: RankRun, evaluates_at, on_boundary):
         on_records=r.reporter.train_records if r.reporter is not None else lambda records: None,
         on_boundary=on_boundary,
         stop_requested=r.stop,
+        on_step=beat.step_done if beat is not None else lambda step: None,
     )
 
 
