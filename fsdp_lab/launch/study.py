@@ -72,13 +72,7 @@ class StudySweeper(OptunaSweeperImpl):
         objective = _checked_objective(self.config, directions)
         distributions, fixed = self._search_space(arguments)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        study = optuna.create_study(
-            study_name=self.study_name,
-            storage=_storage(self.storage, sweep_dir),
-            sampler=self.sampler,
-            directions=directions,
-            load_if_exists=True,
-        )
+        study = _open_study(self, sweep_dir, directions, objective)
         reruns = recover_interrupted(study)
         seed = self.config.hydra.sweeper.sampler.get("seed")
         _seed_sampler(self.sampler, self.config.seed if seed is None else seed, study)
@@ -171,6 +165,49 @@ def _storage(storage, sweep_dir: Path):
     if text.startswith(prefix) and not text.startswith(prefix + "/"):
         return prefix + str(Path(text[len(prefix) :]).resolve())
     return storage
+
+
+def _open_study(
+    sweeper: StudySweeper, sweep_dir: Path, directions: list[str], objective: Objective
+) -> optuna.Study:
+    """The study in its storage: created, or loaded to continue. Refused, and left as it is:
+    one that cannot be read (not a database, a newer Optuna's), and one made for another
+    objective or direction (its trials' values would not compare with the new ones)."""
+    import sqlalchemy.exc
+
+    url = _storage(sweeper.storage, sweep_dir)
+    try:
+        study = optuna.create_study(
+            study_name=sweeper.study_name,
+            storage=url,
+            sampler=sweeper.sampler,
+            directions=directions,
+            load_if_exists=True,
+        )
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:
+        reason = str(getattr(e, "orig", None) or e).splitlines()[0]
+        raise ConfigError(
+            f"hydra.sweeper.storage={url} cannot be opened as an Optuna study ({reason}); "
+            "move that file away to start a new study, or set another hydra.sweep.dir"
+        ) from None
+    except ValueError as e:  # "Cannot overwrite study direction from [...] to [...]"
+        raise ConfigError(
+            _another_study(url, sweeper.study_name, f"another direction ({e})")
+        ) from None
+    made_for = study.user_attrs.get("objective")
+    if made_for is None:
+        study.set_user_attr("objective", objective.value)
+    elif made_for != objective.value:
+        why = f"objective={made_for}, not {objective.value}"
+        raise ConfigError(_another_study(url, sweeper.study_name, why))
+    return study
+
+
+def _another_study(url: str, name: str, why: str) -> str:
+    return (
+        f"study {name} in {url} was made for {why}: continue it with its own settings, or "
+        "give this search another hydra.sweep.dir (or hydra.sweeper.study_name)"
+    )
 
 
 def recover_interrupted(study: optuna.Study) -> dict[int, int | None]:

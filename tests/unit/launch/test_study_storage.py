@@ -1,0 +1,35 @@
+"""A study's storage that holds something else is refused in one line and left as it was."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import optuna
+import pytest
+
+from fsdp_lab.config import ConfigError, Objective
+from fsdp_lab.launch import study
+
+
+def sweeper(storage=None):
+    return SimpleNamespace(storage=storage, study_name="s", sampler=optuna.samplers.TPESampler())
+
+
+def test_a_file_that_is_not_a_study_is_refused_and_kept(tmp_path):
+    (tmp_path / "optuna.db").write_text("not a database")
+    with pytest.raises(ConfigError, match=r"cannot be opened as an Optuna study.*move that file"):
+        study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    assert (tmp_path / "optuna.db").read_text() == "not a database"
+
+
+def test_a_study_continues_only_with_its_objective_and_direction(tmp_path):
+    made = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    made.enqueue_trial({})  # something to keep
+    again = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    assert len(again.get_trials()) == 1
+    with pytest.raises(ConfigError, match="made for objective=val_loss, not best_val_loss"):
+        study._open_study(sweeper(), tmp_path, ["minimize"], Objective.best_val_loss)
+    with pytest.raises(ConfigError, match="made for another direction"):
+        study._open_study(sweeper(), tmp_path, ["maximize"], Objective.tokens_per_s)
+    kept = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    assert len(kept.get_trials()) == 1
