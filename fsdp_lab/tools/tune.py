@@ -282,7 +282,8 @@ def probe(
         fits = c.measured_bytes is not None and c.measured_bytes <= budget
         c.verdict = "fits" if fits else "over budget"
         return
-    error = str(facts.get("error") or proc.stderr.strip().splitlines()[-1:] or proc.returncode)
+    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    error = str(facts.get("error") or last.removeprefix("fsdp_lab: error: "))
     if "out of memory" in error.lower() or proc.returncode in (-9, 137):
         c.verdict = "OOM"
     else:
@@ -369,6 +370,12 @@ def tune(
             result.baseline_bytes = baseline
             _predict(candidates, baseline)
     ok = [c for c in probed if c.verdict == "fits"]
+    if not ok and all(c.verdict.startswith("failed") for c in probed):
+        # Not a memory answer: the runs themselves are refused (hardware, a setting).
+        raise ConfigError(
+            f"all {len(probed)} probe(s) failed before measuring anything; the first "
+            f"({probed[0].run_dir}): {probed[0].verdict.removeprefix('failed: ')}"
+        )
     if not ok:
         raise ConfigError(_nothing_fits(probed or fitting, budget, world, device, "measured"))
     result.winner = max(ok, key=lambda c: c.tokens_per_s or 0.0)

@@ -80,3 +80,17 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_help(tmp_path):
     assert "activation_checkpointing=full" in line  # the smallest is the most checkpointed
     assert "more ranks" in line and "offload=cpu" not in line  # offload: GPU only
     assert not (tmp_path / "t").exists()
+
+
+def test_probes_that_all_fail_give_their_reason_not_a_memory_answer(tmp_path, monkeypatch):
+    def refused(overrides, c, run_dir, **kw):
+        c.run_dir, c.verdict = str(run_dir), "failed: hardware=gpu but CUDA is not available"
+
+    monkeypatch.setattr(tune, "probe", refused)
+    monkeypatch.setattr(tune, "process_baseline_bytes", lambda device: 300 * tune.MIB)
+    with pytest.raises(ConfigError) as e:
+        tune.tune(["hardware=cpu"], 4, out_dir=tmp_path / "t", max_micro_batch=2, probes=2)
+    assert str(e.value) == (
+        f"all 2 probe(s) failed before measuring anything; the first ({tmp_path / 't'}/probe-0): "
+        "hardware=gpu but CUDA is not available"
+    )
