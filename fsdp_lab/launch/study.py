@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -75,7 +76,8 @@ class StudySweeper(OptunaSweeperImpl):
         study = _open_study(self, sweep_dir, directions, objective)
         reruns = recover_interrupted(study)
         seed = self.config.hydra.sweeper.sampler.get("seed")
-        _seed_sampler(self.sampler, self.config.seed if seed is None else seed, study)
+        seed = self.config.seed if seed is None else seed
+        _seed_sampler(self.sampler, seed, study)
         ran = [
             t
             for t in study.get_trials(deepcopy=False)
@@ -92,7 +94,7 @@ class StudySweeper(OptunaSweeperImpl):
                 max(to_go, 0),
             )
         while to_go > 0:
-            trials = [study.ask() for _ in range(min(self.n_jobs, to_go))]
+            trials = [_ask(study, seed) for _ in range(min(self.n_jobs, to_go))]
             for trial in trials:
                 _regrid(study, trial, reruns)
                 _check_job_dir_free(sweep_dir, trial.number)
@@ -239,7 +241,7 @@ def _seed_sampler(sampler, seed: int, study: optuna.Study) -> None:
     """Seed the sampler from (the sampler's seed, else the run's ``seed``; the trials so far):
     a study is reproducible, and a continued one does not propose its first trials' parameters
     again (a sampler seeded alike would restart the same random sequence)."""
-    new_seed = int(np.random.SeedSequence([int(seed), len(study.trials)]).generate_state(1)[0])
+    new_seed = _derived_seed(seed, study)
     parts = [sampler, getattr(sampler, "_random_sampler", None)]
     reseeded = False
     for part in parts:
@@ -248,6 +250,19 @@ def _seed_sampler(sampler, seed: int, study: optuna.Study) -> None:
             reseeded = True
     if not reseeded and study.trials:  # a sampler laid out otherwise: a fresh, unseeded one
         sampler.reseed_rng()
+
+
+def _derived_seed(seed: int, study: optuna.Study) -> int:
+    return int(np.random.SeedSequence([int(seed), len(study.trials)]).generate_state(1)[0])
+
+
+def _ask(study: optuna.Study, seed: int) -> optuna.Trial:
+    """study.ask, reproducibly: Optuna 2's GridSampler picks each trial's grid point with the
+    global ``random``, which nothing seeds (the same grid study ran in another order each
+    time); it is seeded from (seed, trials so far) before each ask. Nothing in a run uses it."""
+    if isinstance(study.sampler, optuna.samplers.GridSampler):
+        random.seed(_derived_seed(seed, study))
+    return study.ask()
 
 
 def _check_job_dir_free(sweep_dir: Path, number: int) -> None:

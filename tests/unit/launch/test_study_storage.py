@@ -1,4 +1,5 @@
-"""A study's storage that holds something else is refused in one line and left as it was."""
+"""A study's storage that holds something else is refused in one line and left as it was;
+a grid study's order is its seed's."""
 
 from __future__ import annotations
 
@@ -33,3 +34,19 @@ def test_a_study_continues_only_with_its_objective_and_direction(tmp_path):
         study._open_study(sweeper(), tmp_path, ["maximize"], Objective.tokens_per_s)
     kept = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
     assert len(kept.get_trials()) == 1
+
+
+def test_a_grid_study_runs_its_points_in_the_same_order_for_the_same_seed():
+    def order(seed: int) -> list[int]:
+        s = optuna.create_study(sampler=optuna.samplers.GridSampler({"x": list(range(6))}))
+        points = []
+        for _ in range(6):
+            trial = study._ask(s, seed)
+            points.append(trial.suggest_categorical("x", list(range(6))))
+            study._tell(s, trial, values=0.0)
+        return points
+
+    first = order(0)
+    assert sorted(first) == list(range(6))
+    assert order(0) == first  # unseeded, 1 in 720 alike
+    assert order(1) != first or order(2) != first
