@@ -36,12 +36,12 @@ def write_report(sweep_dir: Path) -> list[Path]:
     report.md first. ConfigError when sweep_dir holds no job dir (or cannot be written)."""
     sweep_dir = Path(sweep_dir)
     jobs = load_jobs(sweep_dir)
-    varying, fixed = split_options(jobs)
+    study = _read_study(sweep_dir)
+    varying, fixed = split_options(jobs, searched=_searched(study))
     figures = [summarize(job) for job in jobs]
     report = sweep_dir / REPORT_FILE
     try:
         plots = write_plots(jobs, figures, varying, sweep_dir)
-        study = _read_study(sweep_dir)
         _write_atomic(report, render_markdown(sweep_dir, jobs, figures, varying, fixed, study))
     except OSError as e:  # e.g. an old sweep on read-only storage: one line, not a traceback
         raise ConfigError(f"cannot write the report into {sweep_dir}: {e}") from e
@@ -197,12 +197,22 @@ def _json_or_none(text: str):
         return None
 
 
-def split_options(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
-    """(keys whose value differs between jobs: the table's columns, {key: value} of the rest).
-    Jobs whose options are unknown take no part."""
+def _searched(study: dict | None) -> set[str]:
+    """The keys a study's sampler chose: columns even where every trial so far took one value."""
+    trials = study.get("trials", []) if isinstance(study, dict) else []
+    return {key for t in trials if isinstance(t, dict) for key in t.get("params") or {}}
+
+
+def split_options(
+    jobs: list[Job], searched: set[str] = frozenset()
+) -> tuple[list[str], dict[str, str]]:
+    """(keys whose value differs between jobs, or that a study searched: the table's columns,
+    {key: value} of the rest). Jobs whose options are unknown take no part."""
     known = [job.options for job in jobs if job.options]
     keys = list(dict.fromkeys(key for options in known for key in options))
-    varying = [key for key in keys if len({options.get(key) for options in known}) > 1]
+    varying = [
+        key for key in keys if key in searched or len({options.get(key) for options in known}) > 1
+    ]
     return varying, {key: known[0][key] for key in keys if key not in varying}
 
 

@@ -305,3 +305,15 @@ def test_a_studys_report_has_its_best_trial_and_an_objective_column(tmp_path):
     _, rows = read_table(write_report(tmp_path)[0])
     assert [r["objective (val_loss)"] for r in rows] == ["4.5", "-", "4.25"]
     assert rows[1]["status"] == "interrupted"
+
+
+def test_a_studys_searched_parameter_is_a_column_even_with_one_value_so_far(tmp_path):
+    write_job(tmp_path, 0, overrides=("optim.lr=0.003", "sharding=full"), steps=2)
+    trial = {"number": 0, "state": "COMPLETE", "value": 4.5, "params": {"optim.lr": 0.003}}
+    study = {"study_name": "s", "objective": "val_loss", "direction": "minimize"}
+    (tmp_path / "study.json").write_text(json.dumps({**study, "best": None, "trials": [trial]}))
+    text = write_report(tmp_path)[0].read_text()
+    fixed = next(line for line in text.splitlines() if line.startswith("fixed:"))
+    assert "sharding=full" in fixed and "optim.lr" not in fixed
+    _, rows = read_table(tmp_path / "report.md")
+    assert rows[0]["optim.lr"] == "0.003"
