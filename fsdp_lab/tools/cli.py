@@ -165,6 +165,12 @@ def _add_tune(sub, name: str) -> None:
     tun.add_argument("--checkpointing", help="of none,selective,full (all three)")
     tun.add_argument("--micro-batches", help="sizes to try, e.g. 2,4,8 (powers of two)")
     tun.add_argument("--tensor", help="TP degrees to try, e.g. 1,2 (those the ranks allow)")
+    tun.add_argument(
+        "--keep-global-batch",
+        action="store_true",
+        help="hold the overrides' sequences per optimizer step: each candidate's "
+        "trainer.grad_accum_steps makes up its micro-batch (default: micro-batch alone varies)",
+    )
     tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
 
 
@@ -178,7 +184,13 @@ def _tune(args) -> int:
         probes=args.probes,
         steps=args.steps,
         max_micro_batch=args.max_micro_batch,
-        grid=Grid.parse(args.sharding, args.checkpointing, args.micro_batches, args.tensor),
+        grid=Grid.parse(
+            args.sharding,
+            args.checkpointing,
+            args.micro_batches,
+            args.tensor,
+            keep_global_batch=args.keep_global_batch,
+        ),
     )
 
 

@@ -6,11 +6,14 @@
    offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
    up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing the ranks per
    node, where the model's TP plan takes it). Model, data, sequence length, ranks and precision
-   are the overrides'; an axis the overrides set (``sharding=full``) is held there.
+   are the overrides'; an axis the overrides set (``sharding=full``) is held there. With
+   ``--keep-global-batch`` each candidate's grad_accum_steps makes up the overrides' global
+   batch (micro-batches that cannot are left out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
 3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
-   micro-batches, less communication per token) on the real ranks: a few steps each, measuring
+   micro-batches, less communication per token; the best of each TP degree first) on the real
+   ranks: a few steps each, measuring
    peak memory and tokens/s. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
    verdict, not a crash.
 4. **Print** a table and the winning command; write ``tune.json``.
@@ -73,6 +76,7 @@ class Candidate:
     offload: bool
     micro_batch: int
     tensor: int = 1  # parallel.tensor
+    grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
     plan_peak_bytes: int = 0  # the plan's tensors alone
     prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
@@ -88,6 +92,7 @@ class Candidate:
             f"offload={'cpu' if self.offload else 'none'}",
             f"trainer.micro_batch_size={self.micro_batch}",
             *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
+            *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
         ]
 
     @property
@@ -102,17 +107,21 @@ class TuneResult:
     candidates: list[Candidate] = field(default_factory=list)
     winner: Candidate | None = None
     command: str | None = None
+    keep_global_batch: bool = False
 
 
 @dataclass
 class Grid:
     """Axes restricted by the command line (--sharding, --checkpointing, --micro-batches,
-    --tensor); None: every value."""
+    --tensor; None: every value), and --keep-global-batch: every candidate trains on the
+    overrides' sequences per optimizer step (micro-batch x grad_accum_steps x data-parallel
+    ranks), its grad_accum_steps set to make up its micro-batch."""
 
     strategies: list[ShardingStrategy] | None = None
     checkpointing: list[str] | None = None
     micro_batches: list[int] | None = None
     tensor: list[int] | None = None
+    keep_global_batch: bool = False
 
     @classmethod
     def parse(
@@ -121,6 +130,7 @@ class Grid:
         checkpointing: str | None,
         micro: str | None,
         tensor: str | None = None,
+        keep_global_batch: bool = False,
     ) -> Grid:
         def items(text: str | None, flag: str, allowed: list[str]) -> list[str] | None:
             if text is None:
@@ -148,6 +158,7 @@ class Grid:
             checkpointing=items(checkpointing, "--checkpointing", list(AC_OPTIONS)),
             micro_batches=sizes(micro, "--micro-batches"),
             tensor=sizes(tensor, "--tensor"),
+            keep_global_batch=keep_global_batch,
         )
 
 
@@ -187,6 +198,7 @@ def enumerate_candidates(
     tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
     if _held(overrides, "parallel.tensor"):
         tensors = [cfg.parallel.tensor]
+    rows = global_batch(cfg, topo.world_size) if grid.keep_global_batch else None
     out = []
     for ac, tp in itertools.product(acs, tensors):
         base = dataclasses.replace(
@@ -202,10 +214,17 @@ def enumerate_candidates(
         except ConfigError:  # e.g. a TP degree the heads do not divide: not a candidate
             continue
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
+            accum = base.trainer.grad_accum_steps
+            if rows is not None:
+                if rows % (mb * (topo.world_size // tp)):
+                    continue  # this micro-batch cannot make up the global batch
+                accum = rows // (mb * (topo.world_size // tp))
             variant = dataclasses.replace(
                 base,
                 offload=OffloadConfig(device=OffloadDevice.cpu if offload else OffloadDevice.none),
-                trainer=dataclasses.replace(base.trainer, micro_batch_size=mb),
+                trainer=dataclasses.replace(
+                    base.trainer, micro_batch_size=mb, grad_accum_steps=accum
+                ),
             )
             try:
                 s = plan.strategy_plan(variant, topo, facts, strategy)
@@ -213,9 +232,16 @@ def enumerate_candidates(
                 continue
             if s["available"]:
                 c = Candidate(strategy, ac, offload, mb, tensor=tp, plan_peak_bytes=int(s["peak"]))
+                c.grad_accum = accum if rows is not None else None
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)
     return out, topo.device, topo.world_size
+
+
+def global_batch(cfg, world_size: int) -> int:
+    """Sequences per optimizer step: micro-batch x grad_accum_steps x data-parallel ranks."""
+    t = cfg.trainer
+    return t.micro_batch_size * t.grad_accum_steps * (world_size // cfg.parallel.tensor)
 
 
 def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
@@ -231,6 +257,16 @@ def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
     tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
     penalty = OFFLOAD_PENALTY if c.offload else 1.0
     return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp)) * penalty
+
+
+def probe_order(candidates: list[Candidate]) -> list[Candidate]:
+    """By the prior, except that the best of each tensor-parallel degree comes first: the
+    prior's TP term is its crudest (it leaves out per-micro-batch overheads, which made it
+    rank TP 2 at micro-batch 1 over TP 1 at 4, measured 9x slower on the tiny Llama)."""
+    ranked = sorted(candidates, key=lambda c: (c.prior, c.planned_bytes))
+    firsts = list({c.tensor: c for c in reversed(ranked)}.values())
+    firsts.sort(key=lambda c: (c.prior, c.planned_bytes))
+    return firsts + [c for c in ranked if all(c is not f for f in firsts)]
 
 
 def process_baseline_bytes(device: HardwareKind) -> int:
@@ -330,17 +366,19 @@ def tune(
     budget = int(memory_gib * GIB)
     candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid)
     if not candidates:
-        raise ConfigError("no FSDP setup of these overrides is possible on this topology")
+        keep = " with --keep-global-batch (no micro-batch tried divides it)"
+        raise ConfigError(
+            "no FSDP setup of these overrides is possible on this topology"
+            + (keep if grid is not None and grid.keep_global_batch else "")
+        )
     _predict(candidates, 0)  # without the process's own memory: nothing fits already?
     if all(c.planned_bytes > budget for c in candidates):
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
     baseline = process_baseline_bytes(device)
     _predict(candidates, baseline)
     result = TuneResult(budget, baseline, candidates)
-    fitting = sorted(
-        (c for c in candidates if c.planned_bytes <= budget),
-        key=lambda c: (c.prior, c.planned_bytes),
-    )
+    result.keep_global_batch = grid is not None and grid.keep_global_batch
+    fitting = probe_order([c for c in candidates if c.planned_bytes <= budget])
     for c in candidates:
         if c.planned_bytes > budget:
             c.verdict = "dropped (plan)"
@@ -432,6 +470,7 @@ def write_json(result: TuneResult, path: Path, overrides: list[str]) -> None:
         "baseline_bytes": result.baseline_bytes,
         "safety": SAFETY,
         "slack_bytes": SLACK,
+        "keep_global_batch": result.keep_global_batch,
         "winner": result.winner.name if result.winner else None,
         "command": result.command,
         "candidates": [

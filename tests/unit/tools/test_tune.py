@@ -94,3 +94,26 @@ def test_probes_that_all_fail_give_their_reason_not_a_memory_answer(tmp_path, mo
         f"all 2 probe(s) failed before measuring anything; the first ({tmp_path / 't'}/probe-0): "
         "hardware=gpu but CUDA is not available"
     )
+
+
+def test_keep_global_batch_makes_up_each_micro_batch_with_accumulation():
+    overrides = ["hardware=cpu", "hardware.nproc_per_node=4", "trainer.grad_accum_steps=2"]
+    cands, _, world = tune.enumerate_candidates(overrides, 32, tune.Grid(keep_global_batch=True))
+    # 4 per rank x 2 steps x 4 ranks = 32 sequences per optimizer step, for every candidate
+    assert {c.micro_batch * c.grad_accum * (world // c.tensor) for c in cands} == {32}
+    assert {(c.micro_batch, c.tensor) for c in cands} >= {(8, 1), (16, 2), (1, 2)}
+    assert not any(c.micro_batch == 32 for c in cands)  # more than a rank's share
+    c = next(c for c in cands if (c.micro_batch, c.tensor) == (2, 1))
+    assert tune.command(overrides, c, {}).endswith(
+        "trainer.micro_batch_size=2 trainer.grad_accum_steps=4"
+    )
+    free, _, _ = tune.enumerate_candidates(overrides, 32)  # without: the micro-batch alone varies
+    assert {c.grad_accum for c in free} == {None} and any(c.micro_batch == 32 for c in free)
+
+
+def test_probes_start_with_the_best_of_each_tensor_parallel_degree():
+    def cand(tensor, prior):
+        return tune.Candidate(ShardingStrategy.full, "none", False, 1, tensor=tensor, prior=prior)
+
+    a, b, c, d = cand(2, 1.0), cand(2, 1.1), cand(2, 1.2), cand(1, 1.5)
+    assert tune.probe_order([c, d, a, b]) == [a, d, b, c]
