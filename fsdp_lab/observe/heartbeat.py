@@ -29,37 +29,47 @@ _current: Heartbeat | None = None
 
 
 class Heartbeat:
-    """This rank's beat: the last optimizer step it completed, sent by the loop itself as each
-    step completes (so a rank stopped right after a step cannot report the one before it: a
-    thread polling the step lagged two steps behind on a loaded machine) and again every
-    interval by a thread, so that a rank that stops beating is seen to."""
+    """This rank's beat: the last optimizer step its loop completed (on a GPU: issued), sent by
+    the loop itself as each step completes (so a rank stopped right after a step cannot report
+    the one before it: a thread polling the step lagged two steps behind on a loaded machine)
+    and again every interval by a thread, so that a rank that stops beating is seen to."""
 
     def __init__(self, store, rank: int, interval_s: float = INTERVAL_S) -> None:
         self.store, self.rank, self.interval_s = store, rank, interval_s
         self._step = 0
-        # A store that stopped answering (its host gone) costs the loop one timeout, not one
-        # per step: the thread keeps trying on its own.
+        # After a failed send (the store's host gone) the loop leaves sending to the thread
+        # until the thread gets through again: the loop never retries a broken store each step.
         self._inline = True
         self._lock = threading.Lock()  # one sender at a time: a late resend never goes back
         self._thread = threading.Thread(target=self._run, name="fsdp_lab-heartbeat", daemon=True)
 
     def step_done(self, step: int) -> None:
-        """Record ``step`` as completed, and send it at once (~10 us on a local store)."""
+        """Record ``step`` as completed and send it at once (~10 us on a local store), unless
+        the thread is sending (it then sends this step, or the next beat does): the loop never
+        waits on the store."""
         self._step = step
-        if self._inline:
-            self._inline = self._send()
-
-    def _send(self) -> bool:
-        with self._lock:
+        if self._inline and self._lock.acquire(blocking=False):
             try:
-                self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {self._step}")
-            except (RuntimeError, OSError):  # the store gone: the run ends, or its host stopped
-                return False
-            return True
+                self._inline = self._send_locked()
+            finally:
+                self._lock.release()
+
+    def _send_locked(self) -> bool:
+        try:
+            self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {self._step}")
+        except Exception:  # noqa: BLE001 - a beat lost is a beat lost; the run goes on
+            return False
+        return True
+
+    def beat(self) -> None:
+        """The thread's beat: the last step again, now."""
+        with self._lock:
+            if self._send_locked():
+                self._inline = True
 
     def _run(self) -> None:
         while True:
-            self._send()
+            self.beat()
             time.sleep(self.interval_s)
 
 
