@@ -173,8 +173,8 @@ def _open_study(
     sweeper: StudySweeper, sweep_dir: Path, directions: list[str], objective: Objective
 ) -> optuna.Study:
     """The study in its storage: created, or loaded to continue. Refused, and left as it is:
-    one that cannot be read (not a database, a newer Optuna's), and one made for another
-    objective or direction (its trials' values would not compare with the new ones)."""
+    one that cannot be read (not a database, a newer Optuna's), one in use or read-only, and
+    one made for another objective or direction (its values would not compare with the new)."""
     import sqlalchemy.exc
 
     url = _storage(sweeper.storage, sweep_dir)
@@ -186,20 +186,35 @@ def _open_study(
             directions=directions,
             load_if_exists=True,
         )
-    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:
-        reason = str(getattr(e, "orig", None) or e).splitlines()[0]
-        raise ConfigError(
-            f"hydra.sweeper.storage={url} cannot be opened as an Optuna study ({reason}); "
-            "move that file away to start a new study, or set another hydra.sweep.dir"
-        ) from None
+        made_for = study.user_attrs.get("objective")
+        if made_for is None:
+            study.set_user_attr("objective", objective.value)
     except ValueError as e:  # "Cannot overwrite study direction from [...] to [...]"
         raise ConfigError(
             _another_study(url, sweeper.study_name, f"another direction ({e})")
         ) from None
-    made_for = study.user_attrs.get("objective")
-    if made_for is None:
-        study.set_user_attr("objective", objective.value)
-    elif made_for != objective.value:
+    except (
+        sqlalchemy.exc.SQLAlchemyError,
+        optuna.exceptions.StorageInternalError,  # a failed write: its cause is SQLAlchemy's
+        RuntimeError,
+    ) as e:
+        cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
+        reason = (str(getattr(cause, "orig", None) or cause).splitlines() or [repr(cause)])[0]
+        if "locked" in reason:
+            raise ConfigError(
+                f"hydra.sweeper.storage={url}: {reason} (another sweep is writing this study): "
+                "wait for it to end, or set another hydra.sweep.dir"
+            ) from None
+        if "readonly" in reason:
+            raise ConfigError(
+                f"hydra.sweeper.storage={url}: {reason}: make it writable, or set another "
+                "hydra.sweep.dir"
+            ) from None
+        raise ConfigError(
+            f"hydra.sweeper.storage={url} cannot be opened as an Optuna study ({reason}); "
+            "move that file away to start a new study, or set another hydra.sweep.dir"
+        ) from None
+    if made_for is not None and made_for != objective.value:
         why = f"objective={made_for}, not {objective.value}"
         raise ConfigError(_another_study(url, sweeper.study_name, why))
     return study

@@ -50,3 +50,16 @@ def test_a_grid_study_runs_its_points_in_the_same_order_for_the_same_seed():
     assert sorted(first) == list(range(6))
     assert order(0) == first  # unseeded, 1 in 720 alike
     assert order(1) != first or order(2) != first
+
+
+def test_a_study_another_sweep_is_writing_is_refused_as_such(tmp_path):
+    import sqlite3
+
+    study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    writer = sqlite3.connect(tmp_path / "optuna.db", isolation_level=None, timeout=0)
+    writer.execute("BEGIN IMMEDIATE")  # another process in the middle of a write
+    try:
+        with pytest.raises(ConfigError, match=r"database is locked \(another sweep is writing"):
+            study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
+    finally:
+        writer.execute("ROLLBACK")
