@@ -200,7 +200,8 @@ def _json_or_none(text: str):
 def _searched(study: dict | None) -> set[str]:
     """The keys a study's sampler chose: columns even where every trial so far took one value."""
     trials = study.get("trials", []) if isinstance(study, dict) else []
-    return {key for t in trials if isinstance(t, dict) for key in t.get("params") or {}}
+    params = (key for t in trials if isinstance(t, dict) for key in t.get("params") or {})
+    return {key.lstrip("+~") for key in params}  # named as the jobs' options are
 
 
 def split_options(

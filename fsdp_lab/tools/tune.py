@@ -50,6 +50,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import strategy_of
+from fsdp_lab.config.topology import dp_size
 from fsdp_lab.observe import rundir
 from fsdp_lab.tools import plan
 
@@ -198,8 +199,8 @@ def enumerate_candidates(
     tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
     if _held(overrides, "parallel.tensor"):
         tensors = [cfg.parallel.tensor]
-    rows = global_batch(cfg, topo.world_size) if grid.keep_global_batch else None
-    out = []
+    rows = global_batch(cfg, topo) if grid.keep_global_batch else None
+    out, indivisible = [], set()
     for ac, tp in itertools.product(acs, tensors):
         base = dataclasses.replace(
             cfg,
@@ -216,9 +217,10 @@ def enumerate_candidates(
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
-                if rows % (mb * (topo.world_size // tp)):
-                    continue  # this micro-batch cannot make up the global batch
-                accum = rows // (mb * (topo.world_size // tp))
+                if rows % (mb * dp_size(topo, tp)):
+                    indivisible.add((mb, tp))  # it cannot make up the global batch
+                    continue
+                accum = rows // (mb * dp_size(topo, tp))
             variant = dataclasses.replace(
                 base,
                 offload=OffloadConfig(device=OffloadDevice.cpu if offload else OffloadDevice.none),
@@ -235,13 +237,20 @@ def enumerate_candidates(
                 c.grad_accum = accum if rows is not None else None
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)
+    if not out and indivisible:
+        raise ConfigError(
+            f"--keep-global-batch: no micro-batch tried ({', '.join(map(str, batches))}) makes "
+            f"up the global batch of {rows} sequences per step: {rows // dp_size(topo)} per "
+            f"data-parallel rank (more under TP); try --micro-batches that divide "
+            f"{rows // dp_size(topo)}"
+        )
     return out, topo.device, topo.world_size
 
 
-def global_batch(cfg, world_size: int) -> int:
+def global_batch(cfg, topo) -> int:
     """Sequences per optimizer step: micro-batch x grad_accum_steps x data-parallel ranks."""
     t = cfg.trainer
-    return t.micro_batch_size * t.grad_accum_steps * (world_size // cfg.parallel.tensor)
+    return t.micro_batch_size * t.grad_accum_steps * dp_size(topo, cfg.parallel.tensor)
 
 
 def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
@@ -260,13 +269,15 @@ def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
 
 
 def probe_order(candidates: list[Candidate]) -> list[Candidate]:
-    """By the prior, except that the best of each tensor-parallel degree comes first: the
-    prior's TP term is its crudest (it leaves out per-micro-batch overheads, which made it
-    rank TP 2 at micro-batch 1 over TP 1 at 4, measured 9x slower on the tiny Llama)."""
+    """By the prior, except that the second probe is the best of another tensor-parallel degree
+    than the first's: the prior's TP term is its crudest (it leaves out per-micro-batch
+    overheads, which made it rank TP 2 at micro-batch 1 over TP 1 at 4, measured 9x slower on
+    the tiny Llama). One probe, not one per degree: on 8 GPUs that would be all three."""
     ranked = sorted(candidates, key=lambda c: (c.prior, c.planned_bytes))
-    firsts = list({c.tensor: c for c in reversed(ranked)}.values())
-    firsts.sort(key=lambda c: (c.prior, c.planned_bytes))
-    return firsts + [c for c in ranked if all(c is not f for f in firsts)]
+    other = next((c for c in ranked if ranked and c.tensor != ranked[0].tensor), None)
+    if other is None:
+        return ranked
+    return [ranked[0], other, *(c for c in ranked[1:] if c is not other)]
 
 
 def process_baseline_bytes(device: HardwareKind) -> int:
@@ -366,11 +377,7 @@ def tune(
     budget = int(memory_gib * GIB)
     candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid)
     if not candidates:
-        keep = " with --keep-global-batch (no micro-batch tried divides it)"
-        raise ConfigError(
-            "no FSDP setup of these overrides is possible on this topology"
-            + (keep if grid is not None and grid.keep_global_batch else "")
-        )
+        raise ConfigError("no FSDP setup of these overrides is possible on this topology")
     _predict(candidates, 0)  # without the process's own memory: nothing fits already?
     if all(c.planned_bytes > budget for c in candidates):
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
@@ -408,7 +415,7 @@ def tune(
             result.baseline_bytes = baseline
             _predict(candidates, baseline)
     ok = [c for c in probed if c.verdict == "fits"]
-    if not ok and all(c.verdict.startswith("failed") for c in probed):
+    if probed and not ok and all(c.verdict.startswith("failed") for c in probed):
         # Not a memory answer: the runs themselves are refused (hardware, a setting).
         raise ConfigError(
             f"all {len(probed)} probe(s) failed before measuring anything; the first "

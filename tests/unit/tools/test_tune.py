@@ -111,9 +111,20 @@ def test_keep_global_batch_makes_up_each_micro_batch_with_accumulation():
     assert {c.grad_accum for c in free} == {None} and any(c.micro_batch == 32 for c in free)
 
 
-def test_probes_start_with_the_best_of_each_tensor_parallel_degree():
+def test_the_second_probe_is_the_best_of_another_tensor_parallel_degree():
     def cand(tensor, prior):
         return tune.Candidate(ShardingStrategy.full, "none", False, 1, tensor=tensor, prior=prior)
 
-    a, b, c, d = cand(2, 1.0), cand(2, 1.1), cand(2, 1.2), cand(1, 1.5)
+    a, b, c, d, e = cand(2, 1.0), cand(2, 1.1), cand(2, 1.2), cand(1, 1.5), cand(4, 1.3)
     assert tune.probe_order([c, d, a, b]) == [a, d, b, c]
+    assert tune.probe_order([c, d, a, b, e]) == [a, e, b, c, d]  # one degree jumps, not all
+    assert tune.probe_order([c, a, b]) == [a, b, c]
+
+
+def test_a_global_batch_no_micro_batch_makes_up_is_one_line():
+    # 4 per rank x 2 ranks: 8 sequences per step, less than one micro-batch of 16 per rank
+    message = r"--keep-global-batch: no micro-batch tried \(16, 32\) makes up the global batch of 8"
+    with pytest.raises(ConfigError, match=message):
+        tune.enumerate_candidates(
+            ["hardware=cpu"], 8, tune.Grid.parse(None, None, "16,32", None, keep_global_batch=True)
+        )
