@@ -12,8 +12,8 @@
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
 3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
-   micro-batches, less communication per token; the best of each TP degree first) on the real
-   ranks: a few steps each, measuring
+   micro-batches, less communication per token; the second probe of another TP degree than
+   the first's) on the real ranks: a few steps each, measuring
    peak memory and tokens/s. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
    verdict, not a crash.
 4. **Print** a table and the winning command; write ``tune.json``.
