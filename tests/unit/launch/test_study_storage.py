@@ -25,7 +25,7 @@ def test_a_file_that_is_not_a_study_is_refused_and_kept(tmp_path):
 
 def test_a_study_continues_only_with_its_objective_and_direction(tmp_path):
     made = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
-    made.enqueue_trial({})  # something to keep
+    made.tell(made.ask(), 1.0)  # something to keep
     again = study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
     assert len(again.get_trials()) == 1
     with pytest.raises(ConfigError, match="made for objective=val_loss, not best_val_loss"):
