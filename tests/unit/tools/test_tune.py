@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_lab.config import ConfigError, ShardingStrategy
-from fsdp_lab.tools import tune
+from fsdp_lab.tools import cli, tune
 
 
 def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
@@ -121,10 +121,12 @@ def test_the_second_probe_is_the_best_of_another_tensor_parallel_degree():
     assert tune.probe_order([c, a, b]) == [a, b, c]
 
 
-def test_a_global_batch_no_micro_batch_makes_up_is_one_line():
+def test_a_global_batch_no_micro_batch_makes_up_is_one_line(capsys):
     # 4 per rank x 2 ranks: 8 sequences per step, less than one micro-batch of 16 per rank
-    message = r"--keep-global-batch: no micro-batch tried \(16, 32\) makes up the global batch of 8"
-    with pytest.raises(ConfigError, match=message):
-        tune.enumerate_candidates(
-            ["hardware=cpu"], 8, tune.Grid.parse(None, None, "16,32", None, keep_global_batch=True)
-        )
+    args = ["tune", "hardware=cpu", "--memory-gib", "1", "--micro-batches", "16,32"]
+    assert cli.main([*args, "--keep-global-batch"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "fsdp-lab: error: --keep-global-batch: no micro-batch tried (16, 32) makes up the global "
+        "batch of 8 sequences per step: 4 per data-parallel rank"
+    ), line
