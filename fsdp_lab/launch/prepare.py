@@ -176,9 +176,7 @@ def _truncate_metrics(path: Path, step: int) -> int:
     steps = [json.loads(line)["step"] if line.strip() else None for line in lines]
     kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
     if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
+        rundir.write_atomic(path, "".join(kept))
     return max((s for s in steps if s is not None), default=0)
 
 

@@ -38,11 +38,16 @@ def write_run_file(run_dir: Path, facts: dict) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Indented JSON through a temporary file and a rename: a reader sees the old or the new
-    file, never half of one (run.json, a study's study.json, tune.json)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    """Indented JSON, written atomically (run.json, a study's study.json, tune.json)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Through a temporary file and a rename: a reader sees the old or the new file, never half
+    of one (the pid in the temporary's name keeps two writers apart)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def update_run_file(run_dir: Path, **changes) -> None:

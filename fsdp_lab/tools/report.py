@@ -12,7 +12,6 @@ to figures; ``report_render`` writes report.md and the plots.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe.loggers import read_metrics
-from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE
+from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE, write_atomic
 from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
 
 REPORT_FILE = "report.md"
@@ -42,7 +41,7 @@ def write_report(sweep_dir: Path) -> list[Path]:
     report = sweep_dir / REPORT_FILE
     try:
         plots = write_plots(jobs, figures, varying, sweep_dir)
-        _write_atomic(report, render_markdown(sweep_dir, jobs, figures, varying, fixed, study))
+        write_atomic(report, render_markdown(sweep_dir, jobs, figures, varying, fixed, study))
     except OSError as e:  # e.g. an old sweep on read-only storage: one line, not a traceback
         raise ConfigError(f"cannot write the report into {sweep_dir}: {e}") from e
     return [report, *plots]
@@ -257,14 +256,6 @@ def _peak_mib_per_rank(records: list[dict]) -> list[float]:
                 peaks.append(0.0)
             peaks[rank] = max(peaks[rank], value / MIB)
     return peaks
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Temp file then rename: a reader never sees half a report (the pid keeps two writers
-    apart)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class SweepReport(Callback):
