@@ -106,9 +106,9 @@ class TuneResult:
     budget_bytes: int
     baseline_bytes: int
     candidates: list[Candidate] = field(default_factory=list)
+    keep_global_batch: bool = False
     winner: Candidate | None = None
     command: str | None = None
-    keep_global_batch: bool = False
 
 
 @dataclass
@@ -172,16 +172,9 @@ def _held(overrides: list[str], *keys: str) -> bool:
     return any(_key(o) in keys for o in overrides)
 
 
-# Long: the grid and one plan per candidate, sharing one meta model per checkpointing choice.
-def enumerate_candidates(
-    overrides: list[str], max_micro_batch: int, grid: Grid | None = None
-) -> tuple[list[Candidate], HardwareKind, int]:
-    """Every candidate the topology can run, with the plan's peak: (candidates, device, world
-    size). ``grid`` restricts the axes. Raises ConfigError for overrides the plan refuses."""
-    grid = grid or Grid()
-    cfg = plan.compose(overrides)
-    topo, _ = plan.topology(cfg)
-    validate(cfg, topo)
+def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> tuple:
+    """(strategies, checkpointing modes, offloads, micro-batches, TP degrees) to enumerate: the
+    grid's, or every value; an axis the overrides set is held at its value."""
     strategies = grid.strategies or list(ShardingStrategy)
     if _held(overrides, "sharding"):
         strategies = [cfg.sharding.strategy]
@@ -199,6 +192,19 @@ def enumerate_candidates(
     tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
     if _held(overrides, "parallel.tensor"):
         tensors = [cfg.parallel.tensor]
+    return strategies, acs, offloads, batches, tensors
+
+
+def enumerate_candidates(
+    overrides: list[str], max_micro_batch: int, grid: Grid | None = None
+) -> tuple[list[Candidate], HardwareKind, int]:
+    """Every candidate the topology can run, with the plan's peak: (candidates, device, world
+    size). ``grid`` restricts the axes. Raises ConfigError for overrides the plan refuses."""
+    grid = grid or Grid()
+    cfg = plan.compose(overrides)
+    topo, _ = plan.topology(cfg)
+    validate(cfg, topo)
+    strategies, acs, offloads, batches, tensors = _axes(cfg, topo, overrides, grid, max_micro_batch)
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
     for ac, tp in itertools.product(acs, tensors):
@@ -217,10 +223,11 @@ def enumerate_candidates(
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
-                if rows % (mb * dp_size(topo, tp)):
+                share = mb * dp_size(topo, tp)  # sequences per micro-step, all ranks
+                if rows % share:
                     indivisible.add((mb, tp))  # it cannot make up the global batch
                     continue
-                accum = rows // (mb * dp_size(topo, tp))
+                accum = rows // share
             variant = dataclasses.replace(
                 base,
                 offload=OffloadConfig(device=OffloadDevice.cpu if offload else OffloadDevice.none),
@@ -233,8 +240,15 @@ def enumerate_candidates(
             except ConfigError:
                 continue
             if s["available"]:
-                c = Candidate(strategy, ac, offload, mb, tensor=tp, plan_peak_bytes=int(s["peak"]))
-                c.grad_accum = accum if rows is not None else None
+                c = Candidate(
+                    strategy,
+                    ac,
+                    offload,
+                    mb,
+                    tensor=tp,
+                    grad_accum=accum if rows is not None else None,
+                    plan_peak_bytes=int(s["peak"]),
+                )
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)
     if not out and indivisible:
@@ -383,8 +397,7 @@ def tune(
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
     baseline = process_baseline_bytes(device)
     _predict(candidates, baseline)
-    result = TuneResult(budget, baseline, candidates)
-    result.keep_global_batch = grid is not None and grid.keep_global_batch
+    result = TuneResult(budget, baseline, candidates, grid is not None and grid.keep_global_batch)
     fitting = probe_order([c for c in candidates if c.planned_bytes <= budget])
     for c in candidates:
         if c.planned_bytes > budget:
