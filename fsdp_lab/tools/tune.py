@@ -252,13 +252,16 @@ def enumerate_candidates(
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)
     if not out and indivisible:
-        raise ConfigError(
-            f"--keep-global-batch: no micro-batch tried ({', '.join(map(str, batches))}) makes "
-            f"up the global batch of {rows} sequences per step: {rows // dp_size(topo)} per "
-            f"data-parallel rank (more under TP); try --micro-batches that divide "
-            f"{rows // dp_size(topo)}"
-        )
+        raise ConfigError(_indivisible(batches, rows, dp_size(topo)))
     return out, topo.device, topo.world_size
+
+
+def _indivisible(batches: list[int], rows: int, dp: int) -> str:
+    return (
+        f"--keep-global-batch: no micro-batch tried ({', '.join(map(str, batches))}) makes up "
+        f"the global batch of {rows} sequences per step: {rows // dp} per data-parallel rank "
+        f"(more under TP); try --micro-batches that divide {rows // dp}"
+    )
 
 
 def global_batch(cfg, topo) -> int:
