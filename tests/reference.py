@@ -42,7 +42,11 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     )
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps)
     tokenizer = corpus_lib.load_tokenizer(cfg)
-    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
+    corpus = (
+        None
+        if cfg.data.kind is DataKind.synthetic
+        else corpus_lib.prepare(cfg, tokenizer, vocab_size=hf_config.vocab_size)
+    )
     ranks = [
         build_data(
             cfg,

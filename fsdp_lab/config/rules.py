@@ -80,6 +80,7 @@ def check_fields(cfg: Config) -> None:
         _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
     _check_model(m)
     _check_data(cfg.data)
+    _check_token_data(cfg)
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
     _positive(t.eval_batches, "trainer.eval_batches")
@@ -190,8 +191,28 @@ def _check_data(d: DataConfig) -> None:
             "data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
             ".parquet or .csv files)"
         )
+    if d.kind is DataKind.tokens and not d.files:
+        raise ConfigError(
+            "data=tokens needs data.files=[...] (paths or globs of .bin or .npy files)"
+        )
     if d.kind is DataKind.hub and not d.name:
         raise ConfigError("data=hub needs data.name=<hub dataset name>")
+    if d.streaming and d.kind is not DataKind.hub:
+        raise ConfigError(
+            f"data.streaming=true streams a hub dataset, not data={d.kind.value}; local files "
+            "are read in bounded memory already: drop data.streaming"
+        )
+    if d.max_tokens is not None and not d.streaming:
+        raise ConfigError(
+            "data.max_tokens applies to data=hub data.streaming=true (it ends the stream); "
+            "drop it, or stream the dataset"
+        )
+    if d.max_tokens is not None:
+        _positive(d.max_tokens, "data.max_tokens")
+    if d.num_proc is not None:
+        _positive(d.num_proc, "data.num_proc")
+    if d.eos_id is not None and d.eos_id < 0:
+        raise ConfigError(f"data.eos_id={d.eos_id} must be a token id (>= 0)")
     if not 0 <= d.validation_fraction < 1:
         raise ConfigError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
     if not 0 < d.mlm_probability < 1:
@@ -373,6 +394,17 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
         if refused:
             raise ConfigError(f"parallel.tensor={tensor} cannot combine with {what} yet")
     return tensor
+
+
+def _check_token_data(cfg: Config) -> None:
+    """data=tokens has no tokenizer to size a preset's vocabulary."""
+    d, m = cfg.data, cfg.model
+    if d.kind is DataKind.tokens and d.tokenizer is None and m.arch and m.vocab_size is None:
+        raise ConfigError(
+            f"data=tokens with model={m.arch.value}: model.vocab_size is null and there is no "
+            "tokenizer to take it from; set model.vocab_size (above the largest token id, e.g. "
+            "50304 for GPT-2's) or data.tokenizer"
+        )
 
 
 def validate(cfg: Config, topo: Topology) -> None:

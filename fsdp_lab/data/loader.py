@@ -181,13 +181,14 @@ class PackedData(Loader):
     def global_rows(self, step: int, micro: int) -> torch.Tensor:
         first, n = self.first_row(step, micro), len(self.train)
         idx = [self._perm(g // n)[g % n] for g in range(first, first + self.rows_per_micro)]
-        return torch.from_numpy(self.train[np.asarray(idx)])  # fancy indexing copies
+        # Fancy indexing copies; the cache's uint16/uint32 become int64 ids.
+        return torch.from_numpy(self.train[np.asarray(idx)].astype(np.int64))
 
     def val_rows(self, index: int) -> torch.Tensor:
         per_micro = self.rows_per_micro
         lo = index * per_micro
-        rows = torch.full((per_micro, self.val.shape[1]), -1, dtype=torch.int32)
-        chunk = np.array(self.val[lo : lo + per_micro])
+        rows = torch.full((per_micro, self.val.shape[1]), -1, dtype=torch.int64)
+        chunk = np.array(self.val[lo : lo + per_micro], dtype=np.int64)
         rows[: len(chunk)] = torch.from_numpy(chunk)
         return rows
 
@@ -264,7 +265,7 @@ def build_data(
     match cfg.data.kind:
         case DataKind.synthetic:
             return SyntheticData(vocab_size=vocab_size, seq_len=t.seq_len, **common)
-        case DataKind.text | DataKind.hub | DataKind.shakespeare:
+        case DataKind.text | DataKind.hub | DataKind.shakespeare | DataKind.tokens:
             return PackedData(
                 train=corpus.train, val=corpus.val, fingerprint=corpus.fingerprint, **common
             )

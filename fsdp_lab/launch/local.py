@@ -27,6 +27,7 @@ from typing import BinaryIO
 
 from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
 from fsdp_lab.config.topology import Topology
+from fsdp_lab.data.pool import die_with_parent
 from fsdp_lab.launch import rank_main
 from fsdp_lab.observe import heartbeat, rundir
 from fsdp_lab.train import preempt
@@ -179,7 +180,7 @@ def _spawn_rank(
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
         pass_fds=(port_fd,),
-        preexec_fn=_die_with_launcher,
+        preexec_fn=die_with_parent,
     )
 
 
@@ -197,7 +198,7 @@ def _fork_rank(
     if pid:
         return ForkedRank(pid)
     try:
-        _die_with_launcher()
+        die_with_parent()
         for fd in port_pipes:  # the write ends: a rank holds only its read end
             os.close(fd)
         os.environ.update(env)
@@ -240,16 +241,6 @@ class ForkedRank:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _die_with_launcher() -> None:
-    """In a new rank: on Linux, die with the launcher. A launcher killed by SIGKILL or the OOM
-    killer must not leave ranks training as orphans."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _wait(procs: list[subprocess.Popen | ForkedRank]) -> tuple[int, dict[int, float]]:

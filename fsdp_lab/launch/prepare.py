@@ -85,7 +85,7 @@ def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn
     if cfg.data.kind is not DataKind.synthetic:
         # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
         # before any rank starts, and the ranks find the result in the cache.
-        corpus = corpus_lib.prepare(cfg, tokenizer)
+        corpus = corpus_lib.prepare(cfg, tokenizer, vocab_size=hf_config.vocab_size)
         if cfg.trainer.eval_every and len(corpus.val) == 0:
             log.warning(
                 "data.validation_fraction=%s leaves no validation blocks: no evaluation",

@@ -137,7 +137,11 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
     """This rank's share of every global batch (all ranks are data-parallel ranks). The launcher
     tokenised and cached the corpus; here it is memory-mapped from the cache."""
     tokenizer = corpus_lib.load_tokenizer(cfg)
-    corpus = None if cfg.data.kind is DataKind.synthetic else corpus_lib.prepare(cfg, tokenizer)
+    corpus = (
+        None
+        if cfg.data.kind is DataKind.synthetic
+        else corpus_lib.prepare(cfg, tokenizer, vocab_size=vocab_size)
+    )
     ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
     tensor = cfg.parallel.tensor  # a TP group (contiguous ranks) reads the same rows
     data = build_data(

@@ -33,6 +33,7 @@ REQUIRED = {
     ("model", "local"): ["model.name_or_path={tiny_model_dir}"],
     ("data", "text"): ["data.files=[corpus.txt]"],
     ("data", "hub"): ["data.name=roneneldan/TinyStories"],
+    ("data", "tokens"): ["data.files=[train.bin]", "model.vocab_size=50304"],
     ("finetune", "freeze"): ["finetune.freeze_blocks=1"],  # what to freeze is the user's
     # Its model is converted once by scripts/prepare_smollm2.py; a stand-in directory here.
     ("experiment", "smollm2_shakespeare"): ["model.name_or_path={tiny_model_dir}"],
@@ -206,6 +207,11 @@ def topo(world: int, nodes: int = 1) -> Topology:
         (["loss.chunk_size=-4"], 2, "loss.chunk_size=-4 must be > 0"),
         (["sharding.prefetch.forward=-1"], 2, "sharding.prefetch.forward=-1 must be >= 0"),
         (["sharding.prefetch.backward=0"], 2, "FSDP2 always prefetches the next unit"),
+        (["data=tokens", "data.files=[a.bin]"], 2, "model.vocab_size is null"),
+        (["data=text", "data.files=[a.txt]", "data.streaming=true"], 2, "streams a hub dataset"),
+        (["data=hub", "data.name=x", "data.max_tokens=100"], 2, "data.max_tokens applies to"),
+        (["data.num_proc=0"], 2, "data.num_proc=0 must be > 0"),
+        (["data.eos_id=-1"], 2, "data.eos_id=-1 must be a token id"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(overrides, world, fragment):

