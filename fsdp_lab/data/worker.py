@@ -95,7 +95,7 @@ class ShardWriter:
             data = np.concatenate(self.pending[split]).astype(self.dtype, copy=False)
             self.max_id = max(self.max_id, int(data.max()))
             try:
-                data.tofile(self.files[split])
+                self.files[split].write(data.data)  # (ndarray.tofile drops the errno)
             except OSError as e:
                 raise CacheWriteError(e) from e
             self.tokens[split] += len(data)

@@ -79,12 +79,14 @@ class RunFacts:
         sharded, model, corpus = state.sharded, state.model, state.corpus
         if corpus is not None:
             data = {
+                "kind": cfg.data.kind.name,
+                "cache": str(corpus.path),
                 "train_blocks": len(corpus.train),
                 "val_blocks": len(corpus.val),
                 "tokens": corpus.num_tokens,
                 "documents": corpus.num_documents,
                 "fingerprint": corpus.fingerprint,
-                "tokenizer": type(state.tokenizer).__name__,
+                "tokenizer": type(state.tokenizer).__name__ if state.tokenizer else None,
             }
         else:
             data = {"kind": cfg.data.kind.name}

@@ -56,29 +56,6 @@ def no_entry(root) -> bool:
     return not list(root.glob("tokens-*/meta.json")) and not list(root.glob(".tokens-*"))
 
 
-@pytest.fixture(scope="module")
-def bpe_tokenizer(tmp_path_factory) -> str:
-    """A byte-level BPE tokenizer (GPT-2's kind) trained here, as a tokenizer directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from fsdp_lab.data.sources import shakespeare_files
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([p.read_text() for p in shakespeare_files()[:6]], trainer)
-    path = tmp_path_factory.mktemp("bpe")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
-    return str(path)
-
-
 def test_documents_are_joined_with_eos_in_order_and_cut_into_blocks(tmp_path):
     docs = texts()
     cfg = make_cfg(tmp_path, files=[str(write_jsonl(tmp_path / "d.jsonl", docs))])
