@@ -6,7 +6,6 @@ killed under train.py is in tests/integration/test_data_runs.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
