@@ -15,6 +15,7 @@ shards are appended to the splits in task order, and progress.json records how f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -32,7 +33,7 @@ import xxhash
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.pool import Pool, Stopped
-from fsdp_lab.data.sources import Source, Task
+from fsdp_lab.data.tasks import Source, Task
 from fsdp_lab.data.worker import SPLITS, Setup, write_error
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,8 @@ class Progress:
             self.said = time.monotonic()
             elapsed = max(1e-9, time.monotonic() - self.start)
             share = f" of {self.total / 1e6:.0f} MB" if self.total else ""
-            log.info(
-                "data: %.0f MB%s read, %.2f MB/s", self.done / 1e6, share, self.done / elapsed / 1e6
-            )
+            rate = (self.done - self.initial) / elapsed / 1e6
+            log.info("data: %.0f MB%s read, %.2f MB/s", self.done / 1e6, share, rate)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -172,10 +172,11 @@ class Progress:
 
 
 def build(
-    entry: Path, source: Source, setup: Setup, *, encoder_of, num_proc: int, private: bool
+    entry: Path, source: Source, setup: Setup, *, write_encoder, num_proc: int, private: bool
 ) -> dict:
     """Prepare ``entry`` (the caller holds its lock): run the tasks not done yet, append their
     shards in task order, and rename the finished entry into place. Returns its meta.
+    ``write_encoder(path)`` saves the tokenizer for the preparing processes (None: token files).
 
     A stop (a kill, Ctrl-C, a full disk, a dead process) keeps the partial entry for the next
     run to continue; bad input removes it, since the input must change (and with it the key)."""
@@ -185,18 +186,28 @@ def build(
     totals = _resume(partial, digest)
     shard_dir = partial / "shards"
     shard_dir.mkdir(exist_ok=True)
-    setup.shard_dir = str(shard_dir)
-    if setup.encoder is not None:
+    setup = dataclasses.replace(setup, shard_dir=str(shard_dir))
+    if write_encoder is not None:
         setup.encoder = str(partial / "encoder.json")
-        encoder_of(Path(setup.encoder))
+        write_encoder(Path(setup.encoder))
     setup.save(partial / "setup.json")
     todo = [t for t in source.tasks[totals.appended :] if not _finished(shard_dir, t)]
+    if totals.appended or len(todo) < len(source.tasks):
+        log.info(
+            "data: continuing a stopped preparation: %d shards appended, %d more finished, %d "
+            "to go",
+            totals.appended,
+            len(source.tasks) - totals.appended - len(todo),
+            len(todo),
+        )
     progress = Progress(source.total_bytes, sum(t.size for t in source.tasks[: totals.appended]))
-    started = time.monotonic()
     try:
-        with _open_splits(partial, totals) as splits:
+        with (
+            _open_splits(partial, totals) as splits,
+            contextlib.closing(_results(todo, partial, setup, num_proc, progress)) as results,
+        ):
             done: dict[int, dict] = {}
-            for result in _results(todo, partial, setup, num_proc, progress):
+            for result in results:
                 done[result["index"]] = result
                 while totals.appended < len(source.tasks):
                     task = source.tasks[totals.appended]
@@ -212,12 +223,23 @@ def build(
         if not isinstance(e, Stopped):
             shutil.rmtree(partial, ignore_errors=True)
         raise
+    except KeyboardInterrupt:
+        progress.close()
+        log.warning(
+            "data: interrupted after %d of %d shards; they are kept in %s, and the next run "
+            "of this corpus continues from there",
+            totals.appended,
+            len(source.tasks),
+            partial,
+        )
+        raise
     finally:
         progress.close()
-    seconds, read = time.monotonic() - started, progress.done - progress.initial
-    return _commit(
-        entry, partial, totals, setup, {"seconds": round(seconds, 2), "input_bytes": read}
-    )
+    timing = {
+        "seconds": round(time.monotonic() - progress.start, 2),
+        "input_bytes": progress.done - progress.initial,
+    }
+    return _commit(entry, partial, totals, setup, timing)
 
 
 def _resume(partial: Path, digest: str) -> Totals:
@@ -227,9 +249,7 @@ def _resume(partial: Path, digest: str) -> Totals:
     except (OSError, ValueError):
         saved = None
     if saved is not None and saved.pop("plan") == digest:
-        totals = Totals(**saved)
-        log.info("data: continuing a stopped preparation after %d shards", totals.appended)
-        return totals
+        return Totals(**saved)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     totals = Totals()  # recorded at once: a stop before the first append keeps finished shards

