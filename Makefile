@@ -45,6 +45,7 @@ bench: setup
 	$(PY) benchmarks/bench_loading.py
 	$(PY) benchmarks/bench_activation_checkpointing.py
 	$(PY) benchmarks/bench_finetune.py
+	$(PY) benchmarks/bench_data.py
 
 # On a GPU machine (with its CUDA torch installed first): fsdp_lab beside HF Trainer and a
 # hand-written loop, 160M and 1.1B Llama. liger-kernel for loss=liger and Trainer's fast side.

