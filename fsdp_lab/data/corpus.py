@@ -238,11 +238,12 @@ def _build(
         stream=stream,
     )
     num_proc = d.num_proc or _usable_cpus()
+    procs = 1 if d.streaming else min(num_proc, len(source.tasks))
     log.info(
-        "data: preparing %s (%d shards, %d processes) into %s",
+        "data: preparing %s (%s, %s) into %s",
         _describe_input(source),
-        len(source.tasks),
-        1 if d.streaming else min(num_proc, len(source.tasks)),
+        _count(len(source.tasks), "shard"),
+        _count(procs, "process", "processes"),
         entry,
     )
     return cache.build(
@@ -253,6 +254,10 @@ def _build(
         num_proc=num_proc,
         private=private,
     )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _usable_cpus() -> int:

@@ -52,8 +52,8 @@ def memory_of(pid: int) -> tuple[int, int]:
     return found.get("VmRSS", 0), found.get("VmHWM", 0)
 
 
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
 
 
 class Worker:
@@ -95,7 +95,9 @@ class Worker:
             else f"exited with code {code}"
         )
         where = self.task.segments[0].path if self.task and self.task.segments else "?"
-        memory = f", last seen at {_gb(self.rss)} RSS (peak {_gb(self.peak)})" if self.rss else ""
+        memory = (
+            f", last seen at {_size(self.rss)} RSS (peak {_size(self.peak)})" if self.rss else ""
+        )
         oom = (
             ": most likely the kernel's out-of-memory killer (see dmesg); lower data.num_proc "
             "or free memory, then run again (finished shards are kept)"

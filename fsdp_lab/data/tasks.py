@@ -178,6 +178,11 @@ def _check_json_fields(path: Path, first_line: bytes, text_column: str) -> None:
     try:
         row = json.loads(first_line)
     except ValueError:
+        if first_line.strip() == b"{":  # one object over many lines: a document, not rows
+            raise ConfigError(
+                f"data.files: {path} is one JSON object, not JSON lines or an array of rows; "
+                f"write one row a line (e.g. jq -c '.data[]' {path.name} > rows.jsonl)"
+            ) from None
         return  # named with its line by the reader
     if isinstance(row, dict) and text_column not in row:
         raise ConfigError(

@@ -128,11 +128,16 @@ class TaskRunner:
         self.encoder = (
             None if setup.encoder is None else encode.read_spec(Path(setup.encoder), dtype)
         )
-        self.stream = None
-        if setup.stream is not None:
-            fields = {k: v for k, v in setup.stream.items() if k != "hf_cache"}
+        self._stream = None
+
+    @property
+    def stream(self):
+        """A streamed hub dataset, opened by the task that reads it (its errors are the task's)."""
+        if self._stream is None and self.setup.stream is not None:
+            fields = {k: v for k, v in self.setup.stream.items() if k != "hf_cache"}
             d = DataConfig(kind=DataKind.hub, streaming=True, **fields)
-            self.stream = load_hub(d, Path(setup.stream["hf_cache"]), streaming=True)
+            self._stream = load_hub(d, Path(self.setup.stream["hf_cache"]), streaming=True)
+        return self._stream
 
     def run(self, task: Task) -> dict:
         s = self.setup

@@ -192,6 +192,10 @@ def test_token_files_in_nanogpt_layout_or_numpy(tmp_path):
         assert sorted(ends(train) + ends(val)) == sorted(tuple(np.append(d, 299)) for d in docs)
         got[name] = corpus.fingerprint
     assert got["train.bin"] == got["ids.npy"]
+    wide = make_cfg(
+        tmp_path, 16, 70000, kind="tokens", files=[str(tmp_path / "ids.npy")], eos_id=299
+    )
+    assert prepare(wide, vocab_size=70000).train.dtype == np.uint32  # ids past 65,535 fit
     # An id beyond the model's vocabulary (here the EOS), named with its file and position:
     # by a preparing process, and by the check of a corpus prepared before for a larger model.
     bin_file, first_eos = str(tmp_path / "train.bin"), len(docs[0])
@@ -245,6 +249,10 @@ def test_a_streamed_dataset_gives_the_local_files_tokens(tmp_path):
             r"a\.jsonl line 2: 'text' holds a list, not text",
         ),
         (lambda p: (p / "a.jsonl").write_text('{"text": "  "}\n'), r"no non-empty text"),
+        (
+            lambda p: (p / "a.json").write_text('{\n "data": [{"text": "x"}]\n}\n'),
+            r"a\.json is one JSON object, not JSON lines",
+        ),
         (lambda p: (p / "a.jsonl").write_text(""), r"every file is empty"),
         (lambda p: (p / "a.docx").write_text("x"), r"has an extension data=text does not read"),
     ],
