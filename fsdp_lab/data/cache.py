@@ -66,7 +66,8 @@ class CacheLock:
                     os.close(fd)
                     return False
                 if time.monotonic() - said > WAIT_REPORT_S:
-                    log.info("data: waiting for %s to prepare %s", self._holder(), entry)
+                    who = self._holder() or "another process"
+                    log.info("data: waiting for %s to prepare %s", who, entry)
                     said = time.monotonic()
                 time.sleep(0.5)
                 continue
@@ -117,7 +118,6 @@ class Totals:
     """What the appended shards hold so far (kept in progress.json)."""
 
     appended: int = 0  # tasks appended, in order
-    sizes: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))  # bytes of each split
     documents: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
     skipped: int = 0
@@ -125,12 +125,11 @@ class Totals:
     max_at: list | None = None  # token files: [path, position, id] of the largest id
     peak_rss: int = 0  # the largest peak RSS of a preparing process (bytes)
 
-    def add(self, result: dict, itemsize: int) -> None:
+    def add(self, result: dict) -> None:
         self.appended += 1
         for i, split in enumerate(SPLITS):
             self.documents[split] += result["documents"][i]
             self.tokens[split] += result["tokens"][i]
-            self.sizes[split] += result["tokens"][i] * itemsize
         self.skipped += result.get("skipped", 0)
         self.max_id = max(self.max_id, result["max_id"])
         self.peak_rss = max(self.peak_rss, result["peak_rss"])
@@ -203,7 +202,7 @@ def build(
     progress = Progress(source.total_bytes, sum(t.size for t in source.tasks[: totals.appended]))
     try:
         with (
-            _open_splits(partial, totals) as splits,
+            _open_splits(partial, totals, np.dtype(setup.dtype).itemsize) as splits,
             contextlib.closing(_results(todo, partial, setup, num_proc, progress)) as results,
         ):
             done: dict[int, dict] = {}
@@ -215,7 +214,7 @@ def build(
                     if not result:
                         break
                     _append(shard_dir, task, splits)
-                    totals.add(result, np.dtype(setup.dtype).itemsize)
+                    totals.add(result)
                     _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
     except OSError as e:
         raise Stopped(write_error(partial, e)) from None
@@ -266,16 +265,16 @@ def _finished(shard_dir: Path, task: Task) -> dict | None:
 
 
 @contextlib.contextmanager
-def _open_splits(partial: Path, totals: Totals):
+def _open_splits(partial: Path, totals: Totals, itemsize: int):
     """The two split files, cut back to what progress.json says was appended."""
     files = {}
     try:
         for split in SPLITS:
-            path = partial / f"{split}.bin"
+            path, size = partial / f"{split}.bin", totals.tokens[split] * itemsize
             path.touch()
             f = files[split] = path.open("r+b")
-            f.truncate(totals.sizes[split])
-            f.seek(totals.sizes[split])
+            f.truncate(size)
+            f.seek(size)
         yield files
     finally:
         for f in files.values():
@@ -329,6 +328,11 @@ def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: di
             f"data: the corpus has no non-empty text in column {setup.column!r}; check "
             "data.files and data.text_column"
         )
+    # progress.json goes first: a stop from here on makes the next run start afresh, never
+    # continue from files changed below.
+    for name in ("progress.json", "shards", "setup.json", "encoder.json"):
+        path = partial / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     split = "documents"
     if setup.fraction > 0 and min(totals.documents.values()) == 0:
         # Every document fell in one split (a corpus of one or a few documents): the
@@ -337,11 +341,8 @@ def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: di
         if totals.documents["train"] == 0:
             os.replace(partial / "val.bin", partial / "train.bin")
             (partial / "val.bin").touch()
-            for d in (totals.documents, totals.tokens, totals.sizes):
+            for d in (totals.documents, totals.tokens):
                 d["train"], d["val"] = d["val"], 0
-    for name in ("shards", "setup.json", "encoder.json", "progress.json"):
-        path = partial / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     meta = {
         "dtype": setup.dtype,
         "eos": setup.eos,

@@ -180,21 +180,22 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     entry = root / f"tokens-{name}"
-    built = None
+    prepared = False
     if not cache.is_complete(entry):
         lock = cache.CacheLock(root / f"tokens-{name}.lock")
         if lock.acquire(entry):
             try:
                 if not cache.is_complete(entry):  # made while this process waited for the lock
-                    built = _build(
+                    _build(
                         cfg, tok, key, entry, eos=eos, dtype=dtype, vocab=vocab_size,
                         private=lock.private,
                     )  # fmt: skip
+                    prepared = True
             finally:
                 lock.release()
     corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
     _check_ids(meta, vocab_size)
-    _report(corpus, meta, built, cfg.trainer.seq_len)
+    _report(corpus, meta, cfg.trainer.seq_len, prepared=prepared)
     return corpus
 
 
@@ -211,7 +212,7 @@ def _eos(cfg: Config, tok) -> int:
 
 def _build(
     cfg: Config, tok, key: dict, entry: Path, *, eos: int, dtype, vocab: int, private: bool
-) -> dict:
+) -> None:
     d, root = cfg.data, entry.parent
     source = tasks.plan(
         d,
@@ -246,7 +247,7 @@ def _build(
         _count(procs, "process", "processes"),
         entry,
     )
-    return cache.build(
+    cache.build(
         entry,
         source,
         setup,
@@ -330,10 +331,10 @@ def _check_ids(meta: dict, vocab_size: int) -> None:
     )
 
 
-def _report(corpus: Corpus, meta: dict, built: dict | None, seq_len: int) -> None:
+def _report(corpus: Corpus, meta: dict, seq_len: int, *, prepared: bool) -> None:
     """The last line of a preparation (or the line of a cached corpus)."""
     blocks = f"{len(corpus.train):,} train + {len(corpus.val):,} validation blocks of {seq_len}"
-    if built is None:
+    if not prepared:
         log.info("data: %s from %s", blocks, corpus.path)
         return
     docs, toks = meta["documents"], sum(meta["tokens"].values())

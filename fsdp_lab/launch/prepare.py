@@ -28,7 +28,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
     validate(cfg, topo)
     _check_hardware(cfg, topo)
-    cfg, meta_model = _check_model_and_data(cfg, topo)
+    cfg, meta_model = check_model_and_data(cfg, topo)
     return _resume_point(cfg, topo, run_dir, job, meta_model)
 
 
@@ -52,7 +52,7 @@ def _check_hardware(cfg: Config, topo: Topology) -> None:
         )
 
 
-def _check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.Module]:
+def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.Module]:
     """The model, its loss and optimizer, the tokenizer and the corpus, checked (the corpus
     tokenised and cached) once; returns the config with absolute paths and the resolved
     vocabulary size, and the model's structure on meta."""

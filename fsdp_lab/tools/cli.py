@@ -7,6 +7,7 @@ fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py o
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
 fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
+fsdp-lab data prepare OVERRIDES...     # a run's corpus tokenised into the cache, no run
 """
 
 from __future__ import annotations
@@ -207,6 +208,23 @@ def _report(args) -> int:
     return 0
 
 
+def _add_data(sub, name: str) -> None:
+    dat = sub.add_parser(name, help="a run's corpus: prepare it into the cache")
+    verbs = dat.add_subparsers(dest="verb", required=True)
+    pre = verbs.add_parser(
+        "prepare",
+        help="tokenise the corpus the overrides describe into data.cache_dir, as train.py "
+        "would (on a CPU node before a GPU job, once before a multi-node job)",
+    )
+    pre.add_argument("overrides", nargs="*", help="the same overrides as train.py")
+
+
+def _data(args) -> int:
+    from fsdp_lab.tools.data import prepare_command
+
+    return prepare_command(args.overrides)
+
+
 # Each command: (its argparse sub-parser, what it runs). Imports happen when a command runs,
 # so `fsdp-lab plan` does not load the checkpoint code, nor `export` the planner.
 COMMANDS = {
@@ -216,6 +234,7 @@ COMMANDS = {
     "plan": (_add_plan, _plan),
     "tune": (_add_tune, _tune),
     "report": (_add_report, _report),
+    "data": (_add_data, _data),
 }
 
 
