@@ -15,7 +15,8 @@ import sys
 from collections.abc import Iterator
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.data.tasks import Segment
+from fsdp_lab.data.sources import open_input
+from fsdp_lab.data.tasks import UNTIL_END, Segment
 
 CHUNK_BYTES = 1 << 20
 SKIPPED = object()  # yielded for a row without text: counted, not tokenised
@@ -43,9 +44,10 @@ def read_texts(seg: Segment, column: str, stream=None) -> Iterator[str | object]
 
 
 def _line_of(path: str, offset: int) -> int:
-    """The 1-based line holding byte ``offset`` (read only to name a bad line)."""
+    """The 1-based line holding byte ``offset`` of the (decompressed) file, read only to name a
+    bad line."""
     count, done = 1, 0
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while done < offset:
             chunk = f.read(min(CHUNK_BYTES, offset - done))
             if not chunk:
@@ -95,10 +97,11 @@ def _text(value, column: str, where) -> str | object:
 
 
 def _json_lines(seg: Segment, column: str) -> Iterator[str | object]:
-    with open(seg.path, "rb") as f:
-        f.seek(seg.start)
+    with open_input(seg.path) as f:
+        if seg.start:
+            f.seek(seg.start)
         offset = seg.start
-        while offset < seg.stop:
+        while seg.stop == UNTIL_END or offset < seg.stop:
             line = f.readline()
             if not line:
                 break
@@ -121,7 +124,7 @@ def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
     """The elements of a top-level JSON array, decoded as the file is read."""
     decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
     buf, pos, read, eof, row, opened = "", 0, 0, False, 0, False
-    with open(seg.path, "rb") as f:
+    with open_input(seg.path) as f:
         while True:
             while pos < len(buf) and (buf[pos] in " \t\r\n," or (buf[pos] == "[" and not opened)):
                 opened |= buf[pos] == "["
@@ -170,7 +173,7 @@ def _parquet(seg: Segment, column: str) -> Iterator[str | object]:
 
 def _csv(seg: Segment, column: str) -> Iterator[str | object]:
     csv.field_size_limit(sys.maxsize)
-    with open(seg.path, "rb") as raw:
+    with open_input(seg.path) as raw:
         reader = csv.reader(codecs.iterdecode(raw, "utf-8"))
         try:
             index = next(reader).index(column)

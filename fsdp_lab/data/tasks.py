@@ -14,6 +14,7 @@ JSON file, a window around each cut), so a corpus of many GB is planned in a mom
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -24,13 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_lab.config import ConfigError, DataConfig, DataKind
-from fsdp_lab.data.sources import load_hub, non_empty
+from fsdp_lab.data.sources import is_compressed, load_hub, non_empty, open_input
 
 PIECE_BYTES = 1 << 20  # a long text document is tokenised in pieces of about this size
 WINDOW_BYTES = 1 << 20  # how far past a nominal cut to look for a clean one
 # Tasks: about 64 per corpus, between 1 and 16 MiB each (never a function of data.num_proc, so
 # a stopped preparation continues with the same tasks on any number of processes).
 MIN_TASK_BYTES, MAX_TASK_BYTES, TASKS_PER_CORPUS = 1 << 20, 16 << 20, 64
+UNTIL_END = -1  # a segment's stop for a stream read to its end (a compressed file)
 # Where a text piece may end: after a lone newline between two non-space characters.
 CLEAN_CUT = re.compile(rb"(?<=[^\s])\n(?=[^\s])")
 
@@ -155,14 +157,17 @@ def _clean_cut(f, nominal: int, size: int) -> int:
 
 
 def _json_file(path: Path, text_column: str, step: int) -> list[Segment]:
-    """JSON lines cut at line ends every ``step`` bytes; a JSON array is read whole, in order."""
+    """JSON lines cut at line ends every ``step`` bytes; a JSON array, or a compressed file
+    (which cannot be entered midway), is read whole, in order."""
     size = path.stat().st_size
-    with path.open("rb") as f:
+    with open_input(path) as f:
         head = f.read(1 << 16).lstrip()
         if head.startswith(b"["):
             return [Segment(str(path), "json_array", 0, size, size)]
         first = head.split(b"\n", 1)[0]
         _check_json_fields(path, first, text_column)
+        if is_compressed(path):
+            return [Segment(str(path), "jsonl", 0, UNTIL_END, size)]
         cuts = [0]
         for nominal in range(step, size, step):
             f.seek(nominal)
@@ -221,7 +226,7 @@ def _parquet_file(path: Path, text_column: str) -> list[Segment]:
 def _check_csv_header(path: Path, text_column: str) -> None:
     import csv
 
-    with path.open(encoding="utf-8", errors="replace", newline="") as f:
+    with io.TextIOWrapper(open_input(path), encoding="utf-8", errors="replace", newline="") as f:
         header = next(csv.reader(f), [])
     if text_column not in header:
         raise ConfigError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,8 +110,10 @@ def test_the_same_documents_give_the_same_blocks_however_they_are_cut(tmp_path, 
     assert all(shards > 3 for _, shards in got.values()), got
 
 
-@pytest.mark.parametrize("fmt", ["txt", "csv", "parquet", "json_array"])
+@pytest.mark.parametrize("fmt", ["txt", "csv", "parquet", "json_array", "jsonl.gz", "jsonl.zst"])
 def test_every_format_reads_the_same_documents(tmp_path, fmt):
+    import gzip
+
     import pandas as pd
 
     docs = [f"play {i}: " + 'to be, "or" not [to] be,\n' * (i + 3) for i in range(12)]
@@ -120,6 +123,14 @@ def test_every_format_reads_the_same_documents(tmp_path, fmt):
         for i, d in enumerate(docs):
             (tmp_path / f"doc{i:02d}.txt").write_text(d)
         pattern = str(tmp_path / "doc*.txt")
+    elif fmt.startswith("jsonl."):  # compressed JSON lines, read as a stream
+        raw = (tmp_path / "d.jsonl").read_bytes()
+        if fmt.endswith("gz"):
+            packed = gzip.compress(raw)
+        else:
+            packed = __import__("zstandard").ZstdCompressor().compress(raw)
+        pattern = str(tmp_path / f"docs.{fmt}")
+        Path(pattern).write_bytes(packed)
     elif fmt == "json_array":
         pattern = str(tmp_path / "docs.json")
         rows = [{"text": d, "n": i} for i, d in enumerate(docs)]
@@ -255,6 +266,16 @@ def test_a_streamed_dataset_gives_the_local_files_tokens(tmp_path):
         ),
         (lambda p: (p / "a.jsonl").write_text(""), r"every file is empty"),
         (lambda p: (p / "a.docx").write_text("x"), r"has an extension data=text does not read"),
+        (
+            lambda p: (p / "a.txt.gz").write_bytes(__import__("gzip").compress(b"x")),
+            r"a\.txt\.gz is compressed text",
+        ),
+        (
+            lambda p: (p / "a.jsonl.gz").write_bytes(
+                __import__("gzip").compress(b'{"text": "x"}\n{"text": "y"}\n{oops}\n')
+            ),
+            r"a\.jsonl\.gz line 3 is not valid JSON",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing_that_looks_complete(tmp_path, make, expected):
