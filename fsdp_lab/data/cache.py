@@ -183,39 +183,13 @@ def build(
     partial = entry.parent / f".{entry.name}.partial{suffix}"
     digest = xxhash.xxh3_64_hexdigest(json.dumps([t.to_json() for t in source.tasks]).encode())
     totals = _resume(partial, digest)
-    shard_dir = partial / "shards"
-    shard_dir.mkdir(exist_ok=True)
-    setup = dataclasses.replace(setup, shard_dir=str(shard_dir))
-    if write_encoder is not None:
-        setup.encoder = str(partial / "encoder.json")
-        write_encoder(Path(setup.encoder))
-    setup.save(partial / "setup.json")
-    todo = [t for t in source.tasks[totals.appended :] if not _finished(shard_dir, t)]
-    if totals.appended or len(todo) < len(source.tasks):
-        log.info(
-            "data: continuing a stopped preparation: %d shards appended, %d more finished, %d "
-            "to go",
-            totals.appended,
-            len(source.tasks) - totals.appended - len(todo),
-            len(todo),
-        )
+    setup = _setup(partial, setup, write_encoder)
+    todo = _todo(source, totals, Path(setup.shard_dir))
     progress = Progress(source.total_bytes, sum(t.size for t in source.tasks[: totals.appended]))
     try:
-        with (
-            _open_splits(partial, totals, np.dtype(setup.dtype).itemsize) as splits,
-            contextlib.closing(_results(todo, partial, setup, num_proc, progress)) as results,
-        ):
-            done: dict[int, dict] = {}
-            for result in results:
-                done[result["index"]] = result
-                while totals.appended < len(source.tasks):
-                    task = source.tasks[totals.appended]
-                    result = done.pop(task.index, None) or _finished(shard_dir, task)
-                    if not result:
-                        break
-                    _append(shard_dir, task, splits)
-                    totals.add(result)
-                    _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
+        with _open_splits(partial, totals, np.dtype(setup.dtype).itemsize) as splits:
+            results = _results(todo, partial, setup, num_proc, progress)
+            _append_in_order(results, source, totals, splits, partial, digest)
     except OSError as e:
         raise Stopped(write_error(partial, e)) from None
     except ConfigError as e:
@@ -239,6 +213,56 @@ def build(
         "input_bytes": progress.done - progress.initial,
     }
     return _commit(entry, partial, totals, setup, timing)
+
+
+def _setup(partial: Path, setup: Setup, write_encoder) -> Setup:
+    """The preparing processes' setup, saved with the tokenizer in the partial entry."""
+    shard_dir = partial / "shards"
+    shard_dir.mkdir(exist_ok=True)
+    setup = dataclasses.replace(setup, shard_dir=str(shard_dir))
+    if write_encoder is not None:
+        setup.encoder = str(partial / "encoder.json")
+        write_encoder(Path(setup.encoder))
+    setup.save(partial / "setup.json")
+    return setup
+
+
+def _todo(source: Source, totals: Totals, shard_dir: Path) -> list[Task]:
+    """The tasks neither appended nor finished by a run that stopped."""
+    todo = [t for t in source.tasks[totals.appended :] if not _finished(shard_dir, t)]
+    if totals.appended or len(todo) < len(source.tasks):
+        log.info(
+            "data: continuing a stopped preparation: %d shards appended, %d more finished, %d "
+            "to go",
+            totals.appended,
+            len(source.tasks) - totals.appended - len(todo),
+            len(todo),
+        )
+    return todo
+
+
+def _append_in_order(results, source: Source, totals: Totals, splits, partial, digest) -> None:
+    """Append each task's shards once every task before it is appended (results arrive in any
+    order; a stopped run's finished shards are on disk), recording how far in progress.json."""
+    shard_dir, done = partial / "shards", {}
+
+    def append_ready() -> None:
+        while totals.appended < len(source.tasks):
+            task = source.tasks[totals.appended]
+            result = done.pop(task.index, None) or _finished(shard_dir, task)
+            if not result:
+                return
+            _append(shard_dir, task, splits)
+            totals.add(result)
+            _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
+
+    with contextlib.closing(results):
+        append_ready()
+        for result in results:
+            done[result["index"]] = result
+            append_ready()
+    if totals.appended != len(source.tasks):
+        raise RuntimeError(f"{totals.appended} of {len(source.tasks)} shards appended")
 
 
 def _resume(partial: Path, digest: str) -> Totals:

@@ -310,3 +310,25 @@ def test_an_empty_file_among_good_ones_is_skipped_with_a_warning(tmp_path, caplo
     with caplog.at_level(logging.WARNING):
         corpus = prepare(make_cfg(tmp_path, files=[str(tmp_path / "*.jsonl")]))
     assert corpus.num_documents == 60 and "b.jsonl is empty; skipped" in caplog.text
+
+
+def test_finished_shards_of_a_stopped_run_are_appended_by_the_next(tmp_path, monkeypatch):
+    """Stopped after its only task finished but before its shards were appended: the next run
+    runs nothing, appends them, and gives a fresh preparation's tokens."""
+    path = str(write_jsonl(tmp_path / "d.jsonl", texts()))
+    append = cache._append
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache, "_append", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(make_cfg(tmp_path, files=[path]))
+    assert list((tmp_path / "cache").glob(".tokens-*.partial/shards/000000.json"))
+    monkeypatch.setattr(cache, "_append", append)
+    monkeypatch.setattr(cache, "Pool", None)  # nothing is left to run
+    again = prepare(make_cfg(tmp_path, files=[path]))
+    fresh = make_cfg(tmp_path, files=[path])
+    fresh.data.cache_dir = str(tmp_path / "fresh")
+    monkeypatch.undo()
+    assert again.fingerprint == prepare(fresh).fingerprint
