@@ -161,9 +161,12 @@ class Progress:
         elif time.monotonic() - self.said > WAIT_REPORT_S:
             self.said = time.monotonic()
             elapsed = max(1e-9, time.monotonic() - self.start)
-            share = f" of {self.total / 1e6:.0f} MB" if self.total else ""
-            rate = (self.done - self.initial) / elapsed / 1e6
-            log.info("data: %.0f MB%s read, %.2f MB/s", self.done / 1e6, share, rate)
+            rate = (self.done - self.initial) / elapsed  # bytes/s
+            share, eta = "", ""
+            if self.total:
+                share = f" of {self.total / 1e6:,.0f} MB"
+                eta = f", {(self.total - self.done) / max(rate, 1e-9) / 60:.0f} min to go"
+            log.info("data: %.0f MB%s read, %.2f MB/s%s", self.done / 1e6, share, rate / 1e6, eta)
 
     def close(self) -> None:
         if self.bar is not None:
