@@ -31,15 +31,19 @@ def write_spec(tok, path: Path) -> str:
     if type(tok).__name__ == "ByT5Tokenizer":  # its Python loop takes minutes on a few MB
         spec = {"kind": "bytes", "offset": getattr(tok, "offset", 3)}
     else:
-        backend = getattr(tok, "backend_tokenizer", None)
-        spec = {"kind": "fast", "json": backend.to_str()} if backend is not None else None
-        probe = _encoder(spec, np.dtype(np.int64)).encode([PROBE]) if spec else None
-        if spec is not None and probe[0].tolist() != _hf_ids(tok):
-            spec = None
-        if spec is None:
-            spec = {"kind": "python", "pickle": pickle.dumps(tok).hex()}
+        spec = _fast_spec(tok) or {"kind": "python", "pickle": pickle.dumps(tok).hex()}
     path.write_text(json.dumps(spec))
     return spec["kind"]
+
+
+def _fast_spec(tok) -> dict | None:
+    """The raw `tokenizers` definition, where it gives transformers' ids on the probe text."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = {"kind": "fast", "json": backend.to_str()}
+    raw = _encoder(spec, np.dtype(np.int64)).encode([PROBE])[0].tolist()
+    return spec if raw == _hf_ids(tok) else None
 
 
 def read_spec(path: Path, dtype: np.dtype):

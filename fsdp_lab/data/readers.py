@@ -57,12 +57,16 @@ def _line_of(path: str, offset: int) -> int:
     return count
 
 
-def _not_utf8(path: str, offset: int, byte: int) -> ConfigError:
+def _not_utf8(path: str, byte: int, where: str) -> ConfigError:
     return ConfigError(
-        f"data.files: {path} is not UTF-8 text: byte 0x{byte:02x} at line "
-        f"{_line_of(path, offset)} (byte offset {offset}); convert it to UTF-8 (iconv -f "
-        "<its encoding> -t utf-8) or leave it out"
+        f"data.files: {path} is not UTF-8 text: byte 0x{byte:02x} {where}; convert it to UTF-8 "
+        "(iconv -f <its encoding> -t utf-8) or leave it out"
     )
+
+
+def _not_utf8_at(path: str, offset: int, byte: int) -> ConfigError:
+    where = f"at line {_line_of(path, offset)} (byte offset {offset})"
+    return _not_utf8(path, byte, where)
 
 
 def _text_piece(seg: Segment) -> str:
@@ -72,7 +76,7 @@ def _text_piece(seg: Segment) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _not_utf8(seg.path, seg.start + e.start, raw[e.start]) from None
+        raise _not_utf8_at(seg.path, seg.start + e.start, raw[e.start]) from None
 
 
 def _field(row, column: str, where) -> str | object:
@@ -111,7 +115,7 @@ def _json_lines(seg: Segment, column: str) -> Iterator[str | object]:
             try:
                 row = json.loads(line)
             except UnicodeDecodeError as e:
-                raise _not_utf8(seg.path, here + e.start, line[e.start]) from None
+                raise _not_utf8_at(seg.path, here + e.start, line[e.start]) from None
             except ValueError as e:
                 raise ConfigError(
                     f"data.files: {seg.path} line {_line_of(seg.path, here)} is not valid JSON "
@@ -152,7 +156,7 @@ def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
                 buf = buf[pos:] + utf8.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
                 at = read - (len(e.object) - len(chunk)) + e.start
-                raise _not_utf8(seg.path, at, e.object[e.start]) from None
+                raise _not_utf8_at(seg.path, at, e.object[e.start]) from None
             pos, read, eof = 0, read + len(chunk), not chunk
 
 
@@ -181,11 +185,8 @@ def _csv(seg: Segment, column: str) -> Iterator[str | object]:
                 where = lambda: f"{seg.path} line {reader.line_num}"
                 yield _text(row[index] if index < len(row) else None, column, where)
         except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"data.files: {seg.path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
-                f"after line {reader.line_num}); convert it to UTF-8 (iconv -f <its encoding> "
-                "-t utf-8) or leave it out"
-            ) from None
+            where = f"after line {reader.line_num}"
+            raise _not_utf8(seg.path, e.object[e.start], where) from None
         except csv.Error as e:
             raise ConfigError(
                 f"data.files: {seg.path} line {reader.line_num} is not valid CSV ({e}); fix it"

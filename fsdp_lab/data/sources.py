@@ -119,9 +119,11 @@ def file_stats(files: list[Path]) -> list[tuple[str, int, int]]:
 
 def non_empty(files: list[Path]) -> list[Path]:
     """The files with content; an empty one among them is skipped with a warning."""
-    kept = [f for f in files if f.stat().st_size > 0]
+    kept = []
     for f in files:
-        if f.stat().st_size == 0:
+        if f.stat().st_size > 0:
+            kept.append(f)
+        else:
             log.warning("data.files: %s is empty; skipped", f)
     return kept
 

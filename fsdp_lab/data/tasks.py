@@ -88,11 +88,13 @@ def group_tasks(segments: list[Segment], per_task: int) -> list[Task]:
     """Consecutive segments grouped into tasks of about ``per_task`` input bytes."""
     tasks: list[Task] = []
     group: list[Segment] = []
+    size = 0  # of the group so far (a sum per segment would be quadratic in small files)
     for seg in segments:
-        if group and sum(s.size for s in group) + seg.size > per_task:
+        if group and size + seg.size > per_task:
             tasks.append(Task(len(tasks), tuple(group)))
-            group = []
+            group, size = [], 0
         group.append(seg)
+        size += seg.size
     if group:
         tasks.append(Task(len(tasks), tuple(group)))
     return tasks

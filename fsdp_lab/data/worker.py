@@ -5,7 +5,6 @@ them in batches, puts each document in the training or the validation split, and
 task's two shards (EOS after every document) under the setup's shard directory. It answers one
 JSON line per task on stdout: progress while it works, then the task's counts, or one line
 naming what was wrong. Its memory is a batch of text and its tokens, whatever the corpus's size.
-The launcher runs small corpora through ``run_task`` in its own process instead.
 """
 
 from __future__ import annotations
