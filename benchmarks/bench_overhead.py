@@ -47,7 +47,7 @@ def run_fsdp_lab(tmp: Path, round_: int, a) -> float:
         "model.intermediate_size={ffn}",
         "model.vocab_size={vocab}",
         f"model.max_position_embeddings={a.seq}",
-        f"logger.mode={a.wandb}",
+        f"logger.wandb.mode={a.wandb}",
     ]
     cmd = [c.format(**MODEL) for c in cmd]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)

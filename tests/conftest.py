@@ -189,7 +189,7 @@ SHARED_SWEEP = (
     "trainer.max_steps=6",
     "trainer.eval_every=3",
     "checkpoint=none",
-    "logger.mode=offline",
+    "logger.wandb.mode=offline",
 )
 
 

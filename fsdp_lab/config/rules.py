@@ -73,7 +73,6 @@ def check_fields(cfg: Config) -> None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
     if h.peak_tflops is not None:
         _positive(h.peak_tflops, "hardware.peak_tflops")
-    _positive(cfg.logger.init_timeout_s, "logger.init_timeout_s")
     _positive(cfg.parallel.tensor, "parallel.tensor")
     _positive(h.time_limit_min, "hardware.time_limit_min")
     if cfg.wrap.policy is WrapPolicy.size:

@@ -114,18 +114,6 @@ class OptimImpl(enum.Enum):
     for_loop = "for_loop"  # one parameter at a time (the reference implementation)
 
 
-class LoggerKind(enum.Enum):
-    wandb = "wandb"  # Weights & Biases (rank 0), besides metrics.jsonl
-    none = "none"  # metrics.jsonl only
-
-
-class WandbMode(enum.Enum):
-    auto = "auto"  # WANDB_MODE if set, else online with W&B credentials, else offline
-    online = "online"
-    offline = "offline"  # run files in <run dir>/wandb, `wandb sync` them later
-    disabled = "disabled"
-
-
 class CheckpointFormat(enum.Enum):
     sharded = "sharded"  # torch.distributed.checkpoint: every rank writes its own shards
     full = "full"  # one consolidated state dict written by rank 0
@@ -376,28 +364,6 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass
-class LoggerConfig:
-    kind: LoggerKind = LoggerKind.wandb
-    """wandb: also log to Weights & Biases (rank 0 only); none: metrics.jsonl only."""
-    mode: WandbMode = WandbMode.auto
-    """auto: WANDB_MODE when set, else online when W&B credentials are configured (WANDB_API_KEY
-    or `wandb login`), else offline; the run's log says which. An online run that cannot reach
-    W&B goes on offline with a warning."""
-    project: str = "fsdp_lab"
-    entity: Optional[str] = None
-    """W&B team or user; None: the account's default."""
-    group: Optional[str] = None
-    """None: a sweep's jobs share one group named after its multirun dir; single runs none."""
-    name: Optional[str] = None
-    """None: the job's overrides (e.g. `sharding=hybrid,precision=bf16`), else the run dir's
-    name."""
-    tags: List[str] = field(default_factory=list)
-    """Added to the automatic tags (the chosen option of every config group)."""
-    init_timeout_s: int = 60
-    """How long an online start may take before the run logs offline instead."""
-
-
-@dataclass
 class CheckpointConfig:
     format: CheckpointFormat = CheckpointFormat.sharded
     """sharded (DCP, reshardable, scales), full (rank 0 writes one file), none."""
@@ -488,7 +454,10 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    logger: Dict[str, Any] = field(default_factory=dict)
+    """The trackers beside metrics.jsonl, one key each (conf/logger/: wandb, tensorboard, mlflow;
+    logger=[wandb,tensorboard] for several, logger=none for none), each with a `tracker` naming
+    its class and that class's settings; fsdp_lab.observe.trackers checks them before launch."""
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )

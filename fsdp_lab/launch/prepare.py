@@ -14,7 +14,7 @@ from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind, StartMe
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
-from fsdp_lab.observe import rundir
+from fsdp_lab.observe import rundir, trackers
 
 if TYPE_CHECKING:  # the parent imports torch only once a check needs it
     import torch
@@ -27,6 +27,7 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
     checkpoint to resume from and whether this run dir may be written. Returns the config the
     workers run, with ``resume`` resolved to a checkpoint path or "never"."""
     validate(cfg, topo)
+    trackers.check(cfg.logger)
     _check_hardware(cfg, topo)
     cfg, meta_model = check_model_and_data(cfg, topo)
     return _resume_point(cfg, topo, run_dir, job, meta_model)

@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
+from fsdp_lab.observe import trackers
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE, write_atomic
 from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
@@ -260,8 +261,9 @@ def _peak_mib_per_rank(records: list[dict]) -> list[float]:
 
 class SweepReport(Callback):
     """Hydra's hook after the last job of a ``-m`` sweep: report.md and the plots in its multirun
-    dir, as ``fsdp-lab report`` writes them. A failing report never fails the sweep: the jobs'
-    results are already safe on disk."""
+    dir, as ``fsdp-lab report`` writes them, also given to the trackers that keep a sweep-level
+    run (MLflow's parent run). A failing report never fails the sweep: the jobs' results are
+    already safe on disk."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -271,3 +273,5 @@ class SweepReport(Callback):
             print(f"fsdp_lab: warning: no sweep report for {sweep_dir}: {e}", file=sys.stderr)
             return
         print(f"fsdp_lab: sweep report: {paths[0]}", file=sys.stderr)
+        logger = OmegaConf.to_container(config.get("logger") or {}, resolve=True)
+        trackers.log_sweep_files(logger, sweep_dir, paths)

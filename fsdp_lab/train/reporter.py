@@ -1,8 +1,8 @@
-"""What a run says of itself: its facts (run.json's, W&B's config) and rank 0's records.
+"""What a run says of itself: its facts (run.json's, the trackers' params) and rank 0's records.
 
 ``RunFacts`` is collected once on every rank (some facts take a collective); rank 0's
 ``Reporter`` writes them to run.json, streams the step records to metrics.jsonl, the summary, the
-progress bar and W&B, and closes it all with the run's status.
+progress bar and the trackers (``logger=...``), and closes it all with the run's status.
 """
 
 from __future__ import annotations
@@ -15,21 +15,44 @@ from pathlib import Path
 import torch
 import transformers
 
-from fsdp_lab.config import Config, HardwareKind, LossKind
+from fsdp_lab.config import Config, HardwareKind, LossKind, to_container
 from fsdp_lab.engine import hardware
 from fsdp_lab.observe import metrics
 from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary
-from fsdp_lab.observe.rundir import METRICS_FILE, read_run_file, write_run_file
-from fsdp_lab.observe.wandb_logger import WandbLogger
+from fsdp_lab.observe.rundir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    RUN_FILE,
+    read_run_file,
+    write_run_file,
+)
+from fsdp_lab.observe.trackers import RunInfo, TrackerSet
+from fsdp_lab.observe.trackers.base import flatten
 from fsdp_lab.train.state import RankContext, TrainState
 
 log = logging.getLogger("fsdp_lab")
 
+# The facts trackers get as params, as system.<fact> (W&B's config, MLflow's params...).
+_SYSTEM_PARAMS = (
+    "torch",
+    "transformers",
+    "hardware",
+    "backend",
+    "world_size",
+    "num_nodes",
+    "mesh_shape",
+    "mesh_axes",
+    "num_fsdp_units",
+    "model_class",
+    "total_params",
+    "trainable_params",
+    "tokens_per_step",
+)
 # Facts that exist only for some runs or from some point on: left out of run.json while unset.
 _OPTIONAL = (
     "param_sharding",
     "job",
-    "wandb",
+    "trackers",
     "memory_before_train_bytes_per_rank",
     "state_bytes_per_rank",
 )
@@ -37,7 +60,7 @@ _OPTIONAL = (
 
 @dataclass
 class RunFacts:
-    """run.json's facts of a run (W&B's config takes some of them too)."""
+    """run.json's facts of a run (the trackers' params take some of them too)."""
 
     world_size: int
     num_nodes: int
@@ -69,7 +92,7 @@ class RunFacts:
     transformers: str
     param_sharding: dict[str, str] | None = None  # XLA's sharding annotation per parameter
     job: dict | None = None  # the launcher's: overrides, group choices, sweep dir and number
-    wandb: dict | None = None  # the W&B run: id, mode, project, group, name
+    trackers: dict | None = None  # each started tracker's run: ids, dirs (see logger=...)
     memory_before_train_bytes_per_rank: list | None = None
     state_bytes_per_rank: list | None = None  # measured after the first optimizer step
 
@@ -136,12 +159,12 @@ class Reporter:
         run_dir: Path,
         facts: RunFacts,
         *,
-        tracker,
+        tracker: TrackerSet,
         start_step: int,
         logged_through: int,
     ) -> None:
         self.cfg, self.run_dir, self.facts, self.tracker = cfg, run_dir, facts, tracker
-        self.logged_through = logged_through  # W&B already has the steps up to here
+        self.logged_through = logged_through  # the trackers have the steps up to here
         self.summary = RunSummary()
         self.writer = MetricsWriter(run_dir / METRICS_FILE)
         self.progress = Progress(
@@ -152,20 +175,16 @@ class Reporter:
     def start(
         cls, cfg: Config, run_dir: Path, facts: RunFacts, ctx: RankContext, state: TrainState
     ) -> Reporter:
-        """Log the run's shape, start (or continue) its W&B run, mark run.json running."""
+        """Log the run's shape, start (or continue) its trackers, mark run.json running."""
         _log_start(cfg, facts, ctx.kind)
-        claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's W&B id
-        continuing = cfg.resume != "never" and "wandb" in claimed
+        claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's tracker ids
+        continuing = cfg.resume != "never" and "trackers" in claimed
         facts.job = claimed.get("job")
-        tracker = WandbLogger.start(
-            cfg,
-            run_dir,
-            facts=facts.as_dict(),
-            job=facts.job,
-            resume_id=claimed["wandb"]["id"] if continuing else None,
+        run = RunInfo(run_dir, tracker_params(cfg, facts), facts.job or {})
+        tracker = TrackerSet.start(
+            cfg.logger, run, resume=claimed["trackers"] if continuing else {}
         )
-        if tracker is not None:
-            facts.wandb = tracker.info
+        facts.trackers = tracker.info
         write_run_file(run_dir, {**facts.as_dict(), "status": "running"})
         return cls(
             cfg,
@@ -176,16 +195,16 @@ class Reporter:
             logged_through=claimed.get("logged_through_step", -1) if continuing else -1,
         )
 
-    def _emit(self, record: dict) -> None:
-        self.writer.write(record)
-        self.summary.add(record)
-        if self.tracker is not None and record["step"] > self.logged_through:
-            self.tracker.log(record)
+    def _emit(self, records: list[dict]) -> None:
+        for record in records:
+            self.writer.write(record)
+            self.summary.add(record)
+        self.tracker.log([r for r in records if r["step"] > self.logged_through])
 
     def train_records(self, records: list[metrics.StepMetrics]) -> None:
         """Every step of a logging window."""
-        for m in records:
-            record = {
+        rows = [
+            {
                 "split": "train",
                 **m.as_record(),
                 **metrics.throughput(
@@ -195,19 +214,24 @@ class Reporter:
                     peak_flops=self.facts.peak_flops,
                 ),
             }
-            self._emit(record)
+            for m in records
+        ]
+        self._emit(rows)
+        for record in rows:
             self.progress.update(record)
 
     def validation(self, step: int, result) -> None:
         self._emit(
-            {
-                "split": "val",
-                "step": step,
-                "val_loss": result.loss,
-                "val_ppl": result.perplexity,
-                "val_tokens": result.tokens,
-                "eval_time_s": result.time_s,
-            }
+            [
+                {
+                    "split": "val",
+                    "step": step,
+                    "val_loss": result.loss,
+                    "val_ppl": result.perplexity,
+                    "val_tokens": result.tokens,
+                    "eval_time_s": result.time_s,
+                }
+            ]
         )
         log.info(
             "step %d: validation loss %.4f, perplexity %.2f (%d tokens)",
@@ -223,14 +247,17 @@ class Reporter:
         self.writer.close()
 
     def close(self, end_step: int, *, preempted: bool, total_time_s: float) -> None:
-        """run.json's final facts and status, and W&B's summary."""
+        """run.json's final facts and status; the trackers' summary and files."""
         status = "preempted" if preempted else "completed"
         results = {**self.summary.as_dict(), "total_time_s": total_time_s}
         write_run_file(
             self.run_dir, {**self.facts.as_dict(), "status": status, "step": end_step, **results}
         )
-        if self.tracker is not None:
-            self.tracker.finish(status=status, summary={**results, "step": end_step})
+        self.tracker.finish(
+            status=status,
+            summary={**results, "step": end_step},
+            files=[self.run_dir / RUN_FILE, self.run_dir / CONFIG_FILE],
+        )
         if not preempted:
             final_loss = results["final_loss"]
             log.info(
@@ -242,8 +269,20 @@ class Reporter:
             )
 
     def fail(self) -> None:
-        if self.tracker is not None:
-            self.tracker.finish(status="failed", summary=self.summary.as_dict())
+        self.tracker.finish(status="failed", summary=self.summary.as_dict(), files=[])
+
+
+def tracker_params(cfg: Config, facts: RunFacts) -> dict:
+    """What every tracker records as the run's params: the flattened config, the chosen
+    options, an Optuna trial's study and number, and some of the system's facts."""
+    params = flatten(to_container(cfg))
+    job = facts.job or {}
+    params.update({f"options.{g}": o for g, o in job.get("choices", {}).items()})
+    if job.get("study"):
+        params.update({"study.name": job["study"], "study.trial": job["num"]})
+    system = facts.as_dict()
+    params.update({f"system.{k}": system[k] for k in _SYSTEM_PARAMS if k in system})
+    return params
 
 
 def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:

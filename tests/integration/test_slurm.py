@@ -162,7 +162,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(
     slurm_cluster, shared_run, tmp_path
 ):
     steps = 150
-    overrides = tuple(dict.fromkeys((*COMMON, *SHARED_RUNS["long"], "logger.mode=offline")))
+    overrides = tuple(dict.fromkeys((*COMMON, *SHARED_RUNS["long"], "logger.wandb.mode=offline")))
     straight = shared_run("long")  # the same numbers, run locally
     job = sbatch(slurm_cluster, tmp_path, "--ntasks=2", SCRIPT, *overrides)
     run_dir = tmp_path / "outputs" / "slurm" / job
@@ -184,7 +184,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_an_uninterrupted_runs_loss(
     assert got[-1]["loss"] == want[-1]["loss"]
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     runs = offline_runs(run_dir)  # the requeued job continued the same W&B run
-    assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == facts["wandb"]["id"]
+    assert len(runs) == 2 and runs[0].run_id == runs[1].run_id == facts["trackers"]["wandb"]["id"]
 
 
 def _slurm_sweep(env: dict, sweep: Path, *overrides: str) -> subprocess.CompletedProcess:

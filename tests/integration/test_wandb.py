@@ -14,7 +14,7 @@ from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
 
-OFFLINE = ("hardware=cpu", "logger.mode=offline", "trainer.eval_every=3", "checkpoint=none")
+OFFLINE = ("hardware=cpu", "logger.wandb.mode=offline", "trainer.eval_every=3", "checkpoint=none")
 
 
 @pytest.mark.slow
@@ -23,10 +23,13 @@ def test_an_offline_run_logs_every_step_its_config_and_summary(tmp_path):
     check_ok(train(run_dir, *OFFLINE, "trainer.max_steps=6", "sharding=grad_op"))
     facts = json.loads((run_dir / "run.json").read_text())
     [run] = offline_runs(run_dir)  # the W&B files live in the run dir
-    assert run.run_id == facts["wandb"]["id"] and facts["wandb"]["mode"] == "offline"
+    assert (
+        run.run_id == facts["trackers"]["wandb"]["id"]
+        and facts["trackers"]["wandb"]["mode"] == "offline"
+    )
     assert (run.project, run.job_type, run.group) == ("fsdp_lab", "train", "")
     assert (
-        run.name == "trainer.progress_bar=false,hardware=cpu,logger.mode=offline,"
+        run.name == "trainer.progress_bar=false,hardware=cpu,logger.wandb.mode=offline,"
         "trainer.eval_every=3,checkpoint=none,trainer.max_steps=6,sharding=grad_op"
     )
     assert "sharding=grad_op" in run.tags and "model=llama_tiny" in run.tags
@@ -70,18 +73,18 @@ def test_a_resumed_run_continues_the_same_wandb_run_without_repeating_steps(tmp_
     run_dir = tmp_path / "run"
     common = (
         "hardware=cpu",
-        "logger.mode=offline",
+        "logger.wandb.mode=offline",
         "trainer.eval_every=0",
         "checkpoint.every_n_steps=2",
     )
     check_ok(train(run_dir, *common, "trainer.max_steps=6"))
-    first_id = json.loads((run_dir / "run.json").read_text())["wandb"]["id"]
+    first_id = json.loads((run_dir / "run.json").read_text())["trackers"]["wandb"]["id"]
     # A crash after step 6 whose last complete checkpoint is step 4: steps 5 and 6 run again,
     # but W&B already has them.
     shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
     check_ok(train(run_dir, *common, "trainer.max_steps=8"))
     facts = json.loads((run_dir / "run.json").read_text())
-    assert facts["wandb"]["id"] == first_id and facts["start_step"] == 4
+    assert facts["trackers"]["wandb"]["id"] == first_id and facts["start_step"] == 4
     runs = offline_runs(run_dir)
     assert [r.run_id for r in runs] == [first_id, first_id]
     steps = [h["_step"] for r in runs for h in r.history if "train/loss" in h]
@@ -119,16 +122,16 @@ def test_an_unreachable_wandb_server_turns_into_offline_logging(tmp_path):
         "hardware=cpu",
         "trainer.max_steps=3",
         "checkpoint=none",
-        "logger.mode=online",
-        "logger.init_timeout_s=5",
+        "logger.wandb.mode=online",
+        "logger.wandb.init_timeout_s=5",
         env=env,
     )
     check_ok(proc)
     assert "W&B online start failed" in proc.stderr and "logging offline instead" in proc.stderr
     facts = json.loads((run_dir / "run.json").read_text())
-    assert facts["status"] == "completed" and facts["wandb"]["mode"] == "offline"
+    assert facts["status"] == "completed" and facts["trackers"]["wandb"]["mode"] == "offline"
     [run] = offline_runs(run_dir)
-    assert run.run_id == facts["wandb"]["id"]
+    assert run.run_id == facts["trackers"]["wandb"]["id"]
     assert [h["_step"] for h in run.history if "train/loss" in h] == [1, 2, 3]
     assert "k" * 40 not in "".join(
         p.read_text(errors="ignore") for p in Path(run_dir).rglob("*") if p.is_file()

@@ -1,0 +1,164 @@
+"""Experiment trackers beside metrics.jsonl: ``logger=wandb`` (the default), ``tensorboard``,
+``mlflow``, several at once (``logger=[wandb,tensorboard]``) or none (``logger=none``).
+
+Each option of the logger group is one YAML file that adds one key under ``logger``::
+
+    # conf/logger/tensorboard.yaml
+    tensorboard:
+      tracker: fsdp_lab.observe.trackers.tensorboard.TensorBoardTracker
+      flush_secs: 30
+
+``tracker`` names the ``Tracker`` subclass (``base.py``); the other keys are its ``Settings``.
+Nothing else in fsdp_lab names a tracker: the reporter drives a ``TrackerSet``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_lab.config import ConfigError
+from fsdp_lab.observe.trackers.base import RunInfo, Tracker, metrics_of, settings_of
+
+log = logging.getLogger("fsdp_lab")
+
+__all__ = ["RunInfo", "Tracker", "TrackerSet", "check", "chosen"]
+
+
+@dataclass
+class Chosen:
+    """One tracker of the config: its name (its key under `logger`), class and settings."""
+
+    name: str
+    cls: type[Tracker]
+    settings: Any
+
+
+def chosen(logger: dict) -> list[Chosen]:
+    """The trackers ``logger`` (the config's) names, their settings checked; ConfigError in
+    one line for a tracker that cannot be found, lacks its package, or has a bad setting."""
+    return [_load(name, dict(raw or {})) for name, raw in logger.items()]
+
+
+def check(logger: dict) -> None:
+    """The launcher's check, before any rank starts: imports no tracker's library."""
+    chosen(logger)
+
+
+def _load(name: str, raw: dict) -> Chosen:
+    path = raw.pop("tracker", None)
+    if not isinstance(path, str) or "." not in path:
+        raise ConfigError(
+            f"logger.{name}: no `tracker` naming its class (module.Class); every file in "
+            "conf/logger/ sets one, see docs/experiments-and-wandb.md#adding-a-tracker"
+        )
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"logger.{name}.tracker={path}: cannot import it ({e})") from e
+    if not (isinstance(cls, type) and issubclass(cls, Tracker)):
+        raise ConfigError(f"logger.{name}.tracker={path} is not a fsdp_lab Tracker subclass")
+    for module, package in getattr(cls, "requires", ()):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"logger={name} needs the {package} package: pip install -e '.[trackers]' "
+                f"(or pip install {package}), or choose another logger"
+            )
+    try:
+        settings = settings_of(cls, raw)
+    except ValueError as e:
+        raise ConfigError(f"logger.{name}: {e}") from e
+    return Chosen(name, cls, settings)
+
+
+class TrackerSet:
+    """Rank 0's trackers. A tracker that fails to start, or fails later, is dropped after one
+    warning: the run goes on, metrics.jsonl and the other trackers keep every record."""
+
+    def __init__(self, chosen_trackers: list[Chosen], started: dict[str, Tracker]) -> None:
+        self._chosen = {c.name: c for c in chosen_trackers}
+        self._started = started
+
+    @classmethod
+    def start(cls, logger: dict, run: RunInfo, *, resume: dict[str, dict]) -> TrackerSet:
+        """Start every tracker of ``logger``; ``resume``: each one's run.json info from the
+        attempt before a preemption (empty for a fresh run)."""
+        wanted = chosen(logger)
+        started = {}
+        for c in wanted:
+            try:
+                tracker = c.cls.start(c.settings, run, resume=resume.get(c.name))
+            except Exception as e:  # noqa: BLE001 - no tracker may end the run
+                log.warning(
+                    "logger=%s failed to start (%s); the run goes on, metrics.jsonl has every "
+                    "record",
+                    c.name,
+                    _first_line(e),
+                )
+                continue
+            if tracker is not None:
+                started[c.name] = tracker
+        return cls(wanted, started)
+
+    @property
+    def info(self) -> dict[str, dict]:
+        """run.json's `trackers`: each started tracker's info (ids, dirs, URIs)."""
+        return {name: t.info for name, t in self._started.items()}
+
+    def log(self, records: list[dict]) -> None:
+        """A logging window's metrics.jsonl records, each at its step, then a flush."""
+        if not (self._started and records):
+            return
+        numbers = [(metrics_of(r), r["step"]) for r in records]
+
+        def send(tracker: Tracker) -> None:
+            for values, step in numbers:
+                tracker.log_metrics(values, step)
+            tracker.flush()
+
+        self._each(send)
+
+    def finish(self, *, status: str, summary: dict, files: list[Path]) -> None:
+        """The run's files and summary; every tracker closed."""
+        clean = {k: v for k, v in summary.items() if v is not None}
+        self._each(lambda t: t.log_files([p for p in files if p.is_file()]))
+        self._each(lambda t: t.finish(status=status, summary=clean))
+        self._started = {}
+
+    def _each(self, call) -> None:
+        for name, tracker in list(self._started.items()):
+            try:
+                call(tracker)
+            except Exception as e:  # noqa: BLE001 - no tracker may end the run
+                log.warning(
+                    "logger=%s stopped (%s); metrics.jsonl and the other trackers have every "
+                    "record",
+                    name,
+                    _first_line(e),
+                )
+                del self._started[name]
+
+
+def log_sweep_files(logger: dict, sweep_dir: Path, paths: list[Path]) -> None:
+    """A sweep's report to the trackers that keep a sweep-level run (MLflow's parent run);
+    never raises: the report is on disk either way."""
+    try:
+        wanted = chosen(logger)
+    except ConfigError as e:
+        log.warning("the sweep's report goes to no tracker: %s", e)
+        return
+    for c in wanted:
+        try:
+            c.cls.log_sweep_files(c.settings, sweep_dir, paths)
+        except Exception as e:  # noqa: BLE001 - the report is written already
+            log.warning("logger=%s: the sweep's report was not logged (%s)", c.name, e)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
