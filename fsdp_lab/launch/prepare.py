@@ -70,7 +70,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
-    loss_kind = loss_lib.resolve_kind(
+    loss_kind = loss_lib.resolve_loss(
         cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)

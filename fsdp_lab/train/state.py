@@ -80,7 +80,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         meta_model,
         task=facts.task,
         compiled=cfg.compile,
-        kind=loss_lib.resolve_kind(
+        kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
     )
