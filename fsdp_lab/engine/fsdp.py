@@ -101,7 +101,7 @@ class ShardedModel:
     model: nn.Module
     mesh_shape: list[int]
     mesh_axes: list[str]
-    units_desc: str  # the FSDP units, as wrap.describe says them
+    units_desc: str  # the FSDP units, as wrap.summarize_units says them
     num_units: int  # units plus the root
     checkpointed: list[int]  # the units whose activations are recomputed, read off the model
     place_batch: Callable[[dict], dict]  # this process's rows of a micro-batch onto the devices
@@ -133,7 +133,7 @@ def build_model(
 
         tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
     units = wrap.select_units(model, cfg.wrap)
-    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:

@@ -105,7 +105,7 @@ def build_model(
         # (after the rotary embedding) and a bf16 v; eager attention's matmuls are autocast.
         model.set_attn_implementation("eager")
     units = wrap.select_units(model, cfg.wrap)
-    units_desc = wrap.describe(model, units)
+    units_desc = wrap.summarize_units(model, units)
     chosen = set(activations.checkpointed_indices(cfg.activation_checkpointing, len(units)))
     tied = model_lib.tied_groups(model)
     model.to(device)

@@ -203,7 +203,7 @@ def local_topology(cfg: Config) -> Topology:
     log.info(
         "hardware=%s (%s): %d local ranks (%s)",
         kind.name,
-        hardware.describe(kind),
+        hardware.device_summary(kind),
         nproc,
         "forked from this process" if method is StartMethod.fork else "spawned",
     )

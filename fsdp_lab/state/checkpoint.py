@@ -374,7 +374,7 @@ class Checkpointer:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             log.error("checkpoint write failed", exc_info=True)
-            raise _SaveFailed(self._describe(e)) from e
+            raise _SaveFailed(self._failure_reason(e)) from e
 
     def _agree(self, fn, *args) -> list:
         """Run this rank's part of a save; if it failed on any rank, fail on every rank, with
@@ -385,14 +385,14 @@ class Checkpointer:
             result = fn(*args)
         except Exception as e:  # reported below, on every rank
             log.error("checkpoint write failed on rank %d", self.rank, exc_info=True)
-            reason = self._describe(e)
+            reason = self._failure_reason(e)
         gathered = hardware.gather_from_processes((reason, result))
         first = next((r for r, _ in gathered if r is not None), None)
         if first is not None:
             raise _SaveFailed(first)
         return [value for _, value in gathered]
 
-    def _describe(self, e: BaseException) -> str:
+    def _failure_reason(self, e: BaseException) -> str:
         return integrity.describe_write_failure(e, self.root)
 
     def _failed(self, tmp: Path, step: int, reason: str) -> bool:
@@ -451,7 +451,7 @@ class Checkpointer:
         """After every rank wrote: each checksums its own files; rank 0 adds the trainer state,
         checksums the rest and writes the marker, renames the dir into place, then moves
         `latest`, then prunes old checkpoints, in that order."""
-        every = self._agree(lambda: integrity.describe(tmp, self._own_files(tmp)))
+        every = self._agree(lambda: integrity.file_entries(tmp, self._own_files(tmp)))
         self._agree(self._publish, tmp, step, tokens_seen, every)
 
     def _publish(self, tmp: Path, step: int, tokens_seen: int, every: list[dict]) -> None:
@@ -471,7 +471,7 @@ class Checkpointer:
         for part in every:
             files.update(part)
         rest = [n for n in integrity.files_in(tmp) if n not in files]
-        files.update(integrity.describe(tmp, rest))
+        files.update(integrity.file_entries(tmp, rest))
         marker = {
             "version": integrity.MARKER_VERSION,
             "step": step,

@@ -48,7 +48,7 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def describe(path: Path, names: list[str]) -> dict[str, dict]:
+def file_entries(path: Path, names: list[str]) -> dict[str, dict]:
     """{relative name: {"size", "xxh3_128"}} of the named files under ``path``."""
     return {n: {"size": (path / n).stat().st_size, DIGEST: file_digest(path / n)} for n in names}
 

@@ -106,7 +106,7 @@ class ModelFacts:
     """What the plan needs from the model, read off its meta-device build."""
 
     model_class: str
-    units: str  # wrap.describe's line
+    units: str  # wrap.summarize_units's line
     num_units: int  # the root included
     unit_classes: dict[str, int]
     params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
@@ -216,7 +216,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     last = layers[-1] if layers else None
     return ModelFacts(
         model_class=type(model).__name__,
-        units=wrap.describe(model, units),
+        units=wrap.summarize_units(model, units),
         num_units=len(units) + 1,
         unit_classes=classes,
         params=params,
