@@ -19,7 +19,7 @@ from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import finetune, fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.engine.fsdp import ShardedModel
+from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
 from fsdp_lab.train import loss as loss_lib
