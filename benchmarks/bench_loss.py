@@ -53,7 +53,8 @@ def measure(a) -> dict:
                     hidden,
                     weight,
                     targets,
-                    chunk_size=a.chunk_size or loss_lib.chunk_rows(loss_lib.LossConfig(), a.vocab),
+                    chunk_size=a.chunk_size
+                    or loss_lib.tokens_per_chunk(loss_lib.LossConfig(), a.vocab),
                     compiled=a.impl == "chunked_compiled",
                 )
             case "liger":

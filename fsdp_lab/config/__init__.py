@@ -1,6 +1,7 @@
 """The run's configuration, torch-free: the typed schema of every group (``schema``), the
-strategy table (``strategies``), the topology and its mesh (``topology``), the rules a config
-must satisfy (``rules``) and the way in from Hydra (``load``). Imports nothing else of ours.
+strategy table (``strategies``), the loss table (``losses``), the topology and its mesh
+(``topology``), the rules a config must satisfy (``rules``) and the way in from Hydra
+(``load``). Imports nothing else of ours.
 
 The schema's names, ``to_typed`` and ``register_schema`` are re-exported here: ``from
 fsdp_lab.config import Config, to_typed`` is how the other packages read them.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.schema import (
     CheckpointConfig,
     CheckpointFormat,
@@ -20,7 +21,6 @@ from fsdp_lab.config.schema import (
     FinetuneConfig,
     FinetuneMethod,
     HardwareKind,
-    LossKind,
     ModelArch,
     ModelConfig,
     ModelTask,
@@ -332,7 +332,7 @@ def refuse_for_xla(cfg: Config) -> None:
             "fused AdamW; use optim.implementation=foreach (or auto)",
         ),
         (
-            cfg.loss.kind not in (LossKind.auto, LossKind.hf),
+            not runs_on_xla(cfg.loss.kind),
             f"loss={cfg.loss.kind.name}: XLA "
             "compiles the model's own loss into the step; use loss=hf (or loss=auto)",
         ),

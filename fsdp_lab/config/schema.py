@@ -100,6 +100,8 @@ class ActivationCheckpointingMode(enum.Enum):
 
 
 class LossKind(enum.Enum):
+    """What each loss needs and where it runs is its row in config.losses.LOSSES."""
+
     auto = "auto"  # a causal LM: liger on GPU where installed, else chunked; otherwise hf
     hf = "hf"  # the model's own: B x T x V logits, upcast to fp32 (masked LM always)
     chunked = "chunked"  # fsdp_lab's linear + cross-entropy chunk by chunk (any device)

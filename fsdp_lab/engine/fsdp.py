@@ -3,13 +3,13 @@
 Every strategy is FSDP2 on a mesh, which keeps one code path for all five; what each means
 (mesh axes, replicas, the reshard default) is a row of ``config.strategies.STRATEGIES``.
 no_shard on an (N, 1) mesh is DDP: each rank holds every element and gradients are all-reduced.
-``build_model`` is the FSDP2 engine of a run; ``engine.xla.build_model`` the torch_xla one
-(hardware=tpu). Both return a ``ShardedModel``, which is all the worker knows of either.
+``build_model`` is the FSDP2 engine of a run (an ``Fsdp2Model``); ``engine.xla.build_model`` the
+torch_xla one (hardware=tpu). Both are ``engine.sharded.ShardedModel``s, which is all the worker
+knows of either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,8 @@ from torch.distributed.fsdp import (
 from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
 from fsdp_lab.config.strategies import TENSOR_AXIS, reshard_after_forward
 from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
+from fsdp_lab.engine import hardware
+from fsdp_lab.engine.sharded import ShardedModel
 
 
 def build_mesh(
@@ -93,36 +95,40 @@ def build_offload_policy(enabled: bool, *, pin_memory: bool) -> OffloadPolicy | 
     return CPUOffloadPolicy(pin_memory=pin_memory) if enabled else None
 
 
-@dataclass
-class ShardedModel:
-    """A model sharded for training, and the few things that depend on how it is sharded.
-    Per-rank lists have one entry per data-parallel rank (per XLA device on tpu)."""
+@dataclass(kw_only=True)
+class Fsdp2Model(ShardedModel):
+    """The FSDP2 engine's model: DTensor shards on a device mesh, one rank per process."""
 
-    model: nn.Module
-    mesh_shape: list[int]
-    mesh_axes: list[str]
-    units_desc: str  # the FSDP units, as wrap.describe says them
-    num_units: int  # units plus the root
-    checkpointed: list[int]  # the units whose activations are recomputed, read off the model
-    place_batch: Callable[[dict], dict]  # this process's rows of a micro-batch onto the devices
-    local_numels: Callable[[], list[int]]  # parameter elements per rank
-    state_bytes: Callable[[torch.optim.Optimizer], list[dict]]  # model state bytes per rank
-    full_state_dict: Callable[[], dict]  # whole weights on the host of rank 0 (others: {})
-    checkpoint_io: object | None = None  # how sharded checkpoints are written; None: DTensors
-    param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
-    frozen_fingerprint: str | None = None  # of the frozen parameters rank 0 read (finetune)
+    device: torch.device  # this rank's
+
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return hardware.to_device(batch, self.device)
+
+    def local_numels(self) -> list[int]:
+        return hardware.gather_from_processes(local_numel(self.model))
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
+        return hardware.gather_from_processes(state_bytes(self.model, optimizer))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
-) -> ShardedModel:
+) -> Fsdp2Model:
     """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
     whole model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from fsdp_lab.engine import activations, hardware, precision, wrap
+    from fsdp_lab.engine import activations, precision, wrap
     from fsdp_lab.engine import model as model_lib
 
     model, kind, tensor = meta_model, topo.device, cfg.parallel.tensor
@@ -133,7 +139,7 @@ def build_model(
 
         tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
     units = wrap.select_units(model, cfg.wrap)
-    units_desc = wrap.describe(model, units)  # before fully_shard renames the classes
+    units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:
@@ -154,23 +160,14 @@ def build_model(
         model, device=device, source=source, offload=cfg.offload.device is OffloadDevice.cpu
     )
     model_lib.check_tied(model, tied)
-
-    def full_state_dict() -> dict:
-        return get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-
-    return ShardedModel(
+    return Fsdp2Model(
         model=model,
         mesh_shape=list(mesh.shape),
         mesh_axes=list(mesh.mesh_dim_names),
         units_desc=units_desc,
         num_units=len(units) + 1,
         checkpointed=checkpointed,
-        place_batch=lambda batch: hardware.to_device(batch, device),
-        local_numels=lambda: hardware.gather_from_processes(local_numel(model)),
-        state_bytes=lambda optimizer: hardware.gather_from_processes(state_bytes(model, optimizer)),
-        full_state_dict=full_state_dict,
+        device=device,
         frozen_fingerprint=fingerprint,
     )
 

@@ -432,8 +432,9 @@ def synchronize(device: torch.device) -> None:
         xm.wait_device_ops()
 
 
-def describe(kind: HardwareKind) -> str:
-    """One line; never starts the XLA runtime (the launcher calls it too)."""
+def device_summary(kind: HardwareKind) -> str:
+    """The device in one line (the launch log and the report); never starts the XLA runtime
+    (the launcher calls it too)."""
     if kind is HardwareKind.gpu:
         return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     if kind is HardwareKind.tpu:

@@ -74,7 +74,9 @@ def _keeps_tied_params_together(model: nn.Module, unit: nn.Module) -> bool:
     return all(count == uses[pid] for pid, count in inside.items())
 
 
-def describe(model: nn.Module, units: list[nn.Module]) -> str:
+def summarize_units(model: nn.Module, units: list[nn.Module]) -> str:
+    """The FSDP units in one line, by class and count, then the root ("LlamaDecoderLayer x2,
+    root LlamaForCausalLM"): what the plan and the run's report show."""
     kinds: dict[str, int] = {}
     for u in units:
         kinds[type(u).__name__] = kinds.get(type(u).__name__, 0) + 1

@@ -17,6 +17,7 @@ cannot honour) before anything starts. FSDPv2 shards each parameter along its la
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ from fsdp_lab.config.strategies import REPLICATE_AXIS
 from fsdp_lab.config.topology import Topology, mesh_shape
 from fsdp_lab.engine import activations, hardware, wrap
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.engine.fsdp import ShardedModel
+from fsdp_lab.engine.sharded import ShardedModel, ShardedStateIO
 
 FSDP_AXIS = "fsdp"  # the axis name FSDPv2 shards parameters along
 WRAPPER_PREFIX = "_orig_module."  # FSDPv2 keeps the wrapped module under this name
@@ -94,7 +95,7 @@ def _shard_output(output, mesh: xs.Mesh) -> None:
 
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
-) -> ShardedModel:
+) -> XlaModel:
     """The full model from ``source()`` on the host (seeded init or pretrained weights: the
     same start as a cpu/gpu run), moved to the XLA device and wrapped with FSDPv2: each unit of
     the wrap policy (checkpointed where activation_checkpointing chose it), then the root.
@@ -105,7 +106,7 @@ def build_model(
         # (after the rotary embedding) and a bf16 v; eager attention's matmuls are autocast.
         model.set_attn_implementation("eager")
     units = wrap.select_units(model, cfg.wrap)
-    units_desc = wrap.describe(model, units)
+    units_desc = wrap.summarize_units(model, units)
     chosen = set(activations.checkpointed_indices(cfg.activation_checkpointing, len(units)))
     tied = model_lib.tied_groups(model)
     model.to(device)
@@ -124,25 +125,45 @@ def build_model(
         )
     if cfg.precision.param_dtype is Dtype.bf16:
         _autocast_forward(root, torch.bfloat16)
-    n = topo.world_size
     # checkpoint_module patches a unit's forward in place, leaving this mark
     checkpointed = [
         i for i, unit in enumerate(units) if hasattr(unit, "_xla_checkpointed_forward_original")
     ]
-    return ShardedModel(
+    return XlaModel(
         model=root,
         mesh_shape=list(mesh.mesh_shape),
         mesh_axes=list(mesh.axis_names),
         units_desc=units_desc,
         num_units=len(units) + 1,
         checkpointed=checkpointed,
-        place_batch=lambda batch: place_batch(batch, device, mesh),
-        local_numels=lambda: local_numels(root, n),
-        state_bytes=lambda optimizer: state_bytes(root, optimizer, n),
-        full_state_dict=lambda: full_state_dict(root),
         checkpoint_io=XlaCheckpointIO(),
         param_specs={clean_name(k): sharding_spec(p) for k, p in root.named_parameters()},
+        device=device,
+        mesh=mesh,
+        num_devices=topo.world_size,
     )
+
+
+@dataclass(kw_only=True)
+class XlaModel(ShardedModel):
+    """The XLA engine's model: one process drives every device of the host, each device a
+    data-parallel rank; per-rank lists come from the shards' placement, without collectives."""
+
+    device: torch.device
+    mesh: xs.Mesh
+    num_devices: int
+
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return place_batch(batch, self.device, self.mesh)
+
+    def local_numels(self) -> list[int]:
+        return local_numels(self.model, self.num_devices)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
+        return state_bytes(self.model, optimizer, self.num_devices)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
 
 
 def _retie(model: nn.Module, groups: list[list[str]]) -> None:
@@ -267,9 +288,10 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     }
 
 
-class XlaCheckpointIO:
-    """What checkpoint.Checkpointer saves and loads on hardware=tpu: every host writes the shards
-    its devices hold; loading writes into the live sharded tensors in place."""
+class XlaCheckpointIO(ShardedStateIO):
+    """What checkpoint=sharded saves and loads on hardware=tpu (``engine.sharded.ShardedStateIO``):
+    every host writes the shards its devices hold; loading writes into the live sharded tensors
+    in place."""
 
     def save(self, model, optimizer, path: Path) -> None:
         _run_pending()

@@ -71,7 +71,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     cfg = dataclasses.replace(cfg, model=model_lib.resolve_vocab_size(cfg.model, tokenizer))
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
-    loss_kind = loss_lib.resolve_kind(
+    loss_kind = loss_lib.resolve_loss(
         cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
@@ -204,7 +204,7 @@ def local_topology(cfg: Config) -> Topology:
     log.info(
         "hardware=%s (%s): %d local ranks (%s)",
         kind.name,
-        hardware.describe(kind),
+        hardware.device_summary(kind),
         nproc,
         "forked from this process" if method is StartMethod.fork else "spawned",
     )

@@ -31,7 +31,7 @@ from fsdp_lab.engine.model import (
     load_pretrained,
 )
 from fsdp_lab.state import checkpoint as ckpt
-from fsdp_lab.state import integrity, safe_load
+from fsdp_lab.state import formats
 
 
 def export_hf(
@@ -170,7 +170,6 @@ def load_checkpoint_weights(
     fine-tune's checkpoint is here, if not where its run read it (another machine); the run
     config returned then names it."""
     path = ckpt.resolve_resume(str(path), Path(path), verify)
-    marker = integrity.read_marker(path)
     trainer = json.loads((path / ckpt.TRAINER_FILE).read_text())
     cfg = to_typed(trainer["config"])
     if base is not None:
@@ -185,22 +184,7 @@ def load_checkpoint_weights(
         )
     hf_config = build_hf_config(cfg.model)
     model, held = _model_for(path, record, cfg, hf_config)
-    if marker["format"] == "full":
-        sd = held.keep(safe_load.load_plain(path / "model.pt"))
-        model.load_state_dict(sd, strict=held.trainable is None)
-        return model.state_dict(), hf_config, cfg
-    import torch.distributed.checkpoint as dcp
-
-    # DCP loads in place into the model's tensors, of the right shapes.
-    state = {"model": held.keep(model.state_dict())}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(
-            state,
-            storage_reader=safe_load.Reader(path),
-            planner=safe_load.LoadPlanner(path),
-            no_dist=True,
-        )
+    formats.format_of(path).read_model(path, model, held=held)
     return model.state_dict(), hf_config, cfg
 
 

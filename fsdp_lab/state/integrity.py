@@ -48,7 +48,25 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def describe(path: Path, names: list[str]) -> dict[str, dict]:
+def fsync_write(path: Path, data: bytes) -> None:
+    """Write ``data`` and wait until it is on disk (the marker and ``latest`` are written
+    this way: a crash leaves them whole or absent)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's renames durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_entries(path: Path, names: list[str]) -> dict[str, dict]:
     """{relative name: {"size", "xxh3_128"}} of the named files under ``path``."""
     return {n: {"size": (path / n).stat().st_size, DIGEST: file_digest(path / n)} for n in names}
 

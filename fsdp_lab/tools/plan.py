@@ -24,12 +24,12 @@ from fsdp_lab.config import (
     Config,
     ConfigError,
     HardwareKind,
-    LossKind,
     OffloadDevice,
     ShardingStrategy,
     register_schema,
     to_typed,
 )
+from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
@@ -106,7 +106,7 @@ class ModelFacts:
     """What the plan needs from the model, read off its meta-device build."""
 
     model_class: str
-    units: str  # wrap.describe's line
+    units: str  # wrap.summarize_units's line
     num_units: int  # the root included
     unit_classes: dict[str, int]
     params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
@@ -165,7 +165,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     model = model_lib.build_meta_model(hf_config, cfg.model.task)
     finetune.apply(model, cfg.finetune)  # frozen parameters: no grads, no optimizer state
-    loss = loss_lib.resolve_kind(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
+    loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     owner: dict[int, int] = {}
     for index in reversed(range(len(units))):  # bottom-up, as fsdp.apply_fsdp shards them
@@ -197,9 +197,11 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
             "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
             "adds its adapters' small inputs)"
         )
-    fused = loss in loss_lib.FUSED_KINDS
-    if loss in (LossKind.liger, LossKind.cce):
-        notes.append(f"loss={loss.name}: its working memory is estimated as loss=chunked's")
+    loss_row = loss_of(loss)
+    if loss_row.memory_as is not None:
+        notes.append(
+            f"loss={loss.name}: its working memory is estimated as loss={loss_row.memory_as.name}'s"
+        )
     layers = finetune.blocks(model)
     layer_ids = {id(m) for m in layers}
     chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
@@ -214,7 +216,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     last = layers[-1] if layers else None
     return ModelFacts(
         model_class=type(model).__name__,
-        units=wrap.describe(model, units),
+        units=wrap.summarize_units(model, units),
         num_units=len(units) + 1,
         unit_classes=classes,
         params=params,
@@ -225,7 +227,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
         last_checkpointed=any(units[i] is last for i in chosen),
         vocab_source=vocab_source,
         loss=loss.name,
-        loss_chunk=loss_lib.chunk_rows(cfg.loss, layer.vocab) if fused else None,
+        loss_chunk=loss_lib.tokens_per_chunk(cfg.loss, layer.vocab) if loss_row.fused else None,
         notes=notes + tp_note,
     )
 

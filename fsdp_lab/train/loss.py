@@ -19,6 +19,9 @@ of its own with wrap=size) gather its weight for the loss and reduce its gradien
 model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
 get it (``FUSED_MODEL_TYPES``: no logit scaling, soft-capping or bias; each is compared with its
 own loss in ``tests``).
+
+What each loss needs and where it runs is its row in ``config.losses``; its code is its entry
+in ``FUSED_LOSSES`` below.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import importlib.util
 import logging
 import types
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
+from fsdp_lab.config.losses import fused_kinds, loss_of
 from fsdp_lab.data.loader import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -42,20 +47,17 @@ log = logging.getLogger(__name__)
 # loss = ForCausalLMLoss(logits, labels). Gemma 2/3 (soft-capping), Cohere (logit_scale) and
 # Granite (logits_scaling) are not: they keep loss=hf.
 FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
-FUSED_KINDS = (LossKind.chunked, LossKind.liger, LossKind.cce)
-PACKAGES = {
-    LossKind.liger: ("liger_kernel", "liger-kernel"),
-    LossKind.cce: ("cut_cross_entropy", "cut-cross-entropy"),
-}
+FUSED_KINDS = fused_kinds()  # the rows of config.losses with fused=True
 CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 
-def resolve_kind(
+def resolve_loss(
     cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *, compiled: bool
 ) -> LossKind:
     """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
-    A fused kind the model or device cannot take is a ConfigError naming the fix (on
-    hardware=tpu the rules, ``config.rules.refuse_for_xla``, refused every fused kind first)."""
+    A loss the model or device cannot take (its row in ``config.losses``) is a ConfigError
+    naming the fix (on hardware=tpu the rules, ``config.rules.refuse_for_xla``, refused every
+    loss without ``on_xla`` first)."""
     fits = task is ModelTask.causal_lm and hf_config.model_type in FUSED_MODEL_TYPES
     if cfg.kind is LossKind.auto:
         if not fits or device is HardwareKind.tpu:
@@ -64,16 +66,16 @@ def resolve_kind(
         # chunked 15.4 compiled and 27.5 eager. In whole compiled steps chunked was as fast or
         # faster (160M: 425k against 406k tokens/s; 1B: 65.4k against 64.6k): liger's many
         # small chunks cost host time. So: compiled runs chunked, eager GPU runs liger.
+        liger = loss_of(LossKind.liger).package
         if (
             device is HardwareKind.gpu
             and not compiled
-            and importlib.util.find_spec("liger_kernel") is not None
+            and importlib.util.find_spec(liger.module) is not None
         ):
             return LossKind.liger
         return LossKind.chunked
-    if cfg.kind is LossKind.hf:
-        return LossKind.hf
-    if not fits:
+    row = loss_of(cfg.kind)
+    if row.fused and not fits:
         what = (
             "a masked LM"
             if task is ModelTask.masked_lm
@@ -84,25 +86,24 @@ def resolve_kind(
             f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
             f"this is {what}; use loss=hf (or loss=auto)"
         )
-    if cfg.kind in PACKAGES:
-        module, package = PACKAGES[cfg.kind]
-        if device is not HardwareKind.gpu:
-            raise ConfigError(
-                f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
-                f"hardware={device.name}); use loss=chunked, which runs anywhere"
-            )
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"loss={cfg.kind.name} needs the package {package}, which is not "
-                f"installed: pip install {package}, or use loss=chunked"
-            )
+    if row.gpu_only and device is not HardwareKind.gpu:
+        raise ConfigError(
+            f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
+            f"hardware={device.name}); use loss=chunked, which runs anywhere"
+        )
+    if row.package is not None and importlib.util.find_spec(row.package.module) is None:
+        pip = row.package.pip
+        raise ConfigError(
+            f"loss={cfg.kind.name} needs the package {pip}, which is not "
+            f"installed: pip install {pip}, or use loss=chunked"
+        )
     return cfg.kind
 
 
-def chunk_rows(cfg: LossConfig, vocab_size: int) -> int:
-    """Tokens per chunk: as set, else the largest power of two whose chunk's fp32 logits fit in
-    256 MiB (2048 at a 32k vocabulary). A power of two divides the usual batch x sequence, so
-    no ragged last chunk recompiles the compiled chunk step."""
+def tokens_per_chunk(cfg: LossConfig, vocab_size: int) -> int:
+    """Tokens per chunk of a fused loss: as set, else the largest power of two whose chunk's
+    fp32 logits fit in 256 MiB (2048 at a 32k vocabulary). A power of two divides the usual
+    batch x sequence, so no ragged last chunk recompiles the compiled chunk step."""
     if cfg.chunk_size:
         return cfg.chunk_size
     rows = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
@@ -218,7 +219,29 @@ def linear_cross_entropy(
     )
 
 
-def _liger(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
+class FusedLoss(Protocol):
+    """A fused loss's code: the loss of ``hidden @ weight.T`` against ``targets`` (IGNORE_INDEX
+    skipped), mean or sum, from ``hidden`` (N, H) and ``weight`` (V, H) in the compute dtype."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        reduction: str,
+        chunk_size: int,
+        compiled: bool,
+    ) -> torch.Tensor: ...
+
+
+def _chunked(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
+    return linear_cross_entropy(
+        hidden, weight, targets, chunk_size=chunk_size, reduction=reduction, compiled=compiled
+    )
+
+
+def _liger(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
     from liger_kernel.transformers.fused_linear_cross_entropy import (
         LigerFusedLinearCrossEntropyLoss,
     )
@@ -228,13 +251,21 @@ def _liger(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
     )
 
 
-def _cce(hidden, weight, targets, *, reduction: str) -> torch.Tensor:
+def _cce(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
     from cut_cross_entropy import linear_cross_entropy as cce
 
     # filter_eps=None: exact gradients (CCE's default skips those below a threshold).
     return cce(
         hidden, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction, filter_eps=None
     )
+
+
+# The code of each fused row of config.losses (a test checks they are the same kinds).
+FUSED_LOSSES: dict[LossKind, FusedLoss] = {
+    LossKind.chunked: _chunked,
+    LossKind.liger: _liger,
+    LossKind.cce: _cce,
+}
 
 
 # --- the model's forward with a fused loss ----------------------------------------------------
@@ -254,7 +285,8 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
     The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
     root, or a unit of its own with wrap=size), FSDP gathers its weight before the loss reads it
     and reduces its gradient after backward, as for any module's forward."""
-    if kind not in FUSED_KINDS:
+    compute = FUSED_LOSSES.get(kind)
+    if compute is None:
         raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
@@ -268,22 +300,14 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
         if targets is None:
             return F.linear(hidden, self.weight)
         hidden, targets = hidden.flatten(0, 1), targets.flatten()
-        match kind:
-            case LossKind.chunked:
-                return linear_cross_entropy(
-                    hidden,
-                    self.weight,
-                    targets,
-                    chunk_size=chunk_size,
-                    reduction=reduction,
-                    compiled=compiled,
-                )
-            case LossKind.liger:
-                return _liger(hidden, self.weight, targets, reduction=reduction)
-            case LossKind.cce:
-                return _cce(hidden, self.weight, targets, reduction=reduction)
-            case _:
-                raise ValueError(f"unknown loss.kind {kind}")
+        return compute(
+            hidden,
+            self.weight,
+            targets,
+            reduction=reduction,
+            chunk_size=chunk_size,
+            compiled=compiled,
+        )
 
     def forward(self, input_ids=None, labels=None, loss_reduction: str = "mean", **kwargs):
         from transformers.modeling_outputs import CausalLMOutput
@@ -337,7 +361,7 @@ class Loss:
         targets = shifted_targets(labels) if self.causal else labels
         count = (targets != IGNORE_INDEX).sum()
         with default_positions(batch):
-            if self.kind in FUSED_KINDS:
+            if loss_of(self.kind).fused:
                 total = model(
                     input_ids=batch["input_ids"], labels=labels, loss_reduction="sum"
                 ).loss
@@ -355,9 +379,12 @@ class Loss:
 def build_loss(
     cfg: LossConfig, model: nn.Module, *, kind: LossKind, task: ModelTask, compiled: bool
 ) -> Loss:
-    """Install ``kind`` (resolved by ``resolve_kind``) on the meta model, before sharding."""
-    if kind in FUSED_KINDS:
+    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding."""
+    if loss_of(kind).fused:
         apply_fused_loss(
-            model, kind, chunk_size=chunk_rows(cfg, model.config.vocab_size), compiled=compiled
+            model,
+            kind,
+            chunk_size=tokens_per_chunk(cfg, model.config.vocab_size),
+            compiled=compiled,
         )
     return Loss(kind=kind, causal=task is ModelTask.causal_lm)

@@ -116,7 +116,7 @@ class RunFacts:
         return cls(
             world_size=ctx.topo.world_size,
             num_nodes=ctx.topo.num_nodes,
-            hardware=hardware.describe(ctx.kind),
+            hardware=hardware.device_summary(ctx.kind),
             backend=hardware.backend(ctx.kind),
             threads_per_rank=ctx.threads,
             mesh_shape=sharded.mesh_shape,

@@ -19,7 +19,7 @@ from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import finetune, fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.engine.fsdp import ShardedModel
+from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
 from fsdp_lab.train import loss as loss_lib
@@ -80,7 +80,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         meta_model,
         task=facts.task,
         compiled=cfg.compile,
-        kind=loss_lib.resolve_kind(
+        kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
     )

@@ -196,3 +196,26 @@ def test_master_weights_are_fp32_whatever_the_configs_dtype(tmp_path):
     assert '"dtype": "bfloat16"' in (tmp_path / "config.json").read_text()
     hf = build_hf_config(ModelConfig(name_or_path=str(tmp_path)))
     assert {p.dtype for p in build_meta_model(hf).parameters()} == {torch.float32}
+
+
+def test_an_engine_is_a_class_with_methods():
+    # Go-to-definition on sharded.place_batch lands on code: each engine implements the
+    # ShardedModel methods (engine.xla.XlaModel too; it needs torch_xla to import).
+    import inspect
+
+    from fsdp_lab.engine.sharded import ShardedModel
+
+    assert inspect.isabstract(ShardedModel)
+    assert not inspect.isabstract(fsdp.Fsdp2Model)
+    model = torch.nn.Linear(2, 3)
+    sharded = fsdp.Fsdp2Model(
+        model=model,
+        mesh_shape=[1],
+        mesh_axes=["shard"],
+        units_desc="root Linear",
+        num_units=1,
+        checkpointed=[],
+        device=torch.device("cpu"),
+    )
+    assert sharded.place_batch({"x": torch.ones(1)})["x"].device.type == "cpu"
+    assert fsdp.local_numel(model) == 9

@@ -155,7 +155,9 @@ def test_tpu_devices_and_processes_without_starting_xla(monkeypatch):
     assert hardware.backend(HardwareKind.tpu) == "gloo"  # the host processes' own group
     assert hardware.collective_device(torch.device("xla", 0)) == torch.device("cpu")
     assert hardware.collective_device(torch.device("cpu")) == torch.device("cpu")
-    assert hardware.describe(HardwareKind.tpu).startswith("tpu: 4 XLA devices (PJRT_DEVICE=CPU)")
+    assert hardware.device_summary(HardwareKind.tpu).startswith(
+        "tpu: 4 XLA devices (PJRT_DEVICE=CPU)"
+    )
 
 
 def test_tpu_end_to_end_without_torch_xla(tmp_path):

@@ -29,7 +29,7 @@ def _fake_checkpoint(root: Path, step: int, *, complete: bool = True) -> Path:
             "step": step,
             "format": "sharded",
             "world_size": 2,
-            "files": integrity.describe(d, ["shard.bin"]),
+            "files": integrity.file_entries(d, ["shard.bin"]),
         }
         (d / ckpt.MARKER).write_text(json.dumps(marker))
     return d

@@ -187,7 +187,7 @@ def sharded_rank(overrides: list[str]):
         model,
         task=cfg.model.task,
         compiled=False,
-        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
+        kind=loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
     )
     units = activations.apply_activation_checkpointing(
         model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing

@@ -38,7 +38,7 @@ def build_run(*overrides: str, implementation: OptimImpl | None = None):
         meta,
         task=cfg.model.task,
         compiled=False,
-        kind=loss_lib.resolve_kind(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
+        kind=loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
     )
     device = torch.device("cpu")
     sharded = fsdp.build_model(

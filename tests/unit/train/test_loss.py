@@ -73,7 +73,7 @@ def test_chunked_loss_equals_the_models_own(model_type, chunk):
         fused,
         LossKind.chunked,
         compiled=False,
-        chunk_size=chunk or loss_lib.chunk_rows(LossConfig(), 300),
+        chunk_size=chunk or loss_lib.tokens_per_chunk(LossConfig(), 300),
     )
     want, got = ref(**batch).loss, fused(**batch).loss
     want.backward()
@@ -146,11 +146,11 @@ def test_fp16_gradients_survive_the_grad_scalers_factor():
 
 def test_chunk_size_default_is_a_power_of_two_within_the_budget():
     for vocab in (256, 32000, 49152, 128256, 151936):
-        rows = loss_lib.chunk_rows(LossConfig(), vocab)
+        rows = loss_lib.tokens_per_chunk(LossConfig(), vocab)
         assert rows & (rows - 1) == 0 and rows * vocab * 4 <= loss_lib.CHUNK_LOGITS_BYTES < (
             2 * rows * vocab * 4
         )
-    assert loss_lib.chunk_rows(LossConfig(chunk_size=100), 32000) == 100
+    assert loss_lib.tokens_per_chunk(LossConfig(chunk_size=100), 32000) == 100
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
@@ -189,7 +189,7 @@ def test_batches_without_a_mask_take_sdpa_causal_path(model_type, monkeypatch):
 def test_the_loss_a_run_computes(kind, model_type, task, device, compiled, want):
     cfg = type("C", (), {"model_type": model_type})()
     assert (
-        loss_lib.resolve_kind(LossConfig(kind=kind), cfg, task, device, compiled=compiled) is want
+        loss_lib.resolve_loss(LossConfig(kind=kind), cfg, task, device, compiled=compiled) is want
     )
 
 
@@ -205,15 +205,15 @@ def test_auto_takes_liger_on_an_eager_gpu_run_where_installed(monkeypatch):
     )
     auto = LossConfig(kind=LossKind.auto)
     assert (
-        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=False)
+        loss_lib.resolve_loss(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=False)
         is LossKind.liger
     )
     assert (
-        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=True)
+        loss_lib.resolve_loss(auto, cfg, ModelTask.causal_lm, HardwareKind.gpu, compiled=True)
         is LossKind.chunked
     )
     assert (
-        loss_lib.resolve_kind(auto, cfg, ModelTask.causal_lm, HardwareKind.cpu, compiled=False)
+        loss_lib.resolve_loss(auto, cfg, ModelTask.causal_lm, HardwareKind.cpu, compiled=False)
         is LossKind.chunked
     )
 
@@ -252,7 +252,7 @@ def test_a_loss_the_model_or_device_cannot_take_is_refused(
     )
     cfg = type("C", (), {"model_type": model_type})()
     with pytest.raises(ConfigError) as e:
-        loss_lib.resolve_kind(LossConfig(kind=kind), cfg, task, device, compiled=False)
+        loss_lib.resolve_loss(LossConfig(kind=kind), cfg, task, device, compiled=False)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 

@@ -1,0 +1,91 @@
+"""The losses, one row each: the only place that says what a loss needs and where it runs.
+
+``train.loss`` holds each loss's code (a registry from kind to implementation) and resolves
+loss=auto; the rules, the plan and the launch checks read this table, and nothing else
+dispatches on a loss's name. A new loss is a ``LossKind``, a row here, its implementation in
+``train.loss.FUSED_LOSSES`` and a ``conf/loss/`` file.
+
+| loss.kind | fused | package           | device   | hardware=tpu | plan's memory model |
+| hf        | no    |                   | any      | yes          | its own             |
+| chunked   | yes   |                   | any      | refused      | its own             |
+| liger     | yes   | liger-kernel      | GPU only | refused      | as chunked's        |
+| cce       | yes   | cut-cross-entropy | GPU only | refused      | as chunked's        |
+
+``auto`` has no row: it is not a loss but a choice among these (``train.loss.resolve_loss``).
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_lab.config.schema import LossKind
+
+
+@dataclass(frozen=True)
+class Package:
+    """A package a loss imports, which fsdp_lab does not require."""
+
+    module: str
+    """The name it is imported by (checked with importlib before any rank starts)."""
+    pip: str
+    """The name it is installed by, for the error's fix."""
+
+
+@dataclass(frozen=True)
+class LossRow:
+    fused: bool
+    """Takes the final hidden states and the head's weight and never builds fp32 B x T x V
+    logits (the model's own loss does). Only causal LMs whose head is a plain linear layer can
+    take one (``train.loss.FUSED_MODEL_TYPES``), and not with LoRA on the head."""
+    package: Package | None = None
+    """The package it needs, or None (torch alone)."""
+    gpu_only: bool = False
+    """It runs Triton kernels: refused on CPU and TPU."""
+    on_xla: bool = False
+    """hardware=tpu runs it. XLA compiles the model's own loss into the step; a fused loss's
+    autograd function would be traced and compiled as it is, which nobody has measured."""
+    memory_as: LossKind | None = None
+    """The loss whose working memory ``fsdp-lab plan`` counts for this one (and says so), or
+    None: the plan models this one's own."""
+
+
+L = LossKind
+LOSSES: dict[LossKind, LossRow] = {
+    L.hf: LossRow(fused=False, on_xla=True),
+    L.chunked: LossRow(fused=True),
+    L.liger: LossRow(
+        fused=True,
+        package=Package("liger_kernel", "liger-kernel"),
+        gpu_only=True,
+        memory_as=L.chunked,
+    ),
+    L.cce: LossRow(
+        fused=True,
+        package=Package("cut_cross_entropy", "cut-cross-entropy"),
+        gpu_only=True,
+        memory_as=L.chunked,
+    ),
+}
+del L
+
+
+def loss_of(kind: LossKind) -> LossRow:
+    """The row of a resolved loss; one without a row (auto, or a new kind left out) is a bug."""
+    try:
+        return LOSSES[kind]
+    except KeyError:
+        raise RuntimeError(
+            f"loss.kind {kind} has no row in LOSSES (auto is resolved first)"
+        ) from None
+
+
+def fused_kinds() -> tuple[LossKind, ...]:
+    """The losses that take the hidden states and the head's weight."""
+    return tuple(k for k, row in LOSSES.items() if row.fused)
+
+
+def runs_on_xla(kind: LossKind) -> bool:
+    """loss.kind is allowed with hardware=tpu: auto (which resolves to a loss that is) or a row
+    with ``on_xla``."""
+    return kind is LossKind.auto or loss_of(kind).on_xla

@@ -1,0 +1,67 @@
+"""What the worker knows of an engine: a model sharded for training, and the few things that
+depend on how it is sharded, as methods.
+
+Two engines implement ``ShardedModel``: ``engine.fsdp.Fsdp2Model`` (FSDP2 on a device mesh,
+cpu and gpu) and ``engine.xla.XlaModel`` (torch_xla SPMD, hardware=tpu). Per-rank lists have
+one entry per data-parallel rank (per XLA device on tpu).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class ShardedStateIO(Protocol):
+    """An engine's own writer and reader of checkpoint=sharded, for an engine whose parameters
+    torch's state-dict helpers cannot read (XLA's: ``engine.xla.XlaCheckpointIO``). The FSDP2
+    engine has none: its DTensors go through ``state.formats``' DCP format."""
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+        """Write the model and optimizer state under ``path``; every rank calls it."""
+        ...
+
+    def load(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, reader
+    ) -> None:
+        """Read them back in place; ``reader`` is the checkpoint's guarded storage reader
+        (``state.safe_load.Reader``)."""
+        ...
+
+
+@dataclass(kw_only=True)
+class ShardedModel(ABC):
+    """A model sharded for training. The fields are facts the report and checkpoints read; the
+    methods are what differs between the engines."""
+
+    model: nn.Module
+    mesh_shape: list[int]
+    mesh_axes: list[str]
+    units_desc: str  # the FSDP units, as wrap.summarize_units says them
+    num_units: int  # units plus the root
+    checkpointed: list[int]  # the units whose activations are recomputed, read off the model
+    checkpoint_io: ShardedStateIO | None = None  # sharded checkpoints' io; None: DTensors
+    param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
+    frozen_fingerprint: str | None = None  # of the frozen parameters rank 0 read (finetune)
+
+    @abstractmethod
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This process's rows of a micro-batch onto its devices."""
+
+    @abstractmethod
+    def local_numels(self) -> list[int]:
+        """Parameter elements per rank (a collective on FSDP2: every rank calls it)."""
+
+    @abstractmethod
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
+        """Model state bytes per rank: params, grads, optimizer (after a step, before
+        zero_grad)."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole weights on the host of rank 0 (others: {}); every rank calls it."""

@@ -1,0 +1,63 @@
+"""The loss table: a row per loss, its code registered once, and no other place that
+dispatches on a loss's name."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import ROOT
+
+from fsdp_lab.config import LossKind
+from fsdp_lab.config.losses import LOSSES, fused_kinds, loss_of, runs_on_xla
+
+L = LossKind
+
+
+def test_every_loss_but_auto_has_one_row():
+    assert set(LOSSES) == set(LossKind) - {L.auto}
+    with pytest.raises(RuntimeError, match="no row"):
+        loss_of(L.auto)
+
+
+def test_every_fused_row_has_its_code():
+    from fsdp_lab.train import loss as loss_lib
+
+    assert set(loss_lib.FUSED_LOSSES) == set(fused_kinds()) == set(loss_lib.FUSED_KINDS)
+
+
+@pytest.mark.parametrize(
+    "kind,fused,package,gpu_only,xla",
+    [
+        (L.hf, False, None, False, True),
+        (L.chunked, True, None, False, False),
+        (L.liger, True, "liger-kernel", True, False),
+        (L.cce, True, "cut-cross-entropy", True, False),
+    ],
+)
+def test_each_row_says_what_the_loss_needs(kind, fused, package, gpu_only, xla):
+    row = loss_of(kind)
+    assert (row.fused, row.package and row.package.pip, row.gpu_only, runs_on_xla(kind)) == (
+        fused,
+        package,
+        gpu_only,
+        xla,
+    )
+    assert runs_on_xla(L.auto)
+
+
+NAMED = re.compile(r"\bLossKind\.(hf|chunked|liger|cce)\b")
+
+
+def test_no_other_module_dispatches_on_a_loss_name():
+    # The schema names the kinds, the table says what each needs, train.loss holds their code
+    # and auto's choice among them.
+    allowed = {"config/losses.py", "config/schema.py", "train/loss.py"}
+    hits = [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path in sorted((ROOT / "fsdp_lab").rglob("*.py"))
+        if str(path.relative_to(ROOT / "fsdp_lab")) not in allowed
+        for m in NAMED.finditer(path.read_text())
+    ]
+    assert not hits, "loss dispatch outside config.losses:\n" + "\n".join(hits)
+    assert NAMED.search("if kind is LossKind.liger:")  # the check would see one
