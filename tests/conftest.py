@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -141,6 +142,30 @@ def start_train(run_dir: Path, *overrides: str, env: dict | None = None) -> subp
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until ``proc`` (a started train.py) has written ``n`` records to metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("training did not start")
+
+
+def named_outside(pattern: re.Pattern, allowed: set[str]) -> list[str]:
+    """Where fsdp_lab's modules, but those in ``allowed`` (paths under fsdp_lab/), match
+    ``pattern``: the check that one table or package is the only place naming a concept's
+    members."""
+    return [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path in sorted((ROOT / "fsdp_lab").rglob("*.py"))
+        if not any(str(path.relative_to(ROOT / "fsdp_lab")).startswith(a) for a in allowed)
+        for m in pattern.finditer(path.read_text())
+    ]
 
 
 @pytest.fixture

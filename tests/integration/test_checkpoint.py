@@ -10,13 +10,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_RUNS, check_ok, rank_pid, run_python, start_train, train
+from conftest import (
+    SHARED_RUNS,
+    check_ok,
+    rank_pid,
+    run_python,
+    start_train,
+    train,
+    wait_for_steps,
+)
 
 from fsdp_lab.observe.loggers import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
@@ -174,23 +181,12 @@ def test_damaged_or_foreign_checkpoints_fail_before_training(base_run, tmp_path)
     assert "of another model" in error and "shape" in error
 
 
-def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.is_file() and len(path.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("training did not start")
-
-
 @pytest.mark.slow
 def test_preemption_checkpoints_and_resume_matches_an_uninterrupted_run(shared_run, tmp_path):
     steps = 150  # SHARED_RUNS["long"]
     straight, preempted = shared_run("long"), tmp_path / "preempted"
     proc = start_train(preempted, *SHARED_RUNS["long"])
-    _wait_for_steps(preempted, 5, proc)
+    wait_for_steps(preempted, 5, proc)
     proc.send_signal(signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr

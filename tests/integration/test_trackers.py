@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import signal
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from conftest import check_ok, run_python, start_train, train
+from conftest import check_ok, run_python, start_train, train, wait_for_steps
 from mlflow_server import mlflow_server
 from wandb_files import offline_runs
 
@@ -53,17 +52,6 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-def _wait_for_steps(run_dir: Path, n: int, proc) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.is_file() and len(path.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("training did not start")
-
-
 @pytest.mark.slow
 def test_every_tracker_continues_its_run_after_sigterm(server, tmp_path):
     run_dir = tmp_path / "run"
@@ -76,7 +64,7 @@ def test_every_tracker_continues_its_run_after_sigterm(server, tmp_path):
         "trainer.log_every=1",
     )
     proc = start_train(run_dir, *run)
-    _wait_for_steps(run_dir, 3, proc)
+    wait_for_steps(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr

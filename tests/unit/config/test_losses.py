@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import named_outside
 
 from fsdp_lab.config import LossKind
 from fsdp_lab.config.losses import LOSSES, fused_kinds, loss_of, runs_on_xla
@@ -53,11 +53,6 @@ def test_no_other_module_dispatches_on_a_loss_name():
     # The schema names the kinds, the table says what each needs, train.loss holds their code
     # and auto's choice among them.
     allowed = {"config/losses.py", "config/schema.py", "train/loss.py"}
-    hits = [
-        f"{path.relative_to(ROOT)}: {m.group(0)}"
-        for path in sorted((ROOT / "fsdp_lab").rglob("*.py"))
-        if str(path.relative_to(ROOT / "fsdp_lab")) not in allowed
-        for m in NAMED.finditer(path.read_text())
-    ]
+    hits = named_outside(NAMED, allowed)
     assert not hits, "loss dispatch outside config.losses:\n" + "\n".join(hits)
     assert NAMED.search("if kind is LossKind.liger:")  # the check would see one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import named_outside
 
 from fsdp_lab.config import HardwareKind, ShardingConfig, ShardingStrategy
 from fsdp_lab.config.strategies import (
@@ -63,11 +63,6 @@ NAMED = re.compile(r"\b(ShardingStrategy|S)\.(full|grad_op|no_shard|hybrid|hybri
 def test_no_other_module_dispatches_on_a_strategy_name():
     # The schema names its default; the table is the one place that says what each one means.
     allowed = {"config/strategies.py", "config/schema.py"}
-    hits = [
-        f"{path.relative_to(ROOT)}: {m.group(0)}"
-        for path in sorted((ROOT / "fsdp_lab").rglob("*.py"))
-        if str(path.relative_to(ROOT / "fsdp_lab")) not in allowed
-        for m in NAMED.finditer(path.read_text())
-    ]
+    hits = named_outside(NAMED, allowed)
     assert not hits, "strategy dispatch outside config.strategies:\n" + "\n".join(hits)
     assert NAMED.search("if s is ShardingStrategy.hybrid:")  # the check would see one

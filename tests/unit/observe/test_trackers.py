@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from conftest import named_outside
 from hydra import compose, initialize_config_dir
 
 from fsdp_lab.config import ConfigError
@@ -174,3 +175,14 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(fail_at, caplog, tmp_
     assert len(warnings) == 1 and warnings[0].startswith(f"logger=flaky {verb}")
     assert _Flaky.calls == []
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # it went on
+
+
+TRACKER_NAMES = re.compile(
+    r"\b(WandbTracker|TensorBoardTracker|MlflowTracker|trackers\.(wandb|tensorboard|mlflow))\b"
+)
+
+
+def test_nothing_outside_the_trackers_package_names_a_tracker():
+    hits = named_outside(TRACKER_NAMES, {"observe/trackers/"})
+    assert not hits, "a tracker named outside observe/trackers:\n" + "\n".join(hits)
+    assert TRACKER_NAMES.search("from fsdp_lab.observe.trackers.wandb import WandbTracker")
