@@ -219,13 +219,15 @@ def validated(overrides, args: TrainArgs, env: dict, *, deep: bool = False):
     """Every variant of the command composed, typed and checked against its ranks (``deep``:
     also the model and data checks train.py makes before any rank starts); raises the first
     ConfigError, Hydra's or OmegaConf's error."""
+    from hydra.types import RunMode
+
     from fsdp_lab.config import to_typed
     from fsdp_lab.config.rules import validate
 
     variants, swept = sweep_variants(overrides)
     for variant in variants:
         cfg, hydra_node, launcher = hydra_compose(variant)
-        if swept and not args.multirun and hydra_node.mode != "MULTIRUN":
+        if swept and not args.multirun and hydra_node.mode != RunMode.MULTIRUN:
             raise ValueError(f"{shlex.join(variant)}: a sweep without -m")
         typed = to_typed(cfg)
         topo = topology(typed, args, env)
@@ -641,3 +643,12 @@ def test_a_misspelt_command_fails():
         check("Run `fsdp-lab export --merj`.", doc="{}")
     with pytest.raises(AssertionError, match="does not fail"):
         check("python train.py sharding=full\nfsdp_lab: error: x", doc="```\n$ {}\n```")
+
+
+def test_a_sweep_needs_multirun():
+    """Swept values need ``-m``, or a config that sets Hydra's MULTIRUN mode (hparams_search)."""
+    study = ("hparams_search=lr", "optim.lr=tag(log,interval(1e-4,1e-2))")
+    validated(study, TrainArgs(study), {})
+    with pytest.raises(ValueError, match="a sweep without -m"):
+        validated(("sharding=full,grad_op",), TrainArgs(()), {})
+    validated(("sharding=full,grad_op",), TrainArgs((), multirun=True), {})
