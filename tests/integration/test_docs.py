@@ -252,7 +252,8 @@ def compose(c: Command, args: TrainArgs | None = None) -> None:
         validated(args.overrides, args, dict(c.env))
     except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as e:
         raise AssertionError(
-            f"{c.where}: `{c.text}` does not compose: {type(e).__name__}: {e}"
+            f"{c.where}: `{c.text}` does not compose: {type(e).__name__}: {e}\n(an example "
+            "of a config the reader writes first? give SKIP the command and the reason)"
         ) from None
 
 
