@@ -272,6 +272,7 @@ def strategy_plan(
         loss_chunk=facts.loss_chunk,
         tensor=cfg.parallel.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        cpu_kernels=topo.device is HardwareKind.cpu,
     )
     trans = memory.transient(
         memory.group_numels(facts.params, dp_mesh[-1]),
@@ -350,6 +351,7 @@ def build_plan(overrides: list[str]) -> dict:
             loss_chunk=facts.loss_chunk,
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
+            cpu_kernels=topo.device is HardwareKind.cpu,
         ).saved
         for name, n in (("none", 0), ("full", layer.num_layers))
     }
