@@ -102,7 +102,7 @@ def topology(cfg: Config) -> tuple[Topology, list[str]]:
 
 
 @dataclass
-class ModelFacts:
+class ModelShape:
     """What the plan needs from the model, read off its meta-device build."""
 
     model_class: str
@@ -142,7 +142,7 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
 
 
 # Long: every fact the plan reads off the meta model, gathered in one pass.
-def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
+def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
     from fsdp_lab.data import corpus
     from fsdp_lab.engine import activations, finetune, wrap
@@ -212,7 +212,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     for u in units:
         classes[type(u).__name__] = classes.get(type(u).__name__, 0) + 1
     last = layers[-1] if layers else None
-    return ModelFacts(
+    return ModelShape(
         model_class=type(model).__name__,
         units=wrap.describe(model, units),
         num_units=len(units) + 1,
@@ -232,7 +232,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
 
 # Long: one strategy's figures, most of it the dict of what the JSON output holds.
 def strategy_plan(
-    cfg: Config, topo: Topology, facts: ModelFacts, strategy: ShardingStrategy
+    cfg: Config, topo: Topology, facts: ModelShape, strategy: ShardingStrategy
 ) -> dict:
     """One strategy's figures in bytes per rank, or why this topology cannot run it."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
