@@ -4,6 +4,7 @@ peak as those tests measure it."""
 from __future__ import annotations
 
 from fsdp_lab.tools import memory
+from fsdp_lab.tools.plan_result import StrategyPlan
 
 MEDIUM = [
     "hardware=cpu",
@@ -63,15 +64,15 @@ def _neox():
 LOCAL_CONFIGS = {"gpt2-dropout": _gpt2_dropout, "neox": _neox}
 
 
-def peak_less_params(s: dict, rank: int) -> int:
+def peak_less_params(s: StrategyPlan, rank: int) -> int:
     """The plan's peak for ``rank`` less what was there before the first step (its params)."""
-    mine = memory.StateBytes(**s["per_rank"][rank])
+    mine = s.per_rank[rank]
     return (
         memory.peak(
             mine,
-            activations=s["activations"],
-            transient_bytes=s["transient"]["total"],
-            end_of_backward=s["transient"]["end_of_backward"],
+            activations=s.activations,
+            transient_bytes=s.transient.total,
+            end_of_backward=s.transient.end_of_backward,
         )
         - mine.params
         - (mine.padding - mine.grad_padding)

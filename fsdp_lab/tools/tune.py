@@ -53,6 +53,7 @@ from fsdp_lab.config.strategies import strategy_of
 from fsdp_lab.config.topology import dp_size
 from fsdp_lab.observe import rundir
 from fsdp_lab.tools import plan
+from fsdp_lab.tools.plan_result import StrategyPlan
 
 GIB, MIB = 2**30, 2**20
 # The plan's known error on real ranks (tests/integration/test_plan_runs.py, every preset
@@ -239,7 +240,7 @@ def enumerate_candidates(
                 s = plan.strategy_plan(variant, topo, facts, strategy)
             except ConfigError:
                 continue
-            if s["available"]:
+            if isinstance(s, StrategyPlan):
                 c = Candidate(
                     strategy,
                     ac,
@@ -247,7 +248,7 @@ def enumerate_candidates(
                     mb,
                     tensor=tp,
                     grad_accum=accum if rows is not None else None,
-                    plan_peak_bytes=int(s["peak"]),
+                    plan_peak_bytes=s.peak,
                 )
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)

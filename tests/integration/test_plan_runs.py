@@ -97,10 +97,11 @@ def check_run_against_plan(run_dir, overrides: list[str]) -> None:
     check_ok(train(run_dir, *args, env=MALLOC_ENV))
     run = json.loads((run_dir / "run.json").read_text())
     expected = plan.build_plan(args)
-    s = expected["strategies"][expected["chosen"]]
-    assert len(run["state_bytes_per_rank"]) == expected["world_size"]
+    s = expected.chosen_plan
+    assert len(run["state_bytes_per_rank"]) == expected.world_size
     for rank, measured in enumerate(run["state_bytes_per_rank"]):
-        assert measured == {k: s["per_rank"][rank][k] for k in ("params", "grads", "optimizer")}
+        mine = s.per_rank[rank]
+        assert measured == dict(params=mine.params, grads=mine.grads, optimizer=mine.optimizer)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for rank, before in enumerate(run["memory_before_train_bytes_per_rank"]):
         peak = max(r["peak_mem_bytes_per_rank"][rank] for r in steps if r["split"] == "train")
