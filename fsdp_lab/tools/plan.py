@@ -56,7 +56,8 @@ NOT_COUNTED = [
     "temporaries inside operations: AdamW's and clip_grad_norm_'s intermediates, FSDP2's "
     "all-gather input copies, gloo's all-gather staging copy (a unit's unsharded size while it "
     "runs), matmul workspaces",
-    "attention other than sdpa/flash: eager (math) attention also saves the seq x seq scores",
+    "attention other than sdpa/flash: eager attention also saves the seq x seq scores (sdpa's "
+    "math path, which attention dropout takes on CPU, is counted)",
     "torch.compile (compile=true): compiled units save less than this eager estimate",
     "evaluation (no_grad forwards), checkpoint saving (DCP staging, async_save's host copy), the "
     "data loader, and small buffers (rotary inv_freq, position ids)",
