@@ -372,7 +372,8 @@ def dropout_bytes_per_token(
     has no fused sdpa kernel: the math path, in fp32 whatever the compute dtype, keeps q, k and
     v (k and v repeated to every head), the probabilities, their noise and the dropped
     probabilities (heads x seq each per token) in place of the fused path's q/k/v storages and
-    logsumexp; CUDA's flash and memory-efficient kernels keep only their RNG state."""
+    logsumexp; CUDA's flash and memory-efficient kernels keep only their RNG state (CUDA's
+    figures are read from torch's source, not measured: no GPU in the tests)."""
     hidden = s.hidden_dropouts * (b if cpu_kernels else 1) * s.hidden
     if not (s.attention_dropout and cpu_kernels):
         return hidden
