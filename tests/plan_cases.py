@@ -4,6 +4,7 @@ peak as those tests measure it."""
 from __future__ import annotations
 
 from fsdp_lab.tools import memory
+from fsdp_lab.tools.plan_result import StrategyPlan
 
 MEDIUM = [
     "hardware=cpu",
@@ -26,16 +27,52 @@ BIG_VOCAB = [
     "trainer.micro_batch_size=2",
 ]
 
+# A model=local directory at issue 28's shapes (hidden 512, 6 layers, 8 heads, vocabulary 8192),
+# 4 x 256 tokens per rank on 2 ranks: layouts the presets do not cover.
+LOCAL = [
+    "hardware=cpu",
+    "hardware.nproc_per_node=2",
+    "sharding=grad_op",
+    "trainer.seq_len=256",
+    "trainer.micro_batch_size=4",
+    "model=local",
+    "model.pretrained=false",
+]
 
-def peak_less_params(s: dict, rank: int) -> int:
+
+def _gpt2_dropout():
+    """GPT-2 as transformers defaults it: every dropout 0.1 (the preset sets them to 0)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
+
+
+def _neox():
+    """GPT-NeoX: LayerNorms, fused qkv, a quarter of each head rotated, parallel residual."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        intermediate_size=2048,
+        max_position_embeddings=256,
+    )
+
+
+LOCAL_CONFIGS = {"gpt2-dropout": _gpt2_dropout, "neox": _neox}
+
+
+def peak_less_params(s: StrategyPlan, rank: int) -> int:
     """The plan's peak for ``rank`` less what was there before the first step (its params)."""
-    mine = memory.StateBytes(**s["per_rank"][rank])
+    mine = s.per_rank[rank]
     return (
         memory.peak(
             mine,
-            activations=s["activations"],
-            transient_bytes=s["transient"]["total"],
-            end_of_backward=s["transient"]["end_of_backward"],
+            activations=s.activations,
+            transient_bytes=s.transient.total,
+            end_of_backward=s.transient.end_of_backward,
         )
         - mine.params
         - (mine.padding - mine.grad_padding)

@@ -291,6 +291,7 @@ FAMILIES = {
     "qwen2": "llama",
     "mistral": "llama",  # mistral: llama's code
     "gpt2": "gpt2",
+    "gpt_neox": "neox",
     "bert": "bert",
     "roberta": "bert",
 }
@@ -301,7 +302,7 @@ INT_INPUT_BYTES = 16  # input ids and labels (int64) saved by the embedding and 
 class LayerShape:
     """The sizes a layer's saved activations depend on, read from the HF config."""
 
-    family: str  # a value of FAMILIES: llama (RMSNorm, rotary, SwiGLU), gpt2, bert (post-LN)
+    family: str  # a value of FAMILIES: llama (RMSNorm, rotary, SwiGLU), gpt2, neox, bert (post-LN)
     hidden: int
     intermediate: int
     num_heads: int
@@ -311,6 +312,10 @@ class LayerShape:
     vocab: int
     loss_upcast: bool  # HF's causal-LM loss casts the logits to fp32; BERT's masked LM does not
     tied: bool = False  # the head's weight is the input embedding's (tie_word_embeddings)
+    parallel_residual: bool = True  # neox: attention and MLP both read the layer's input
+    attention_dropout: bool = False  # dropout on the attention probabilities
+    hidden_dropouts: int = 0  # dropouts of the hidden size per layer (after attention, MLP)
+    embedding_dropout: bool = False  # a dropout on the embeddings' output
 
 
 def _split(nbytes: int, ways: int) -> int:
@@ -342,12 +347,41 @@ def layer_bytes_per_token(
             # ln_1/ln_2: input, mean, rstd, output each; the fused qkv (3h: q, k and v are views
             # of it) and attention's output; MLP: c_fc out and gelu-tanh's four saves.
             return b * (8 * h + 5 * i + 4) + lse
+        case "neox":
+            # One LayerNorm input (the layer's, read by both norms under the parallel residual;
+            # else the attention's sum too), two means, rstds and outputs; the fused qkv, the
+            # rotated q and k (partial rotary rebuilds them whole), attention's output and
+            # dense's input; MLP: dense_h_to_4h's output (exact GELU's input) and GELU's output.
+            # Measured with saved_tensors_hooks (tests/unit/tools/test_plan.py).
+            serial = 0 if s.parallel_residual else b * h
+            return b * (10 * h + 2 * i + 4) + lse + serial
         case "bert":
             # Input (for q, k, v), q, k, v, attention output, two post-LayerNorms (input,
             # mean, rstd; one output), the intermediate and its GELU.
             return b * (8 * h + 2 * i + 4) + lse
         case _:
             raise ValueError(f"unknown layer family {s.family}")
+
+
+def dropout_bytes_per_token(
+    s: LayerShape, b: int, *, seq_len: int, cpu_kernels: bool, tensor: int = 1
+) -> int:
+    """Bytes one layer's dropouts add per token, measured with saved_tensors_hooks. Each
+    dropout keeps its mask: on CPU ``at::dropout`` multiplies by a noise tensor of the input's
+    dtype (b bytes an element), CUDA's fused kernel keeps a bool mask. Attention dropout on CPU
+    has no fused sdpa kernel: the math path, in fp32 whatever the compute dtype, keeps q, k and
+    v (k and v repeated to every head), the probabilities, their noise and the dropped
+    probabilities (heads x seq each per token) in place of the fused path's q/k/v storages and
+    logsumexp; CUDA's flash and memory-efficient kernels keep only their RNG state (CUDA's
+    figures are read from torch's source, not measured: no GPU in the tests)."""
+    hidden = s.hidden_dropouts * (b if cpu_kernels else 1) * s.hidden
+    if not (s.attention_dropout and cpu_kernels):
+        return hidden
+    # What the fused path keeps of q, k and v: NeoX's rotated q and k, its fused qkv and
+    # sdpa's output (dense reads a copy of it); the others' q, k, v (GPT-2's fused qkv).
+    fused = b * (6 * s.hidden if s.family == "neox" else s.q_dim + 2 * s.kv_dim)
+    math = FP32 * (3 * s.q_dim + 3 * s.num_heads * seq_len)
+    return hidden + _split(math - fused - FP32 * s.num_heads, tensor)
 
 
 def head_bytes_per_token(s: LayerShape, b: int, *, fused_loss: bool = False) -> int:
@@ -361,12 +395,23 @@ def head_bytes_per_token(s: LayerShape, b: int, *, fused_loss: bool = False) -> 
     match s.family:
         case "llama":
             return FP32 * h + FP32 + 2 * b * h + loss + ints
-        case "gpt2":
+        case "gpt2" | "neox":
             return b * (2 * h + 2) + loss + ints
         case "bert":
             return b * (5 * h + 4) + loss + ints
         case _:
             raise ValueError(f"unknown layer family {s.family}")
+
+
+# Dropout probabilities by where they apply, as transformers' configs name them: GPT-2, the
+# Llama family, NeoX, BERT, and OPT-style `dropout`.
+ATTENTION_DROPOUTS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+HIDDEN_DROPOUTS = ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "dropout")
+EMBEDDING_DROPOUTS = ("embd_pdrop", "hidden_dropout", "hidden_dropout_prob", "dropout")
+
+
+def _dropout_on(hf_config, fields: tuple[str, ...]) -> bool:
+    return any(float(getattr(hf_config, f, None) or 0) > 0 for f in fields)
 
 
 def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
@@ -398,6 +443,11 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
         vocab=hf_config.vocab_size,
         loss_upcast=task is ModelTask.causal_lm,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        parallel_residual=bool(getattr(hf_config, "use_parallel_residual", True)),
+        attention_dropout=_dropout_on(hf_config, ATTENTION_DROPOUTS),
+        # after attention and after the MLP, as GPT-2, NeoX and BERT place them
+        hidden_dropouts=2 * _dropout_on(hf_config, HIDDEN_DROPOUTS),
+        embedding_dropout=_dropout_on(hf_config, EMBEDDING_DROPOUTS),
     ), notes
 
 
@@ -428,6 +478,7 @@ def activations(
     loss_chunk: int | None = None,
     tensor: int = 1,
     sequence_parallel: bool = False,
+    cpu_kernels: bool = False,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
@@ -439,14 +490,19 @@ def activations(
     runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit).
 
     ``tensor``, ``sequence_parallel``: one rank of a TP group (``layer_bytes_per_token``); a
-    checkpointed layer's input is then 1/tensor of the rows with sequence parallelism."""
+    checkpointed layer's input is then 1/tensor of the rows with sequence parallelism.
+
+    ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``)."""
     tokens = batch * seq_len
     fused = loss_chunk is not None
     sp = sequence_parallel and tensor > 1
     layer = layer_bytes_per_token(s, b, tensor=tensor, sequence_parallel=sp)
+    layer += dropout_bytes_per_token(s, b, seq_len=seq_len, cpu_kernels=cpu_kernels, tensor=tensor)
+    embedding = s.hidden * (b if cpu_kernels else 1) if s.embedding_dropout else 0
     kept = _split(b * s.hidden, tensor) if sp else b * s.hidden
     head = head_bytes_per_token(s, b, fused_loss=fused)
     per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
+    per_token += embedding
     rotary = 2 * seq_len * (s.q_dim // s.num_heads) * b if s.family == "llama" else 0
     if fused:
         loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,18 @@ from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
 from fsdp_lab.tools import memory
+from fsdp_lab.tools.plan_result import (
+    Batch,
+    Checkpointing,
+    Dtypes,
+    LossPlan,
+    Plan,
+    StrategyPlan,
+    Unavailable,
+    Units,
+    ZeroPaper,
+    format_plan,
+)
 
 ASSUMED_GPUS_PER_NODE = 8
 NOT_COUNTED = [
@@ -45,7 +56,8 @@ NOT_COUNTED = [
     "temporaries inside operations: AdamW's and clip_grad_norm_'s intermediates, FSDP2's "
     "all-gather input copies, gloo's all-gather staging copy (a unit's unsharded size while it "
     "runs), matmul workspaces",
-    "attention other than sdpa/flash: eager (math) attention also saves the seq x seq scores",
+    "attention other than sdpa/flash: eager attention also saves the seq x seq scores (sdpa's "
+    "math path, which attention dropout takes on CPU, is counted)",
     "torch.compile (compile=true): compiled units save less than this eager estimate",
     "evaluation (no_grad forwards), checkpoint saving (DCP staging, async_save's host copy), the "
     "data loader, and small buffers (rotary inv_freq, position ids)",
@@ -102,7 +114,7 @@ def topology(cfg: Config) -> tuple[Topology, list[str]]:
 
 
 @dataclass
-class ModelFacts:
+class ModelShape:
     """What the plan needs from the model, read off its meta-device build."""
 
     model_class: str
@@ -142,7 +154,7 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
 
 
 # Long: every fact the plan reads off the meta model, gathered in one pass.
-def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
+def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
     from fsdp_lab.data import corpus
     from fsdp_lab.engine import activations, finetune, wrap
@@ -214,7 +226,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     for u in units:
         classes[type(u).__name__] = classes.get(type(u).__name__, 0) + 1
     last = layers[-1] if layers else None
-    return ModelFacts(
+    return ModelShape(
         model_class=type(model).__name__,
         units=wrap.summarize_units(model, units),
         num_units=len(units) + 1,
@@ -232,10 +244,10 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelFacts:
     )
 
 
-# Long: one strategy's figures, most of it the dict of what the JSON output holds.
+# Long: one strategy's figures, each a few lines of memory's arithmetic.
 def strategy_plan(
-    cfg: Config, topo: Topology, facts: ModelFacts, strategy: ShardingStrategy
-) -> dict:
+    cfg: Config, topo: Topology, facts: ModelShape, strategy: ShardingStrategy
+) -> StrategyPlan | Unavailable:
     """One strategy's figures in bytes per rank, or why this topology cannot run it."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
 
@@ -254,7 +266,7 @@ def strategy_plan(
     except ConfigError as e:
         if chosen:
             raise
-        return {"available": False, "reason": str(e)}
+        return Unavailable(reason=str(e))
     tp = cfg.parallel.tensor
     mesh = mesh_shape(variant, topo, tp)
     dp_mesh = mesh[:-1] if tp > 1 else mesh  # FSDP shards over these; a TP group repeats
@@ -274,6 +286,7 @@ def strategy_plan(
         loss_chunk=facts.loss_chunk,
         tensor=cfg.parallel.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        cpu_kernels=topo.device is HardwareKind.cpu,
     )
     trans = memory.transient(
         memory.group_numels(facts.params, dp_mesh[-1]),
@@ -297,23 +310,21 @@ def strategy_plan(
         dp_size=dp_mesh[-1],
         trainable=sum(q.numel for q in facts.params if q.trainable),
     )
-    return {
-        "available": True,
-        "mesh": list(mesh),
-        "mesh_axes": list(mesh_axes(variant, tp)),
-        "reshard_after_forward": reshard,
-        "state_location": (
+    return StrategyPlan(
+        mesh=tuple(mesh),
+        mesh_axes=tuple(mesh_axes(variant, tp)),
+        reshard_after_forward=reshard,
+        state_location=(
             "host (offload=cpu)"
             if offload
             else "host"
             if topo.device is HardwareKind.cpu
             else "device"
         ),
-        "per_rank": [dataclasses.asdict(r) for r in per_rank],
-        "rank0": dataclasses.asdict(top),
-        "activations": act.saved,
-        "transient": {**dataclasses.asdict(trans), "total": trans.total},
-        "peak": memory.peak(
+        per_rank=per_rank,
+        activations=act.saved,
+        transient=trans,
+        peak=memory.peak(
             top,
             activations=act.saved,
             transient_bytes=trans.total,
@@ -321,19 +332,13 @@ def strategy_plan(
             reduced_grads=trans.reduced_grads,
             state_on_device=on_device,
         ),
-        "sum": top.total + act.saved + trans.total,
-        "zero_paper": {
-            "stage": row.zero_stage,
-            "dp_size": dp_mesh[-1],
-            **dataclasses.asdict(paper),
-            "total": paper.total,
-        },
-    }
+        zero_paper=ZeroPaper(stage=row.zero_stage, dp_size=dp_mesh[-1], state=paper),
+    )
 
 
-# Long: mostly the JSON output's dict literal, one key per line.
-def build_plan(overrides: list[str]) -> dict:
-    """Every figure of the plan as plain data (bytes per rank), the JSON output."""
+# Long: mostly the Plan's fields, one per line.
+def build_plan(overrides: list[str]) -> Plan:
+    """Every figure of the plan (bytes per rank)."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
 
     cfg = compose(overrides)
@@ -352,156 +357,48 @@ def build_plan(overrides: list[str]) -> dict:
             loss_chunk=facts.loss_chunk,
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
+            cpu_kernels=topo.device is HardwareKind.cpu,
         ).saved
         for name, n in (("none", 0), ("full", layer.num_layers))
     }
     strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
     mode = cfg.activation_checkpointing.mode
-    return {
-        "world_size": topo.world_size,
-        "num_nodes": topo.num_nodes,
-        "nproc_per_node": topo.nproc_per_node,
-        "device": topo.device.name,
-        "model_class": facts.model_class,
-        "num_params": facts.total_params,
-        "trainable_params": facts.trainable_params,
-        "finetune": cfg.finetune.method.name,
-        "vocab_size": layer.vocab,
-        "vocab_source": facts.vocab_source,
-        "units": {
-            "description": facts.units,
-            "count": facts.num_units,
-            "classes": facts.unit_classes,
-        },
-        "dtypes": {
-            "params": "fp32",
-            "grads": "fp32",
-            "optimizer": "fp32",
-            "compute": p.param_dtype.name,
-            "reduce": p.reduce_dtype.name,
-        },
-        "loss": {"kind": facts.loss, "chunk_tokens": facts.loss_chunk},
-        "batch": {
-            "micro_batch_size": t.micro_batch_size,
-            "seq_len": t.seq_len,
-            "grad_accum_steps": t.grad_accum_steps,
-        },
-        "activation_checkpointing": {
-            "mode": mode.name,
-            "checkpointed_layers": facts.num_checkpointed,
-            "every": cfg.activation_checkpointing.every
+    return Plan(
+        world_size=topo.world_size,
+        num_nodes=topo.num_nodes,
+        nproc_per_node=topo.nproc_per_node,
+        device=topo.device.name,
+        model_class=facts.model_class,
+        num_params=facts.total_params,
+        trainable_params=facts.trainable_params,
+        finetune=cfg.finetune.method.name,
+        vocab_size=layer.vocab,
+        vocab_source=facts.vocab_source,
+        units=Units(description=facts.units, count=facts.num_units, classes=facts.unit_classes),
+        dtypes=Dtypes(compute=p.param_dtype.name, reduce=p.reduce_dtype.name),
+        loss=LossPlan(kind=facts.loss, chunk_tokens=facts.loss_chunk),
+        batch=Batch(
+            micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len,
+            grad_accum_steps=t.grad_accum_steps,
+        ),
+        activation_checkpointing=Checkpointing(
+            mode=mode.name,
+            checkpointed_layers=facts.num_checkpointed,
+            every=cfg.activation_checkpointing.every
             if mode is ActivationCheckpointingMode.selective
             else None,
-        },
-        "activations_by_checkpointing": acts,
-        "offload": cfg.offload.device.name,
-        "compile": cfg.compile,
-        "chosen": cfg.sharding.strategy.name,
-        "strategies": strategies,
-        "assumptions": notes + facts.notes,
-        "not_counted": NOT_COUNTED,
-    }
+        ),
+        activations_by_checkpointing=acts,
+        offload=cfg.offload.device.name,
+        compile=cfg.compile,
+        chosen=cfg.sharding.strategy.name,
+        strategies=strategies,
+        assumptions=notes + facts.notes,
+        not_counted=NOT_COUNTED,
+    )
 
 
 def print_plan(overrides: list[str], *, as_json: bool = False) -> None:
     plan = build_plan(overrides)
-    print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
-
-
-def _size(nbytes: int, unit: int) -> str:
-    return f"{nbytes / unit:.2f}" if unit == 2**30 else f"{nbytes / unit:.1f}"
-
-
-# Long: the text layout of the plan, line by line as it prints.
-def format_plan(plan: dict) -> str:
-    """The plan for a reader: a header, one row per strategy (rank 0, the largest), notes."""
-    rows = [s for s in plan["strategies"].values() if s["available"]]
-    chosen = plan["strategies"][plan["chosen"]]
-    biggest = max(max(s["peak"], s["zero_paper"]["total"]) for s in rows)
-    unit, unit_name = (2**30, "GiB") if biggest >= 10 * 2**30 else (2**20, "MiB")
-    d, bt, ac = plan["dtypes"], plan["batch"], plan["activation_checkpointing"]
-    acts = plan["activations_by_checkpointing"]
-    lines = [
-        f"{plan['model_class']}: {plan['num_params']:,} parameters, vocabulary "
-        f"{plan['vocab_size']:,} (from {plan['vocab_source']})",
-        *(
-            [
-                f"finetune   {plan['finetune']}: {plan['trainable_params']:,} trainable "
-                f"({100 * plan['trainable_params'] / plan['num_params']:.2f}%); frozen "
-                "parameters hold no gradient and no optimizer state"
-            ]
-            if plan["trainable_params"] != plan["num_params"]
-            else []
-        ),
-        f"ranks      {plan['world_size']} = {plan['num_nodes']} node(s) x "
-        f"{plan['nproc_per_node']} ({plan['device']})",
-        f"mesh       {_mesh(chosen['mesh'])} {tuple(chosen['mesh_axes'])}, reshard_after_forward="
-        f"{chosen['reshard_after_forward']} (sharding={plan['chosen']})",
-        f"units      {plan['units']['description']} ({plan['units']['count']} FSDP units)",
-        f"dtypes     sharded params, grads, AdamW state: fp32; compute {d['compute']}, "
-        f"gradient reduction {d['reduce']}",
-        f"batch      {bt['micro_batch_size']} x {bt['seq_len']} tokens per micro-batch per "
-        f"rank, {bt['grad_accum_steps']} micro-batch(es) per step",
-        f"loss       {plan['loss']['kind']}"
-        + (
-            f" ({min(plan['loss']['chunk_tokens'], bt['micro_batch_size'] * bt['seq_len']):,} "
-            "tokens per chunk: no B x T x V logits)"
-            if plan["loss"]["chunk_tokens"]
-            else " (B x T x V logits, upcast to fp32)"
-        ),
-        f"checkpoint activation_checkpointing={ac['mode']} ({ac['checkpointed_layers']} layers); "
-        f"activations {_size(acts['none'], unit)} {unit_name} without, "
-        f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",
-        "",
-        f"per rank, {unit_name} (rank 0; others hold the same or less)",
-        f"  {'strategy':<13} {'mesh':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-        f"{'transient':>9} {'peak':>8}   ZeRO paper",
-    ]
-    for name, s in plan["strategies"].items():
-        mark = "*" if name == plan["chosen"] else " "
-        if not s["available"]:
-            lines.append(f"{mark} {name:<13} n/a: {s['reason']}")
-            continue
-        r, z = s["rank0"], s["zero_paper"]
-        cells = [
-            r["params"] + r["padding"] // 2,
-            r["grads"] + r["padding"] // 2,
-            r["optimizer"],
-            s["activations"],
-            s["transient"]["total"],
-            s["peak"],
-        ]
-        lines.append(
-            f"{mark} {name:<13} {_mesh(s['mesh']):<9} "
-            + " ".join(f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
-            + f"   {_size(z['total'], unit):>7} (stage {z['stage']}, N={z['dp_size']})"
-        )
-    notes = [
-        "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
-        "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
-        "transient: gathered params and gradient buffers of the working units, autograd's "
-        "working memory in backward; peak = params + optim + max(activ + transient, the root's "
-        "gradients and reduce-scatter at the end of backward, grads).",
-        f"Model state lives on: {chosen['state_location']}"
-        + (
-            "; the peak is the device's: activations and transient."
-            if plan["offload"] == "cpu"
-            else "."
-        ),
-        "ZeRO paper: mixed-precision Adam, 2+2+12 bytes per parameter, divided by the shard group "
-        "N per stage. FSDP2 keeps 4+4+8 (fp32 shards are the master weights), the same 16 bytes. "
-        "Its grad_op differs from the paper's stage 2: at rest it holds full's sharded state; "
-        "the unsharded params (compute dtype) stay alive from forward to backward instead, "
-        "counted as transient (no_shard too keeps a gathered copy from forward to backward).",
-        *[f"Assumed: {a}" for a in plan["assumptions"]],
-    ]
-    lines += [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
-    lines += ["not counted:"] + [
-        textwrap.fill(n, 100, initial_indent="  - ", subsequent_indent="    ")
-        for n in plan["not_counted"]
-    ]
-    return "\n".join(lines)
-
-
-def _mesh(shape: list[int]) -> str:
-    return "(" + ",".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+    print(json.dumps(plan.to_json(), indent=2) if as_json else format_plan(plan))

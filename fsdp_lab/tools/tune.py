@@ -1,6 +1,6 @@
 """`fsdp-lab tune [OVERRIDES] --memory-gib X`: the fastest FSDP setup that fits X GiB per rank.
 
-    fsdp-lab tune model=local model.path=$HOME/smollm2 trainer.seq_len=512 --memory-gib 6
+    fsdp-lab tune model=local model.name_or_path=$HOME/smollm2 trainer.seq_len=512 --memory-gib 6
 
 1. **Enumerate** sharding strategy x activation checkpointing (none, selective every 2, full) x
    offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
@@ -53,6 +53,7 @@ from fsdp_lab.config.strategies import strategy_of
 from fsdp_lab.config.topology import dp_size
 from fsdp_lab.observe import rundir
 from fsdp_lab.tools import plan
+from fsdp_lab.tools.plan_result import StrategyPlan
 
 GIB, MIB = 2**30, 2**20
 # The plan's known error on real ranks (tests/integration/test_plan_runs.py, every preset
@@ -239,7 +240,7 @@ def enumerate_candidates(
                 s = plan.strategy_plan(variant, topo, facts, strategy)
             except ConfigError:
                 continue
-            if s["available"]:
+            if isinstance(s, StrategyPlan):
                 c = Candidate(
                     strategy,
                     ac,
@@ -247,7 +248,7 @@ def enumerate_candidates(
                     mb,
                     tensor=tp,
                     grad_accum=accum if rows is not None else None,
-                    plan_peak_bytes=int(s["peak"]),
+                    plan_peak_bytes=s.peak,
                 )
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
                 out.append(c)
@@ -270,7 +271,7 @@ def global_batch(cfg, topo) -> int:
     return t.micro_batch_size * t.grad_accum_steps * dp_size(topo, cfg.parallel.tensor)
 
 
-def _prior(c: Candidate, facts: plan.ModelFacts, seq_len: int, topo) -> float:
+def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
     """Relative time per token, for ordering probes: compute (6 FLOPs per parameter, times the
     recomputation) plus bytes moved per token weighted by the device's FLOPs per byte: FSDP's
     (4 bytes per parameter per communication unit, once per micro-batch) and TP's (two

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import check_ok, train
-from plan_cases import BIG_VOCAB, MEDIUM, peak_less_params
+from plan_cases import BIG_VOCAB, LOCAL, LOCAL_CONFIGS, MEDIUM, peak_less_params
 
 from fsdp_lab.tools import plan
 
@@ -97,10 +97,11 @@ def check_run_against_plan(run_dir, overrides: list[str]) -> None:
     check_ok(train(run_dir, *args, env=MALLOC_ENV))
     run = json.loads((run_dir / "run.json").read_text())
     expected = plan.build_plan(args)
-    s = expected["strategies"][expected["chosen"]]
-    assert len(run["state_bytes_per_rank"]) == expected["world_size"]
+    s = expected.chosen_plan
+    assert len(run["state_bytes_per_rank"]) == expected.world_size
     for rank, measured in enumerate(run["state_bytes_per_rank"]):
-        assert measured == {k: s["per_rank"][rank][k] for k in ("params", "grads", "optimizer")}
+        mine = s.per_rank[rank]
+        assert measured == dict(params=mine.params, grads=mine.grads, optimizer=mine.optimizer)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for rank, before in enumerate(run["memory_before_train_bytes_per_rank"]):
         peak = max(r["peak_mem_bytes_per_rank"][rank] for r in steps if r["split"] == "train")
@@ -109,4 +110,13 @@ def check_run_against_plan(run_dir, overrides: list[str]) -> None:
             (1 - RSS_TOLERANCE) * estimate
             <= peak - before
             <= (1 + RSS_TOLERANCE) * estimate + RSS_SLACK
-        ), (rank, peak - before, estimate)
+        ), (rank, peak - before, estimate, (peak - before) / estimate)
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_CONFIGS))
+def test_a_local_directory_matches_the_plan(run_dir, tmp_path, name):
+    """Layouts with no preset, as a user's config.json gives them: GPT-2 with its default
+    dropout (measured 1.32x the plan before dropout was modelled: 805 MiB against 611; now
+    1.03x) and NeoX (0.87x when planned as a Llama: 553 MiB against 635; now 1.03x)."""
+    LOCAL_CONFIGS[name]().save_pretrained(tmp_path / name)
+    check_run_against_plan(run_dir, [*LOCAL, f"model.name_or_path={tmp_path / name}"])

@@ -97,7 +97,7 @@ def test_resume_exactly_and_across_tp_degrees_then_export(shared_run, tmp_path):
     base = (*SHARED_RUNS["full-2"][:-1], "hardware.nproc_per_node=4", f"parallel.tensor={TP}")
     check_ok(train(tp_run, *base))
     # fsdp-lab plan's model state per rank is what the ranks measured, exactly.
-    expected = plan.build_plan(list(base))
+    expected = plan.build_plan(list(base)).to_json()
     chosen = expected["strategies"][expected["chosen"]]
     measured = json.loads((tp_run / "run.json").read_text())["state_bytes_per_rank"]
     assert chosen["mesh"] == [2, TP] and len(measured) == 4

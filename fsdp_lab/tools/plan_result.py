@@ -1,0 +1,263 @@
+"""What `fsdp-lab plan` computes, as types: `build_plan` returns a `Plan`, which `format_plan`
+prints, `tune` ranks by its peaks, and `--json` writes (`Plan.to_json`). Figures are bytes per
+rank. Read by attribute, so a renamed figure fails at the reader, not as a missing key."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from dataclasses import dataclass
+
+from fsdp_lab.tools import memory
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A strategy this topology cannot run (hybrid on 2 ranks), and the rule it breaks."""
+
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"available": False, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ZeroPaper:
+    """The ZeRO paper's model state per rank for the strategy's stage, beside FSDP2's."""
+
+    stage: int
+    dp_size: int  # N: the ranks the state is sharded over
+    state: memory.StateBytes
+
+    def to_json(self) -> dict:
+        return {
+            "stage": self.stage,
+            "dp_size": self.dp_size,
+            **dataclasses.asdict(self.state),
+            "total": self.state.total,
+        }
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One strategy's figures on this topology."""
+
+    mesh: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    reshard_after_forward: bool | int
+    state_location: str  # where params, grads and optimizer state live: host or device
+    per_rank: list[memory.StateBytes]  # every rank's state at rest
+    activations: int  # saved for backward per micro-batch
+    transient: memory.Transient
+    peak: int  # rank 0's, the largest (`memory.peak`)
+    zero_paper: ZeroPaper
+
+    @property
+    def rank0(self) -> memory.StateBytes:
+        """Rank 0's state: chunk 0 is never smaller than another rank's."""
+        return self.per_rank[0]
+
+    @property
+    def sum(self) -> int:
+        """Everything added up, as if it all peaked at once: an upper bound beside `peak`."""
+        return self.rank0.total + self.activations + self.transient.total
+
+    def to_json(self) -> dict:
+        return {
+            "available": True,
+            "mesh": list(self.mesh),
+            "mesh_axes": list(self.mesh_axes),
+            "reshard_after_forward": self.reshard_after_forward,
+            "state_location": self.state_location,
+            "per_rank": [dataclasses.asdict(r) for r in self.per_rank],
+            "rank0": dataclasses.asdict(self.rank0),
+            "activations": self.activations,
+            "transient": {**dataclasses.asdict(self.transient), "total": self.transient.total},
+            "peak": self.peak,
+            "sum": self.sum,
+            "zero_paper": self.zero_paper.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class Units:
+    description: str  # wrap.describe's line
+    count: int  # FSDP units, the root included
+    classes: dict[str, int]  # units per module class
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Compute and gradient-reduction dtypes; shards, grads and AdamW state are always fp32."""
+
+    compute: str
+    reduce: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro_batch_size: int
+    seq_len: int
+    grad_accum_steps: int
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    mode: str
+    checkpointed_layers: int
+    every: int | None  # selective checkpointing's period; None in the other modes
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    kind: str  # the resolved loss.kind
+    chunk_tokens: int | None  # a fused loss's tokens per chunk; None: the model's own loss
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run's plan: its ranks and model, and every strategy's figures side by side."""
+
+    world_size: int
+    num_nodes: int
+    nproc_per_node: int
+    device: str
+    model_class: str
+    num_params: int
+    trainable_params: int
+    finetune: str
+    vocab_size: int
+    vocab_source: str
+    units: Units
+    dtypes: Dtypes
+    loss: LossPlan
+    batch: Batch
+    activation_checkpointing: Checkpointing
+    activations_by_checkpointing: dict[str, int]  # "none" and "full"
+    offload: str
+    compile: bool
+    chosen: str  # the configured strategy's name
+    strategies: dict[str, StrategyPlan | Unavailable]  # every strategy, by name
+    assumptions: list[str]
+    not_counted: list[str]
+
+    @property
+    def chosen_plan(self) -> StrategyPlan:
+        """The configured strategy's figures (always available: planning it fails otherwise)."""
+        chosen = self.strategies[self.chosen]
+        if not isinstance(chosen, StrategyPlan):
+            raise RuntimeError(f"the chosen strategy {self.chosen} has no plan")
+        return chosen
+
+    def to_json(self) -> dict:
+        """Plain data, as `fsdp-lab plan --json` prints it."""
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("units", "loss", "batch", "activation_checkpointing"):
+            plain[name] = dataclasses.asdict(plain[name])
+        plain["dtypes"] = {
+            "params": "fp32",
+            "grads": "fp32",
+            "optimizer": "fp32",
+            **dataclasses.asdict(self.dtypes),
+        }
+        plain["strategies"] = {k: s.to_json() for k, s in self.strategies.items()}
+        return plain
+
+
+def _size(nbytes: int, unit: int) -> str:
+    return f"{nbytes / unit:.2f}" if unit == 2**30 else f"{nbytes / unit:.1f}"
+
+
+# Long: the text layout of the plan, line by line as it prints.
+def format_plan(plan: Plan) -> str:
+    """The plan for a reader: a header, one row per strategy (rank 0, the largest), notes."""
+    rows = [s for s in plan.strategies.values() if isinstance(s, StrategyPlan)]
+    chosen = plan.chosen_plan
+    biggest = max(max(s.peak, s.zero_paper.state.total) for s in rows)
+    unit, unit_name = (2**30, "GiB") if biggest >= 10 * 2**30 else (2**20, "MiB")
+    d, bt, ac = plan.dtypes, plan.batch, plan.activation_checkpointing
+    acts = plan.activations_by_checkpointing
+    lines = [
+        f"{plan.model_class}: {plan.num_params:,} parameters, vocabulary "
+        f"{plan.vocab_size:,} (from {plan.vocab_source})",
+        *(
+            [
+                f"finetune   {plan.finetune}: {plan.trainable_params:,} trainable "
+                f"({100 * plan.trainable_params / plan.num_params:.2f}%); frozen "
+                "parameters hold no gradient and no optimizer state"
+            ]
+            if plan.trainable_params != plan.num_params
+            else []
+        ),
+        f"ranks      {plan.world_size} = {plan.num_nodes} node(s) x "
+        f"{plan.nproc_per_node} ({plan.device})",
+        f"mesh       {_mesh(chosen.mesh)} {chosen.mesh_axes}, reshard_after_forward="
+        f"{chosen.reshard_after_forward} (sharding={plan.chosen})",
+        f"units      {plan.units.description} ({plan.units.count} FSDP units)",
+        f"dtypes     sharded params, grads, AdamW state: fp32; compute {d.compute}, "
+        f"gradient reduction {d.reduce}",
+        f"batch      {bt.micro_batch_size} x {bt.seq_len} tokens per micro-batch per "
+        f"rank, {bt.grad_accum_steps} micro-batch(es) per step",
+        f"loss       {plan.loss.kind}"
+        + (
+            f" ({min(plan.loss.chunk_tokens, bt.micro_batch_size * bt.seq_len):,} "
+            "tokens per chunk: no B x T x V logits)"
+            if plan.loss.chunk_tokens
+            else " (B x T x V logits, upcast to fp32)"
+        ),
+        f"checkpoint activation_checkpointing={ac.mode} ({ac.checkpointed_layers} layers); "
+        f"activations {_size(acts['none'], unit)} {unit_name} without, "
+        f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",
+        "",
+        f"per rank, {unit_name} (rank 0; others hold the same or less)",
+        f"  {'strategy':<13} {'mesh':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+        f"{'transient':>9} {'peak':>8}   ZeRO paper",
+    ]
+    for name, s in plan.strategies.items():
+        mark = "*" if name == plan.chosen else " "
+        if isinstance(s, Unavailable):
+            lines.append(f"{mark} {name:<13} n/a: {s.reason}")
+            continue
+        r, z = s.rank0, s.zero_paper
+        cells = [
+            r.params + r.padding // 2,
+            r.grads + r.padding // 2,
+            r.optimizer,
+            s.activations,
+            s.transient.total,
+            s.peak,
+        ]
+        lines.append(
+            f"{mark} {name:<13} {_mesh(s.mesh):<9} "
+            + " ".join(f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
+            + f"   {_size(z.state.total, unit):>7} (stage {z.stage}, N={z.dp_size})"
+        )
+    notes = [
+        "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
+        "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
+        "transient: gathered params and gradient buffers of the working units, autograd's "
+        "working memory in backward; peak = params + optim + max(activ + transient, the root's "
+        "gradients and reduce-scatter at the end of backward, grads).",
+        f"Model state lives on: {chosen.state_location}"
+        + (
+            "; the peak is the device's: activations and transient."
+            if plan.offload == "cpu"
+            else "."
+        ),
+        "ZeRO paper: mixed-precision Adam, 2+2+12 bytes per parameter, divided by the shard group "
+        "N per stage. FSDP2 keeps 4+4+8 (fp32 shards are the master weights), the same 16 bytes. "
+        "Its grad_op differs from the paper's stage 2: at rest it holds full's sharded state; "
+        "the unsharded params (compute dtype) stay alive from forward to backward instead, "
+        "counted as transient (no_shard too keeps a gathered copy from forward to backward).",
+        *[f"Assumed: {a}" for a in plan.assumptions],
+    ]
+    lines += [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
+    lines += ["not counted:"] + [
+        textwrap.fill(n, 100, initial_indent="  - ", subsequent_indent="    ")
+        for n in plan.not_counted
+    ]
+    return "\n".join(lines)
+
+
+def _mesh(shape: tuple[int, ...]) -> str:
+    return "(" + ",".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
