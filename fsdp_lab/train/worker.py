@@ -60,11 +60,14 @@ class FitResult:
     saved_step: int  # the last step a checkpoint was written at; -1: none
 
 
-def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
+def run(
+    cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None, validated: bool = False
+) -> None:
+    """This rank's run; ``validated``: see ``run_and_exit``."""
     started = time.perf_counter()
     setup_rank_logging(run_dir / LOG_DIR, int(os.environ["RANK"]))
     stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
-    ctx = join(cfg)  # 1) device, threads, the process group
+    ctx = join(cfg, validated=validated)  # 1) device, threads, the process group
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
     if (beat := heartbeat.current()) is not None:
         beat.step_done(state.start_step)
@@ -92,9 +95,9 @@ def topology_from_env(kind: HardwareKind) -> Topology:
     )
 
 
-def join(cfg: Config) -> RankContext:
+def join(cfg: Config, *, validated: bool = False) -> RankContext:
     """Device, threads and the process group (under torchrun the launcher already joined it);
-    the topology's rules checked again where the ranks are real."""
+    the topology's rules checked here unless this process has checked them (``validated``)."""
     kind = hardware.resolve_kind(cfg.hardware)
     device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     topo = topology_from_env(kind)
@@ -105,7 +108,8 @@ def join(cfg: Config) -> RankContext:
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
         heartbeat.start(dist.get_rank())
-    validate(cfg, topo)
+    if not validated:
+        validate(cfg, topo)
     hardware.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
     return RankContext(
@@ -223,15 +227,22 @@ def run_and_exit(
     exit_process: bool = True,
     launcher_reports: bool = False,
     on_preempted: Callable[[Preempted], None] | None = None,
+    validated: bool = False,
 ) -> int:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
     ``exit_process`` is false (a submitit job, whose own code must record the end): then the
     exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
     submitit job requeues itself there). ``launcher_reports``: the local launcher reports the
-    failure (rank_main); else this rank says what it knows of a timeout itself."""
+    failure (rank_main); else this rank says what it knows of a timeout itself.
+
+    ``validated``: this process already checked ``config.rules.validate`` against the topology
+    this rank runs in (rank 0 under torchrun or srun, in ``prepare_run``), or the process that
+    started it did and set that topology itself (the local launcher). Otherwise (the other
+    ranks under torchrun or srun, which adopt rank 0's config) the rank checks it in ``join``:
+    the rules run once in every process that needs them."""
     code = 0
     try:
-        run(cfg, run_dir, early_signals=early_signals)
+        run(cfg, run_dir, early_signals=early_signals, validated=validated)
     except Preempted as e:
         code = PREEMPTED_EXIT_CODE
         if on_preempted is not None:
