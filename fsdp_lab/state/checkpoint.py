@@ -241,6 +241,7 @@ class Checkpointer:
     ``io`` writes and reads the sharded model and optimizer state when the engine has its own
     way (engine.xla on tpu); None: FSDP2's DTensors through torch's state-dict helpers."""
 
+    # Many parameters: each part of the training state a checkpoint holds, named (keyword-only).
     def __init__(
         self,
         cfg: CheckpointConfig,
