@@ -233,6 +233,59 @@ def test_a_non_finite_loss_fails_at_the_boundary_naming_its_step(gloo_group):
     assert all(math.isfinite(m) for m in seen)
 
 
+def test_a_boundary_records_then_evaluates_then_checkpoints(gloo_group):
+    """The loop's own order at a boundary (evaluation and checkpoint visible in it): a fresh
+    run is evaluated at step 0; then records, evaluation, the finished async save, the save."""
+    cfg, sharded, optimizer, scheduler, data, loss = build_run("trainer.max_steps=6")
+    events = []
+
+    class Reporter(Recorded):
+        def train_records(self, batch):
+            events.append(("records", [m.step for m in batch]))
+
+        def validation(self, step, result):
+            assert math.isfinite(result.loss) and result.tokens > 0
+            events.append(("eval", step))
+
+    class Checkpointer(SavesAt):
+        def poll(self):
+            events.append(("poll",))
+
+        def save(self, step, tokens_seen):
+            events.append(("save", step, tokens_seen))
+
+    state = train_state(
+        sharded,
+        optimizer,
+        scheduler,
+        data,
+        loss,
+        checkpointer=Checkpointer(3),
+        tokens_per_step=100,
+    )
+    state.eval_batches = 1
+    trainer = dataclasses.replace(cfg.trainer, log_every=2, eval_every=3, grad_accum_steps=1)
+    setup = loop.LoopSetup(
+        trainer=trainer, grad_clip=1.0, device=torch.device("cpu"), reporter=Reporter()
+    )
+    end = loop.train(state, setup)
+    assert events == [
+        ("eval", 0),
+        ("records", [1, 2]),
+        ("poll",),
+        ("records", [3]),
+        ("eval", 3),
+        ("poll",),
+        ("save", 3, 300),
+        ("records", [4]),
+        ("poll",),
+        ("records", [5, 6]),
+        ("eval", 6),
+        ("poll",),
+    ]
+    assert end.last.step == 6 and not end.preempted and end.saved_step == 3
+
+
 def test_fused_foreach_and_for_loop_adamw_agree(gloo_group):
     losses = {
         impl: [m.loss for m in run_loop("trainer.max_steps=4", implementation=impl)[0]]
