@@ -26,7 +26,7 @@ from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.train.loss import Loss
 
 if TYPE_CHECKING:
-    from fsdp_lab.train.state import TrainState
+    from fsdp_lab.train.build import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Recorder(Protocol):
 
 @dataclass(frozen=True)
 class LoopSetup:
-    """What the loop runs by besides the train state (``train.state.TrainState``: the model,
+    """What the loop runs by besides the train state (``train.build.TrainState``: the model,
     loss, data, optimizer, checkpointer and the step to start from): its schedule, where its
     numbers go and what tells it to stop. The worker builds it from what belongs to its rank."""
 

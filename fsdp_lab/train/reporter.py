@@ -21,7 +21,7 @@ from fsdp_lab.observe import metrics
 from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary
 from fsdp_lab.observe.rundir import METRICS_FILE, read_run_file, write_run_file
 from fsdp_lab.observe.wandb_logger import WandbLogger
-from fsdp_lab.train.state import RankContext, TrainState
+from fsdp_lab.train.build import RankContext, TrainState
 
 log = logging.getLogger("fsdp_lab")
 

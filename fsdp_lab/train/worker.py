@@ -30,11 +30,11 @@ from fsdp_lab.engine import hardware
 from fsdp_lab.observe import heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
+from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from fsdp_lab.train.preempt import Preempted, StopFlag
 from fsdp_lab.train.reporter import Reporter, RunFacts
-from fsdp_lab.train.state import RankContext, TrainState, build_train_state
 
 log = logging.getLogger("fsdp_lab")
 

@@ -89,7 +89,7 @@ class SavesAt:
 
 
 def train_state(sharded, optimizer, scheduler, data, loss, *, checkpointer, tokens_per_step):
-    """The parts of ``train.state.TrainState`` the loop reads."""
+    """The parts of ``train.build.TrainState`` the loop reads."""
     return SimpleNamespace(
         sharded=sharded,
         data=data,
