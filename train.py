@@ -27,17 +27,25 @@ from fsdp_lab.launch import sweep
 config.register_schema()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
-    hc = HydraConfig.get()
-    return sweep.run_job(
-        cfg,
-        run_dir=Path(hc.runtime.output_dir),
-        multirun=hc.mode == RunMode.MULTIRUN,
-        job=sweep.job_info(hc),
-    )
+def main() -> int:
+    """Run the job (or each job of a -m sweep); the exit code: 1 if a sweep job failed (each
+    failure is recorded in its run.json and listed at the end)."""
+    jobs = sweep.SweepJobs()
+
+    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+    def run(cfg: DictConfig) -> float | None:
+        hc = HydraConfig.get()
+        return jobs.run_job(
+            cfg,
+            run_dir=Path(hc.runtime.output_dir),
+            multirun=hc.mode == RunMode.MULTIRUN,
+            job=sweep.job_info(hc),
+            trial=hc.mode == RunMode.MULTIRUN and sweep.is_study(hc),
+        )
+
+    run()
+    return jobs.exit_code()
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(sweep.exit_code())  # a sweep whose jobs failed (each recorded) exits 1
+    sys.exit(main())

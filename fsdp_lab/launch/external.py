@@ -85,6 +85,9 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
         run_dir,
         exit_process=not slurm.under_submitit(),
         on_preempted=_requeue if rank == 0 else None,
+        # Rank 0 validated the config in prepare_run; the others check it against their own
+        # view of the launcher's topology.
+        validated=rank == 0,
     )
 
 

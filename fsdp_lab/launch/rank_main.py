@@ -50,6 +50,7 @@ def main(run_dir: Path, port_fd: int) -> None:
         run_dir,
         early_signals=early_signals,
         launcher_reports=True,
+        validated=True,  # the launcher's prepare_run, for the ranks it started
     )
 
 

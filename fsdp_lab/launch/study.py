@@ -364,7 +364,6 @@ def write_study_file(study: optuna.Study, sweep_dir: Path, objective: Objective)
 def _summarize(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:
     record = study_record(study, objective)
     failed = [t for t in record["trials"] if t["state"] == "FAIL"]
-    sweep.study_finished()
     best = record["best"]
     if best is None:
         raise ConfigError(

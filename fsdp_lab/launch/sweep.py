@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -23,11 +24,6 @@ from fsdp_lab.train import preempt
 # Hydra imports every installed sweeper at start; Optuna's imports alembic, which logs each of
 # its plugins at INFO through Hydra's handler, a dozen lines before every run.
 logging.getLogger("alembic").setLevel(logging.WARNING)
-
-# Sweep jobs that failed, "<job overrides>: <reason>", in the order they ran.
-_FAILURES: list[str] = []
-# Set by a study (hydra/sweeper=study) that finished: its failed trials are part of the search.
-_STUDY_DONE: list[bool] = []
 
 # objective= -> the run.json key train.py returns to a sweeper
 OBJECTIVE_KEYS = {
@@ -52,28 +48,64 @@ def job_info(hydra_cfg) -> dict:
         "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
         "num": hydra_cfg.job.num if multirun else None,
         # hydra/sweeper=study: the job's number is its Optuna trial's
-        "study": hydra_cfg.sweeper.get("study_name") if multirun and _is_study(hydra_cfg) else None,
+        "study": hydra_cfg.sweeper.get("study_name") if multirun and is_study(hydra_cfg) else None,
     }
 
 
-def _is_study(hydra_cfg) -> bool:
+def is_study(hydra_cfg) -> bool:
+    """The sweeper is hydra/sweeper=study (``launch.study``): the jobs are its trials."""
     return str(hydra_cfg.sweeper.get("_target_", "")).endswith("StudySweeper")
 
 
-def run_job(
-    dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: dict | None = None
-) -> float | None:
-    """Run one job; its objective (``objective=``, from its run.json) for a sweeper, None if the
-    run failed or did not record it."""
-    code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
-    if code == 0:
-        return objective_value(run_dir, objective_of(dict_cfg))
-    if not multirun or code in (preempt.EXIT_CODE, 130):
-        sys.exit(code)
-    name = " ".join(job["overrides"]) if job else str(run_dir)
-    _FAILURES.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
-    print(f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr)
-    return None
+@dataclass
+class SweepJobs:
+    """The jobs this process runs (one, or a local sweep's) and the command's exit code once
+    they have all run. train.py owns one and runs each job through it; a job run elsewhere
+    (hydra/launcher=slurm) is recorded where it runs, in its run.json."""
+
+    # "<job overrides>: <reason>" of each failed sweep job, in the order they ran
+    failures: list[str] = field(default_factory=list)
+    # The jobs are trials of a study (hydra/sweeper=study). One that failed was told to Optuna
+    # as failed, part of the search (a diverging learning rate is an answer): it does not fail
+    # the command. (A study that stops early exits 2 itself, before exit_code.)
+    trials: bool = False
+
+    def run_job(
+        self,
+        dict_cfg: DictConfig,
+        *,
+        run_dir: Path,
+        multirun: bool,
+        job: dict | None = None,
+        trial: bool = False,
+    ) -> float | None:
+        """Run one job; its objective (``objective=``, from its run.json) for a sweeper, None
+        if the run failed or did not record it. ``trial``: the job is a study's trial."""
+        self.trials = self.trials or trial
+        code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
+        if code == 0:
+            return objective_value(run_dir, objective_of(dict_cfg))
+        if not multirun or code in (preempt.EXIT_CODE, 130):
+            sys.exit(code)
+        name = " ".join(job["overrides"]) if job else str(run_dir)
+        self.failures.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
+        print(
+            f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr
+        )
+        return None
+
+    def exit_code(self) -> int:
+        """After all jobs: list the failed ones; 1 if any failed (outside a study)."""
+        if self.failures:
+            what = (
+                "trial(s) of the study failed (recorded as failed)"
+                if self.trials
+                else "sweep job(s) failed"
+            )
+            print(f"fsdp_lab: {len(self.failures)} {what}:", file=sys.stderr)
+            for line in self.failures:
+                print(f"  {line}", file=sys.stderr)
+        return 1 if self.failures and not self.trials else 0
 
 
 def objective_of(config: DictConfig) -> Objective:
@@ -91,26 +123,6 @@ def objective_of(config: DictConfig) -> Objective:
 def objective_value(run_dir: Path, objective: Objective) -> float | None:
     value = rundir.read_run_file(run_dir).get(OBJECTIVE_KEYS[objective])
     return float(value) if isinstance(value, (int, float)) else None
-
-
-def study_finished() -> None:
-    """A study ran to its end: its failed trials were told to Optuna as failed, part of the
-    search (a diverging learning rate is an answer), so they do not fail the command."""
-    _STUDY_DONE.append(True)
-
-
-def exit_code() -> int:
-    """After all jobs: list the failed ones; 1 if any failed (outside a finished study)."""
-    if _FAILURES:
-        what = (
-            "trial(s) of the study failed (recorded as failed)"
-            if _STUDY_DONE
-            else ("sweep job(s) failed")
-        )
-        print(f"fsdp_lab: {len(_FAILURES)} {what}:", file=sys.stderr)
-        for line in _FAILURES:
-            print(f"  {line}", file=sys.stderr)
-    return 1 if _FAILURES and not _STUDY_DONE else 0
 
 
 def _record_failure(run_dir: Path, code: int, config_error: str | None, job: dict | None) -> str:

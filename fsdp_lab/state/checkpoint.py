@@ -96,6 +96,7 @@ class Checkpointer:
     None: FSDP2's DTensors through torch's state-dict helpers. It is the ``SaveGuard`` the
     formats' writes fail through (``agree``, ``collective``)."""
 
+    # Many parameters: each part of the training state a checkpoint holds, named (keyword-only).
     def __init__(
         self,
         cfg: CheckpointConfig,

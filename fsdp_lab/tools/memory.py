@@ -187,6 +187,7 @@ def last_grad_numel(params: list[ParamShape], group: int) -> int:
     return mine[-1] if mine else 0
 
 
+# Many parameters: each is one measured term of the memory model (keyword-only).
 # Long: FSDP2's working set in two phases, each a few lines with the measurement behind it.
 def transient(
     groups: dict[int, int],
@@ -467,6 +468,7 @@ class Activations:
         return max(self.loss_grad, self.recompute + self.layer_grads - self.head)
 
 
+# Many parameters: the layer's shape and each setting that changes what it saves (keyword-only).
 def activations(
     s: LayerShape,
     *,

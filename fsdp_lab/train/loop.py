@@ -13,14 +13,20 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_lab.config import TrainerConfig
 from fsdp_lab.engine import hardware, tensor_parallel
+from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.train.loss import Loss
+
+if TYPE_CHECKING:
+    from fsdp_lab.train.build import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -87,60 +93,79 @@ def train_step(
     return StepResult(loss=total, grad_norm=norm, skipped=skipped)
 
 
-# Long: the hot loop reads best in one piece (as nanoGPT's): prepare, step, boundary.
-def train(
-    model: nn.Module,
-    *,
-    data,
-    loss: Loss,
-    optimizer,
-    scheduler,
-    scaler,
-    grad_clip: float | None,
-    start_step: int,
-    max_steps: int,
-    grad_accum_steps: int,
-    tokens_per_step: int,
-    device: torch.device,
-    place,
-    log_every: int,
-    boundary_at: Callable[[int], bool],
-    on_records: Callable[[list[StepMetrics]], None],
-    on_boundary: Callable[[int], None],
-    stop_requested,
-    on_step: Callable[[int], None] = lambda step: None,
-) -> tuple[StepMetrics | None, bool]:
-    """Run optimizer steps start_step+1..max_steps. ``place`` puts this process's rows of a
-    micro-batch on its device(s).
+class Recorder(Protocol):
+    """Where the loop's numbers go: rank 0's ``train.reporter.Reporter`` (other ranks: None)."""
 
-    At every boundary (each ``log_every``-th step, the last, and the steps ``boundary_at``
-    names, such as evaluations and checkpoints) every rank reads the window's numbers, passes
-    them to ``on_records`` and then calls ``on_boundary(step)``. A non-finite loss (without a
-    grad scaler) fails the run there, after the steps before it are recorded and before any
-    checkpoint.
+    def train_records(self, records: list[StepMetrics]) -> None: ...
 
-    Returns the last step's metrics and whether the run stopped early because some rank's
-    ``stop_requested()`` said so (a preemption signal); all ranks stop after the same step.
-    ``on_step(step)`` is called as each step completes (the heartbeat's step).
+    def validation(self, step: int, result: EvalResult) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopSetup:
+    """What the loop runs by besides the train state (``train.build.TrainState``: the model,
+    loss, data, optimizer, checkpointer and the step to start from): its schedule, where its
+    numbers go and what tells it to stop. The worker builds it from what belongs to its rank."""
+
+    trainer: TrainerConfig  # max_steps, grad_accum_steps, log_every, eval_every
+    grad_clip: float | None
+    device: torch.device
+    replicas: int = 1  # ranks that see the same rows (a TP group): evaluation counts them once
+    reporter: Recorder | None = None  # rank 0's; the other ranks record nothing
+    stop_requested: Callable[[], bool] = lambda: False  # a preemption signal (preempt.StopFlag)
+    heartbeat: Heartbeat | None = None  # told of each step as it completes
+
+
+@dataclass(frozen=True)
+class LoopEnd:
+    last: StepMetrics | None  # the last step's numbers; None when no step ran
+    preempted: bool  # some rank's stop_requested(): every rank stopped after the same step
+    saved_step: int | None  # the last step the loop checkpointed at; None: none
+
+
+# Long: the loop reads best in one piece (nanoGPT's): step; at a boundary record, eval, save.
+def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
+    """Run optimizer steps state.start_step+1..trainer.max_steps. A fresh run is evaluated
+    first: the starting point (a pretrained model's) is a number too.
+
+    A boundary is each ``log_every``-th step, the last, and the steps that evaluate
+    (``eval_every``) or checkpoint (``checkpoint.every_n_steps``). Only there does anything wait
+    for the device: every rank reads the window's numbers, rank 0 records them, then every rank
+    evaluates and checkpoints as the step asks. A non-finite loss (without a grad scaler) fails
+    the run there, after the steps before it are recorded and before any checkpoint. A stop
+    request (a preemption signal on any rank) ends the loop at the next boundary, on every rank
+    after the same step.
     """
+    t, ckpt, model = setup.trainer, state.checkpointer, state.sharded.model
+    if state.eval_batches and state.start_step == 0:
+        _evaluate_at(state, setup, 0)
     model.train()
-    window = StepWindow(device, tokens_per_step=tokens_per_step)
+    window = StepWindow(setup.device, tokens_per_step=state.tokens_per_step)
+
+    place, data, micros = state.sharded.place_batch, state.data, range(t.grad_accum_steps)
 
     def prepare(step: int) -> list[dict[str, torch.Tensor]]:
-        return [place(data.batch(step, micro)) for micro in range(grad_accum_steps)]
+        return [place(data.batch(step, micro)) for micro in micros]
 
-    last = None
-    batches = prepare(start_step) if start_step < max_steps else []
-    for step in range(start_step, max_steps):
+    last, saved_step, scaled = None, None, state.scaler is not None
+    batches = prepare(state.start_step) if state.start_step < t.max_steps else []
+    for step in range(state.start_step, t.max_steps):
         done = step + 1
+        # 1) The step, queued on the device; nothing is read back.
         start = window.start_step()
-        lr = scheduler.get_last_lr()[0]
+        lr = state.scheduler.get_last_lr()[0]
         result = train_step(
-            model, batches, optimizer=optimizer, scaler=scaler, grad_clip=grad_clip, loss=loss
+            model,
+            batches,
+            optimizer=state.optimizer,
+            scaler=state.scaler,
+            grad_clip=setup.grad_clip,
+            loss=state.loss,
         )
-        scheduler.step()
-        on_step(done)
-        if done < max_steps:  # the next batch, copied while this step runs on the device
+        state.scheduler.step()
+        if setup.heartbeat is not None:
+            setup.heartbeat.step_done(done)
+        if done < t.max_steps:  # the next batch, copied while this step runs on the device
             batches = prepare(done)
         window.end_step(
             done,
@@ -150,20 +175,52 @@ def train(
             grad_norm=result.grad_norm,
             skipped=result.skipped,
         )
-        if done % log_every and done != max_steps and not boundary_at(done):
+        evaluates = bool(state.eval_batches) and (done % t.eval_every == 0 or done == t.max_steps)
+        saves = ckpt.should_save(done)
+        if done % t.log_every and done != t.max_steps and not (evaluates or saves):
             continue
-        records, stop = window.flush(stop_requested=stop_requested())
+        # 2) A boundary: every rank reads the window (and whether any rank was signalled).
+        records, stop = window.flush(stop_requested=setup.stop_requested())
+        # A grad scaler skips a non-finite step itself; without one the run fails here.
         bad = next(
-            (i for i, m in enumerate(records) if not math.isfinite(m.loss) and scaler is None), None
+            (i for i, m in enumerate(records) if not math.isfinite(m.loss) and not scaled), None
         )
-        on_records(records[:bad])
+        if setup.reporter is not None:
+            setup.reporter.train_records(records[:bad])
         if bad is not None:
             raise NonFiniteLoss(records[bad].step, records[bad].loss)
         last = records[-1]
-        on_boundary(done)
-        if stop and done < max_steps:
-            return last, True
-    return last, False
+        # 3) Evaluation, on every rank (each forward is a collective).
+        if evaluates:
+            _evaluate_at(state, setup, done)
+        # 4) The checkpoint: an async one in flight finished, this step's written.
+        ckpt.poll()
+        if saves:
+            # Saved, or skipped under on_save_error=continue: not tried twice at one step.
+            ckpt.save(done, tokens_seen(state, done))
+            saved_step = done
+        if stop and done < t.max_steps:
+            return LoopEnd(last, preempted=True, saved_step=saved_step)
+    return LoopEnd(last, preempted=False, saved_step=saved_step)
+
+
+def tokens_seen(state: TrainState, step: int) -> int:
+    """Tokens trained on through ``step``: a resumed run's before it, and this run's since."""
+    return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
+
+
+def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
+    result = evaluate(
+        state.sharded.model,
+        state.data,
+        loss=state.loss,
+        num_batches=state.eval_batches,
+        device=setup.device,
+        place=state.sharded.place_batch,
+        replicas=setup.replicas,
+    )
+    if setup.reporter is not None:
+        setup.reporter.validation(step, result)
 
 
 @dataclass

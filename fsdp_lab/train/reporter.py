@@ -28,7 +28,7 @@ from fsdp_lab.observe.rundir import (
 )
 from fsdp_lab.observe.trackers import RunInfo, TrackerSet
 from fsdp_lab.observe.trackers.base import flatten
-from fsdp_lab.train.state import RankContext, TrainState
+from fsdp_lab.train.build import RankContext, TrainState
 
 log = logging.getLogger("fsdp_lab")
 

@@ -30,11 +30,11 @@ from fsdp_lab.engine import hardware
 from fsdp_lab.observe import heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
-from fsdp_lab.train.loop import NonFiniteLoss, evaluate, train
+from fsdp_lab.train.build import RankContext, TrainState, build_train_state
+from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from fsdp_lab.train.preempt import Preempted, StopFlag
 from fsdp_lab.train.reporter import Reporter, RunFacts
-from fsdp_lab.train.state import RankContext, TrainState, build_train_state
 
 log = logging.getLogger("fsdp_lab")
 
@@ -60,11 +60,14 @@ class FitResult:
     saved_step: int  # the last step a checkpoint was written at; -1: none
 
 
-def run(cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None) -> None:
+def run(
+    cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None, validated: bool = False
+) -> None:
+    """This rank's run; ``validated``: see ``run_and_exit``."""
     started = time.perf_counter()
     setup_rank_logging(run_dir / LOG_DIR, int(os.environ["RANK"]))
     stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
-    ctx = join(cfg)  # 1) device, threads, the process group
+    ctx = join(cfg, validated=validated)  # 1) device, threads, the process group
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
     if (beat := heartbeat.current()) is not None:
         beat.step_done(state.start_step)
@@ -92,9 +95,9 @@ def topology_from_env(kind: HardwareKind) -> Topology:
     )
 
 
-def join(cfg: Config) -> RankContext:
+def join(cfg: Config, *, validated: bool = False) -> RankContext:
     """Device, threads and the process group (under torchrun the launcher already joined it);
-    the topology's rules checked again where the ranks are real."""
+    the topology's rules checked here unless this process has checked them (``validated``)."""
     kind = hardware.resolve_kind(cfg.hardware)
     device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     topo = topology_from_env(kind)
@@ -105,7 +108,8 @@ def join(cfg: Config) -> RankContext:
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
         heartbeat.start(dist.get_rank())
-    validate(cfg, topo)
+    if not validated:
+        validate(cfg, topo)
     hardware.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
     return RankContext(
@@ -119,10 +123,9 @@ def join(cfg: Config) -> RankContext:
 
 
 def fit(r: RankRun) -> FitResult:
-    """The loop; a preemption signal ends it at the next logging boundary on every rank. A
-    fresh run is evaluated first: the starting point (a pretrained model's) is a number too."""
-    cfg, ctx, state, t = r.cfg, r.ctx, r.state, r.cfg.trainer
-    saved_step = state.start_step if cfg.resume != "never" else -1
+    """The loop, with its evaluations and checkpoints; a preemption signal ends it at the next
+    logging boundary on every rank."""
+    cfg, ctx, state = r.cfg, r.ctx, r.state
     # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
     hardware.reset_peak_memory(ctx.device)
     r.facts.memory_before_train_bytes_per_rank = hardware.gather_from_processes(
@@ -134,30 +137,29 @@ def fit(r: RankRun) -> FitResult:
         hook.remove()
 
     hook = state.optimizer.register_step_post_hook(measure_state)
-
-    def evaluates_at(step: int) -> bool:
-        return bool(state.eval_batches) and (step % t.eval_every == 0 or step == t.max_steps)
-
-    def on_boundary(step: int) -> None:  # every rank, after the window's records
-        nonlocal saved_step
-        if evaluates_at(step):
-            _evaluate(r, step)
-        state.checkpointer.poll()
-        if state.checkpointer.should_save(step):
-            # Saved, or skipped under on_save_error=continue: not tried twice at one step.
-            state.checkpointer.save(step, _tokens_seen(state, step))
-            saved_step = step
-
-    if state.eval_batches and state.start_step == 0:
-        _evaluate(r, 0)
+    setup = LoopSetup(
+        trainer=cfg.trainer,
+        grad_clip=cfg.optim.grad_clip,
+        device=ctx.device,
+        replicas=cfg.parallel.tensor,
+        reporter=r.reporter,
+        stop_requested=r.stop,
+        heartbeat=heartbeat.current(),
+    )
     try:
-        last, preempted = _train(r, evaluates_at, on_boundary)
+        end = train(state, setup)
     except NonFiniteLoss as e:
         raise FloatingPointError(_nonfinite_advice(cfg, state.start_step, e)) from None
     if r.reporter is not None:
         r.reporter.end_of_training()
-    end_step = last.step if last is not None else state.start_step
-    return FitResult(end_step=end_step, preempted=preempted, saved_step=saved_step)
+    saved_step = end.saved_step
+    if saved_step is None:  # none in the loop: a resumed run's checkpoint is its start
+        saved_step = state.start_step if cfg.resume != "never" else -1
+    return FitResult(
+        end_step=end.last.step if end.last is not None else state.start_step,
+        preempted=end.preempted,
+        saved_step=saved_step,
+    )
 
 
 # A non-finite loss this soon after a resume points at the checkpoint, not the learning rate.
@@ -177,52 +179,12 @@ def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
     return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or use precision=fp32"
 
 
-def _train(r: RankRun, evaluates_at, on_boundary):
-    cfg, ctx, state, t = r.cfg, r.ctx, r.state, r.cfg.trainer
-    beat = heartbeat.current()
-    return train(
-        state.sharded.model,
-        data=state.data,
-        loss=state.loss,
-        optimizer=state.optimizer,
-        scheduler=state.scheduler,
-        scaler=state.scaler,
-        grad_clip=cfg.optim.grad_clip,
-        start_step=state.start_step,
-        max_steps=t.max_steps,
-        grad_accum_steps=t.grad_accum_steps,
-        tokens_per_step=state.tokens_per_step,
-        device=ctx.device,
-        place=state.sharded.place_batch,
-        log_every=t.log_every,
-        boundary_at=lambda step: evaluates_at(step) or state.checkpointer.should_save(step),
-        on_records=r.reporter.train_records if r.reporter is not None else lambda records: None,
-        on_boundary=on_boundary,
-        stop_requested=r.stop,
-        on_step=beat.step_done if beat is not None else lambda step: None,
-    )
-
-
-def _evaluate(r: RankRun, step: int) -> None:
-    result = evaluate(
-        r.state.sharded.model,
-        r.state.data,
-        loss=r.state.loss,
-        num_batches=r.state.eval_batches,
-        device=r.ctx.device,
-        place=r.state.sharded.place_batch,
-        replicas=r.cfg.parallel.tensor,
-    )
-    if r.reporter is not None:
-        r.reporter.validation(step, result)
-
-
 def finish(r: RankRun, result: FitResult) -> None:
     """The final (or preemption) checkpoint, the Hugging Face export, run.json and W&B's
     summary. A preempted run raises ``Preempted`` on every rank once that is done."""
     cfg, state, end = r.cfg, r.state, result.end_step
     if state.checkpointer.enabled and result.saved_step != end:
-        state.checkpointer.save(end, _tokens_seen(state, end), blocking=True)
+        state.checkpointer.save(end, tokens_seen(state, end), blocking=True)
     state.checkpointer.wait()
     if not result.preempted and cfg.checkpoint.export_hf:
         _export(r)
@@ -234,10 +196,6 @@ def finish(r: RankRun, result: FitResult) -> None:
         if r.ctx.rank == 0:
             log.info("stopped by signal %s after step %d", r.stop.signal, end)
         raise Preempted(end, signal=r.stop.signal)
-
-
-def _tokens_seen(state: TrainState, step: int) -> int:
-    return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
 
 
 def _export(r: RankRun) -> None:
@@ -269,15 +227,22 @@ def run_and_exit(
     exit_process: bool = True,
     launcher_reports: bool = False,
     on_preempted: Callable[[Preempted], None] | None = None,
+    validated: bool = False,
 ) -> int:
     """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
     ``exit_process`` is false (a submitit job, whose own code must record the end): then the
     exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
     submitit job requeues itself there). ``launcher_reports``: the local launcher reports the
-    failure (rank_main); else this rank says what it knows of a timeout itself."""
+    failure (rank_main); else this rank says what it knows of a timeout itself.
+
+    ``validated``: this process already checked ``config.rules.validate`` against the topology
+    this rank runs in (rank 0 under torchrun or srun, in ``prepare_run``), or the process that
+    started it did and set that topology itself (the local launcher). Otherwise (the other
+    ranks under torchrun or srun, which adopt rank 0's config) the rank checks it in ``join``:
+    the rules run once in every process that needs them."""
     code = 0
     try:
-        run(cfg, run_dir, early_signals=early_signals)
+        run(cfg, run_dir, early_signals=early_signals, validated=validated)
     except Preempted as e:
         code = PREEMPTED_EXIT_CODE
         if on_preempted is not None:

@@ -11,22 +11,21 @@ from fsdp_lab.train import preempt
 
 @pytest.fixture
 def failing(monkeypatch):
-    monkeypatch.setattr(sweep, "_FAILURES", [])
-
     def fake(code, error):
         monkeypatch.setattr(run, "main", lambda dict_cfg, **kw: (code, error))
+        return sweep.SweepJobs()
 
     return fake
 
 
 def test_a_refused_sweep_job_gets_a_run_json_and_the_sweep_goes_on(failing, tmp_path, capsys):
-    failing(2, "sharding.replicate_size=3 does not divide the world size 4")
+    jobs = failing(2, "sharding.replicate_size=3 does not divide the world size 4")
     job = {"overrides": ["sharding.replicate_size=3"], "num": 1}
-    sweep.run_job({}, run_dir=tmp_path / "1", multirun=True, job=job)  # no SystemExit
+    jobs.run_job({}, run_dir=tmp_path / "1", multirun=True, job=job)  # no SystemExit
     facts = rundir.read_run_file(tmp_path / "1")
     assert facts["status"] == "failed" and "does not divide" in facts["error"]
     assert "the sweep goes on" in capsys.readouterr().err
-    assert sweep.exit_code() == 1
+    assert jobs.exit_code() == 1
     assert (
         "sharding.replicate_size=3: sharding.replicate_size=3 does not" in capsys.readouterr().err
     )
@@ -34,14 +33,22 @@ def test_a_refused_sweep_job_gets_a_run_json_and_the_sweep_goes_on(failing, tmp_
 
 def test_a_started_job_keeps_the_reason_its_launcher_wrote(failing, tmp_path):
     rundir.create_run_file(tmp_path, {"status": "failed", "error": "rank 1 died (signal 9)"})
-    failing(1, None)
-    sweep.run_job({}, run_dir=tmp_path, multirun=True, job=None)
-    assert [f"{tmp_path}: rank 1 died (signal 9)"] == sweep._FAILURES
+    jobs = failing(1, None)
+    jobs.run_job({}, run_dir=tmp_path, multirun=True, job=None)
+    assert [f"{tmp_path}: rank 1 died (signal 9)"] == jobs.failures
 
 
 @pytest.mark.parametrize("code,multirun", [(2, False), (preempt.EXIT_CODE, True), (130, True)])
 def test_a_single_run_a_preemption_or_ctrl_c_ends_it_all(failing, tmp_path, code, multirun):
-    failing(code, None)
+    jobs = failing(code, None)
     with pytest.raises(SystemExit) as e:
-        sweep.run_job({}, run_dir=tmp_path, multirun=multirun, job=None)
-    assert e.value.code == code and sweep.exit_code() == 0
+        jobs.run_job({}, run_dir=tmp_path, multirun=multirun, job=None)
+    assert e.value.code == code and jobs.exit_code() == 0
+
+
+def test_a_study_s_failed_trials_are_listed_and_do_not_fail_the_command(failing, tmp_path, capsys):
+    jobs = failing(1, None)
+    rundir.create_run_file(tmp_path, {"status": "failed", "error": "loss is nan at step 3"})
+    jobs.run_job({}, run_dir=tmp_path, multirun=True, job=None, trial=True)
+    assert jobs.exit_code() == 0
+    assert "1 trial(s) of the study failed" in capsys.readouterr().err

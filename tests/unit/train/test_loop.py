@@ -3,7 +3,9 @@ every step recorded whatever trainer.log_every is, and stops and failures at bou
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,39 +55,80 @@ def build_run(*overrides: str, implementation: OptimImpl | None = None):
     return cfg, sharded, optimizer, scheduler, data, loss
 
 
-def run_loop(*overrides: str, stop: bool = False, implementation=None, on_records=None):
-    cfg, sharded, optimizer, scheduler, data, loss = build_run(
-        *overrides, implementation=implementation
-    )
-    t = cfg.trainer
-    records, boundaries = [], []
+class Recorded:
+    """Rank 0's reporter, as the loop sees it: each boundary's window of records."""
 
-    def collect(batch):
-        records.extend(batch)
-        if on_records is not None:
-            on_records(batch)
+    def __init__(self, on_records=None):
+        self.records, self.boundaries, self.on_records = [], [], on_records
 
-    _last, stopped = loop.train(
-        sharded.model,
+    def train_records(self, batch):
+        self.records.extend(batch)
+        if batch:
+            self.boundaries.append(batch[-1].step)
+        if self.on_records is not None:
+            self.on_records(batch)
+
+    def validation(self, step, result):
+        raise AssertionError("no evaluation configured")
+
+
+class SavesAt:
+    """A checkpointer that asks for a boundary at ``step`` and writes nothing."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def should_save(self, step):
+        return step == self.step
+
+    def poll(self):
+        pass
+
+    def save(self, step, tokens_seen):
+        pass
+
+
+def train_state(sharded, optimizer, scheduler, data, loss, *, checkpointer, tokens_per_step):
+    """The parts of ``train.build.TrainState`` the loop reads."""
+    return SimpleNamespace(
+        sharded=sharded,
         data=data,
         loss=loss,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=None,
-        grad_clip=1.0,
+        checkpointer=checkpointer,
         start_step=0,
-        max_steps=t.max_steps,
-        grad_accum_steps=1,
+        tokens_seen=0,
+        tokens_per_step=tokens_per_step,
+        eval_batches=0,
+    )
+
+
+def run_loop(*overrides: str, stop: bool = False, implementation=None, on_records=None):
+    cfg, sharded, optimizer, scheduler, data, loss = build_run(
+        *overrides, implementation=implementation
+    )
+    t = cfg.trainer
+    reporter = Recorded(on_records)
+    state = train_state(
+        sharded,
+        optimizer,
+        scheduler,
+        data,
+        loss,
+        checkpointer=SavesAt(6),
         tokens_per_step=t.micro_batch_size * t.seq_len,
+    )
+    setup = loop.LoopSetup(
+        trainer=dataclasses.replace(t, grad_accum_steps=1),
+        grad_clip=1.0,
         device=torch.device("cpu"),
-        place=sharded.place_batch,
-        log_every=t.log_every,
-        boundary_at=lambda step: step == 6,
-        on_records=collect,
-        on_boundary=boundaries.append,
+        reporter=reporter,
         stop_requested=lambda: stop,
     )
-    return records, boundaries, stopped
+    end = loop.train(state, setup)
+    return reporter.records, reporter.boundaries, end.preempted
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -126,25 +169,25 @@ def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, m
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     windows = []
+    reporter = Recorded(lambda batch: windows.append([m.step for m in batch]))
     loop.train(
-        sharded.model,
-        data=data,
-        loss=run_loss,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=None,
-        grad_clip=1.0,
-        start_step=0,
-        max_steps=10,
-        grad_accum_steps=1,
-        tokens_per_step=256,
-        device=torch.device("cpu"),
-        place=sharded.place_batch,
-        log_every=4,
-        boundary_at=lambda s: False,
-        on_records=lambda batch: windows.append([m.step for m in batch]),
-        on_boundary=lambda s: None,
-        stop_requested=lambda: False,
+        train_state(
+            sharded,
+            optimizer,
+            scheduler,
+            data,
+            run_loss,
+            checkpointer=SavesAt(-1),
+            tokens_per_step=256,
+        ),
+        loop.LoopSetup(
+            trainer=dataclasses.replace(
+                _cfg.trainer, max_steps=10, grad_accum_steps=1, log_every=4
+            ),
+            grad_clip=1.0,
+            device=torch.device("cpu"),
+            reporter=reporter,
+        ),
     )
     assert state["step"] == 10 and reads == []
     assert windows == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
@@ -188,6 +231,59 @@ def test_a_non_finite_loss_fails_at_the_boundary_naming_its_step(gloo_group):
         )
     assert seen == list(range(1, len(seen) + 1))  # the finite steps before it, recorded
     assert all(math.isfinite(m) for m in seen)
+
+
+def test_a_boundary_records_then_evaluates_then_checkpoints(gloo_group):
+    """The loop's own order at a boundary (evaluation and checkpoint visible in it): a fresh
+    run is evaluated at step 0; then records, evaluation, the finished async save, the save."""
+    cfg, sharded, optimizer, scheduler, data, loss = build_run("trainer.max_steps=6")
+    events = []
+
+    class Reporter(Recorded):
+        def train_records(self, batch):
+            events.append(("records", [m.step for m in batch]))
+
+        def validation(self, step, result):
+            assert math.isfinite(result.loss) and result.tokens > 0
+            events.append(("eval", step))
+
+    class Checkpointer(SavesAt):
+        def poll(self):
+            events.append(("poll",))
+
+        def save(self, step, tokens_seen):
+            events.append(("save", step, tokens_seen))
+
+    state = train_state(
+        sharded,
+        optimizer,
+        scheduler,
+        data,
+        loss,
+        checkpointer=Checkpointer(3),
+        tokens_per_step=100,
+    )
+    state.eval_batches = 1
+    trainer = dataclasses.replace(cfg.trainer, log_every=2, eval_every=3, grad_accum_steps=1)
+    setup = loop.LoopSetup(
+        trainer=trainer, grad_clip=1.0, device=torch.device("cpu"), reporter=Reporter()
+    )
+    end = loop.train(state, setup)
+    assert events == [
+        ("eval", 0),
+        ("records", [1, 2]),
+        ("poll",),
+        ("records", [3]),
+        ("eval", 3),
+        ("poll",),
+        ("save", 3, 300),
+        ("records", [4]),
+        ("poll",),
+        ("records", [5, 6]),
+        ("eval", 6),
+        ("poll",),
+    ]
+    assert end.last.step == 6 and not end.preempted and end.saved_step == 3
 
 
 def test_fused_foreach_and_for_loop_adamw_agree(gloo_group):
