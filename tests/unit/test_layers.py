@@ -168,3 +168,29 @@ def test_long_functions_say_why():
                         f"{module}.{node.name} ({node.end_lineno - node.lineno + 1})"
                     )
     assert not unexplained, "functions over 60 lines without a reason:\n" + "\n".join(unexplained)
+
+
+MAX_PARAMETERS = 8
+
+
+def test_functions_with_many_parameters_say_why():
+    """A function taking more than 8 parameters (self and cls aside) has a ``# Many parameters:
+    <reason>`` comment above it: more usually means a small dataclass is missing."""
+    unexplained = []
+    for module, path in modules().items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+            count = len([n for n in names if n not in ("self", "cls")])
+            if count <= MAX_PARAMETERS:
+                continue
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            above = " ".join(line.strip() for line in lines[max(0, first - 3) : first - 1])
+            if "# Many parameters:" not in above:
+                unexplained.append(f"{module}.{node.name} ({count})")
+    assert not unexplained, "functions over 8 parameters without a reason:\n" + "\n".join(
+        unexplained
+    )
