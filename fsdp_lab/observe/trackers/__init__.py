@@ -65,9 +65,12 @@ def _load(name: str, raw: dict) -> Chosen:
         raise ConfigError(f"logger.{name}.tracker={path} is not a fsdp_lab Tracker subclass")
     for module, package in getattr(cls, "requires", ()):
         if importlib.util.find_spec(module) is None:
+            ours = cls.__module__.startswith("fsdp_lab.")  # its package is in the trackers extra
+            fix = (
+                f"pip install -e '.[trackers]' (or {package})" if ours else f"pip install {package}"
+            )
             raise ConfigError(
-                f"logger={name} needs the {package} package: pip install -e '.[trackers]' "
-                f"(or pip install {package}), or choose another logger"
+                f"logger={name} needs the {package} package: {fix}, or choose another logger"
             )
     try:
         settings = settings_of(cls, raw)

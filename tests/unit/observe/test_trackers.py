@@ -156,6 +156,19 @@ class _Flaky(Tracker):
         self.calls.append(status)
 
 
+class _NeedsAPackage(_Flaky):
+    requires = (("no_such_module_here", "no-such-package"),)
+
+
+def test_a_tracker_without_its_package_is_refused_before_launch_naming_the_fix():
+    with pytest.raises(ConfigError) as e:
+        trackers.check({"mine": {"tracker": f"{__name__}._NeedsAPackage"}})
+    assert str(e.value) == (
+        "logger=mine needs the no-such-package package: pip install no-such-package, or choose "
+        "another logger"
+    )
+
+
 @pytest.mark.parametrize("fail_at", ["start", "log"])
 def test_a_failing_tracker_warns_once_and_the_others_go_on(fail_at, caplog, tmp_path, monkeypatch):
     monkeypatch.setattr(_Flaky, "fail_at", fail_at)
