@@ -30,8 +30,10 @@ def setup_rank_logging(log_dir: Path, rank: int) -> Path:
         # Tracebacks go to the log file; the launcher prints one line about them.
         console.addFilter(lambda record: record.exc_info is None)
         root.addHandler(console)
-    for noisy in ("transformers", "torch.distributed", "urllib3", "filelock"):
+    for noisy in ("transformers", "torch.distributed", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # A tracker's HTTP retries: the tracker's own warning says what failed, once.
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
     return path
 
 

@@ -162,6 +162,8 @@ def log_sweep_files(logger: dict, sweep_dir: Path, paths: list[Path]) -> None:
             log.warning("logger=%s: the sweep's report was not logged (%s)", c.name, e)
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 240) -> str:
+    """An error in one short line (HTTP clients' first lines run to a kilobyte)."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
