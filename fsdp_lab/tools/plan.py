@@ -32,7 +32,7 @@ from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
-from fsdp_lab.tools import memory
+from fsdp_lab.tools import activation_memory, memory
 from fsdp_lab.tools.plan_result import (
     Batch,
     Checkpointing,
@@ -124,7 +124,7 @@ class ModelShape:
     params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
     total_params: int  # the model's, whole
     trainable_params: int  # total_params unless finetune freezes some or adds adapters
-    layer: memory.LayerShape
+    layer: activation_memory.LayerShape
     num_checkpointed: int  # decoder layers under activation checkpointing
     last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
     vocab_source: str
@@ -202,7 +202,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         )
         for p in model.parameters()
     ]
-    layer, notes = memory.layer_shape(hf_config, cfg.model.task)
+    layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
     if any(not q.trainable for q in params):
         notes.append(
             f"finetune={cfg.finetune.method.name}: activations are counted as for full "
@@ -276,7 +276,7 @@ def strategy_plan(
     by_dp_rank = memory.per_rank_state(facts.params, dp_mesh)
     per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]  # TP innermost
     t = cfg.trainer
-    act = memory.activations(
+    act = activation_memory.activations(
         facts.layer,
         batch=t.micro_batch_size,
         seq_len=t.seq_len,
@@ -348,7 +348,7 @@ def build_plan(overrides: list[str]) -> Plan:
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
     b = TORCH_DTYPES[p.param_dtype].itemsize
     acts = {
-        name: memory.activations(
+        name: activation_memory.activations(
             layer,
             batch=t.micro_batch_size,
             seq_len=t.seq_len,

@@ -24,7 +24,7 @@ from fsdp_lab.config import (
 from fsdp_lab.data import corpus
 from fsdp_lab.engine import activations, finetune, fsdp, precision, wrap
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.tools import cli, memory, plan, plan_result
+from fsdp_lab.tools import activation_memory, cli, memory, plan, plan_result
 from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 
@@ -376,7 +376,11 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none", num_kv_he
         p.data = p.data.to(dtype)
     ac_cfg = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode[ac])
     activations.apply_activation_checkpointing(model, finetune.blocks(model), ac_cfg)
-    return model, memory.layer_shape(hf, task)[0], len(activations.checkpointed_indices(ac_cfg, 3))
+    return (
+        model,
+        activation_memory.layer_shape(hf, task)[0],
+        len(activations.checkpointed_indices(ac_cfg, 3)),
+    )
 
 
 def saved_bytes(model, batch) -> int:
@@ -437,7 +441,7 @@ def test_activations_are_what_autograd_saves(arch, dtype):
     model, shape, _ = small_model(arch, dtype)
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(
+    estimate = activation_memory.activations(
         shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
     ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
@@ -489,8 +493,8 @@ def test_dropout_and_neox_activations_are_what_autograd_saves(name, dtype):
     model = auto.from_config(hf).to(dtype).train()
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(
-        memory.layer_shape(hf, task)[0],
+    estimate = activation_memory.activations(
+        activation_memory.layer_shape(hf, task)[0],
         batch=3,
         seq_len=96,
         b=dtype.itemsize,
@@ -512,10 +516,12 @@ def test_activations_with_a_fused_loss(arch, dtype):
     loss_lib.apply_fused_loss(model, LossKind.chunked, chunk_size=chunk, compiled=False)
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    fused = memory.activations(
+    fused = activation_memory.activations(
         shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0, loss_chunk=chunk
     )
-    hf = memory.activations(shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0)
+    hf = activation_memory.activations(
+        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+    )
     assert abs(fused.saved / measured - 1) <= ACTIVATION_TOLERANCE, (fused.saved, measured)
     assert fused.loss_grad == chunk * shape.vocab * 8 < hf.loss_grad
 
@@ -535,10 +541,10 @@ def test_activations_under_tensor_parallelism_are_what_autograd_saves(fake_group
     tensor_parallel.apply(model, mesh, ParallelConfig(tensor=tp, sequence_parallel=sp))
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(
+    estimate = activation_memory.activations(
         shape, batch=3, seq_len=96, b=4, num_checkpointed=0, tensor=tp, sequence_parallel=sp
     ).saved
-    whole = memory.activations(shape, batch=3, seq_len=96, b=4, num_checkpointed=0).saved
+    whole = activation_memory.activations(shape, batch=3, seq_len=96, b=4, num_checkpointed=0).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
     assert measured < whole
 
@@ -557,7 +563,7 @@ def test_activations_with_checkpointing(arch, dtype, ac):
     model, shape, num_checkpointed = small_model(arch, dtype, ac)
     ids = torch.randint(0, 250, (3, 96))
     measured = live_bytes_after_forward(model, dict(input_ids=ids, labels=ids))
-    estimate = memory.activations(
+    estimate = activation_memory.activations(
         shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=num_checkpointed
     ).saved
     assert abs(estimate / measured - 1) <= 2 * ACTIVATION_TOLERANCE, (estimate, measured)
