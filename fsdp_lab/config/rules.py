@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.schema import (
     CheckpointConfig,
-    CheckpointFormat,
     Config,
     ConfigError,
     DataConfig,
@@ -225,9 +225,10 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         )
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
-    if c.async_enabled and c.format is not CheckpointFormat.sharded:
+    if c.async_enabled and not format_row(c.format).async_saves:
         raise ConfigError(
-            f"checkpoint.async_enabled=true needs checkpoint=sharded (got {c.format.name})"
+            f"checkpoint.async_enabled=true needs checkpoint={' or '.join(with_async_saves())} "
+            f"(got {c.format.name})"
         )
 
 
@@ -337,8 +338,8 @@ def refuse_for_xla(cfg: Config) -> None:
             "compiles the model's own loss into the step; use loss=hf (or loss=auto)",
         ),
         (
-            cfg.checkpoint.format is CheckpointFormat.full,
-            "checkpoint=full: use checkpoint="
+            not format_row(cfg.checkpoint.format).on_xla,
+            f"checkpoint={cfg.checkpoint.format.name}: use checkpoint="
             "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)",
         ),
         (

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind, StartMethod
+from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
@@ -142,7 +143,7 @@ def _resume_point(
     if resume_path is not None:
         marker = json.loads((resume_path / ckpt.MARKER).read_text())
         step = marker["step"]
-        if topo.device is HardwareKind.tpu and marker["format"] != "sharded":
+        if topo.device is HardwareKind.tpu and not format_row(marker["format"]).on_xla:
             raise ConfigError(
                 f"resume={resume_path}: a checkpoint={marker['format']} checkpoint cannot be "
                 "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import CheckpointConfig, CheckpointFormat, OnSaveError
+from fsdp_lab.config import CheckpointConfig, OnSaveError
+from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.engine import fsdp, hardware
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, rng, safe_load
@@ -127,7 +128,7 @@ class Checkpointer:
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.format is not CheckpointFormat.none
+        return format_row(self.cfg.format).saves
 
     def should_save(self, step: int) -> bool:
         n = self.cfg.every_n_steps

@@ -1,0 +1,45 @@
+"""The checkpoint formats, one row each: what a format allows, for the rules and the launcher.
+
+``state.formats`` holds each format's reader/writer (a ``StateFormat`` per row); this table
+says, without torch, what the checks before launch need to know of a format. A new format is a
+``CheckpointFormat``, a row here, its ``StateFormat`` in ``state.formats.FORMATS`` and a
+``conf/checkpoint/`` file.
+
+| checkpoint.format | saves | async saves | hardware=tpu |
+| sharded           | yes   | yes         | yes          |
+| full              | yes   | no          | no           |
+| none              | no    | no          | yes          |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_lab.config.schema import CheckpointFormat
+
+
+@dataclass(frozen=True)
+class FormatRow:
+    saves: bool
+    """Writes checkpoints at all (none: the run keeps nothing to resume from)."""
+    async_saves: bool
+    """checkpoint.async_enabled can write it in the background (DCP's async_save)."""
+    on_xla: bool
+    """hardware=tpu writes and reads it (torch_xla's DCP planners read only DCP's files)."""
+
+
+FORMATS: dict[CheckpointFormat, FormatRow] = {
+    CheckpointFormat.sharded: FormatRow(saves=True, async_saves=True, on_xla=True),
+    CheckpointFormat.full: FormatRow(saves=True, async_saves=False, on_xla=False),
+    CheckpointFormat.none: FormatRow(saves=False, async_saves=False, on_xla=True),
+}
+
+
+def format_row(fmt: CheckpointFormat | str) -> FormatRow:
+    """The row of a format (or of its name, as a checkpoint's marker says it)."""
+    return FORMATS[CheckpointFormat[fmt] if isinstance(fmt, str) else fmt]
+
+
+def with_async_saves() -> list[str]:
+    """The formats checkpoint.async_enabled can write, by name, for an error's fix."""
+    return [f.name for f, row in FORMATS.items() if row.async_saves]
