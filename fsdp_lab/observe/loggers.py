@@ -88,9 +88,15 @@ class Progress:
 def read_metrics(path: Path, split: str = "train") -> list[dict]:
     """The records of one split of a metrics.jsonl: "train" (one per optimizer step) or "val"
     (one per evaluation), for tests, reports and users."""
+    return [r for r in read_records(path) if r.get("split", "train") == split]
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every record of a metrics.jsonl in the order written (none if there is no file)."""
+    if not path.is_file():
+        return []
     with path.open(encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if r.get("split", "train") == split]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 class RunSummary:

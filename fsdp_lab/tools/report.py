@@ -273,5 +273,6 @@ class SweepReport(Callback):
             print(f"fsdp_lab: warning: no sweep report for {sweep_dir}: {e}", file=sys.stderr)
             return
         print(f"fsdp_lab: sweep report: {paths[0]}", file=sys.stderr)
-        logger = OmegaConf.to_container(config.get("logger") or {}, resolve=True)
-        trackers.log_sweep_files(logger, sweep_dir, paths)
+        logger = config.get("logger")  # logger=none: an empty node, nothing to send
+        if logger:
+            trackers.log_sweep_files(OmegaConf.to_container(logger, resolve=True), sweep_dir, paths)

@@ -18,7 +18,7 @@ import transformers
 from fsdp_lab.config import Config, HardwareKind, LossKind, to_container
 from fsdp_lab.engine import hardware
 from fsdp_lab.observe import metrics
-from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary
+from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary, read_records
 from fsdp_lab.observe.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -151,7 +151,8 @@ class RunFacts:
 
 
 class Reporter:
-    """Rank 0's records of a run: run.json, metrics.jsonl, the summary, the progress bar, W&B."""
+    """Rank 0's records of a run: run.json, metrics.jsonl, the summary, the progress bar, the
+    trackers."""
 
     def __init__(
         self,
@@ -159,12 +160,10 @@ class Reporter:
         run_dir: Path,
         facts: RunFacts,
         *,
-        tracker: TrackerSet,
+        trackers: TrackerSet,
         start_step: int,
-        logged_through: int,
     ) -> None:
-        self.cfg, self.run_dir, self.facts, self.tracker = cfg, run_dir, facts, tracker
-        self.logged_through = logged_through  # the trackers have the steps up to here
+        self.cfg, self.run_dir, self.facts, self.trackers = cfg, run_dir, facts, trackers
         self.summary = RunSummary()
         self.writer = MetricsWriter(run_dir / METRICS_FILE)
         self.progress = Progress(
@@ -178,28 +177,27 @@ class Reporter:
         """Log the run's shape, start (or continue) its trackers, mark run.json running."""
         _log_start(cfg, facts, ctx.kind)
         claimed = read_run_file(run_dir)  # the launcher's: the job, a resumed run's tracker ids
-        continuing = cfg.resume != "never" and "trackers" in claimed
         facts.job = claimed.get("job")
         run = RunInfo(run_dir, tracker_params(cfg, facts), facts.job or {})
-        tracker = TrackerSet.start(
-            cfg.logger, run, resume=claimed["trackers"] if continuing else {}
+        continuing = cfg.resume != "never" and ("trackers" in claimed or "wandb" in claimed)
+        # run.json before trackers had only W&B's, at the top level
+        resume = claimed.get("trackers", {"wandb": claimed.get("wandb")}) if continuing else {}
+        trackers = TrackerSet.start(
+            cfg.logger,
+            run,
+            resume={name: info for name, info in resume.items() if info},
+            logged_through=claimed.get("logged_through_step", -1),
+            history=read_records(run_dir / METRICS_FILE) if continuing else [],
         )
-        facts.trackers = tracker.info
+        facts.trackers = trackers.info
         write_run_file(run_dir, {**facts.as_dict(), "status": "running"})
-        return cls(
-            cfg,
-            run_dir,
-            facts,
-            tracker=tracker,
-            start_step=state.start_step,
-            logged_through=claimed.get("logged_through_step", -1) if continuing else -1,
-        )
+        return cls(cfg, run_dir, facts, trackers=trackers, start_step=state.start_step)
 
     def _emit(self, records: list[dict]) -> None:
         for record in records:
             self.writer.write(record)
             self.summary.add(record)
-        self.tracker.log([r for r in records if r["step"] > self.logged_through])
+        self.trackers.log(records)
 
     def train_records(self, records: list[metrics.StepMetrics]) -> None:
         """Every step of a logging window."""
@@ -253,7 +251,7 @@ class Reporter:
         write_run_file(
             self.run_dir, {**self.facts.as_dict(), "status": status, "step": end_step, **results}
         )
-        self.tracker.finish(
+        self.trackers.finish(
             status=status,
             summary={**results, "step": end_step},
             files=[self.run_dir / RUN_FILE, self.run_dir / CONFIG_FILE],
@@ -269,7 +267,7 @@ class Reporter:
             )
 
     def fail(self) -> None:
-        self.tracker.finish(status="failed", summary=self.summary.as_dict(), files=[])
+        self.trackers.finish(status="failed", summary=self.summary.as_dict(), files=[])
 
 
 def tracker_params(cfg: Config, facts: RunFacts) -> dict:

@@ -83,17 +83,27 @@ class TrackerSet:
     """Rank 0's trackers. A tracker that fails to start, or fails later, is dropped after one
     warning: the run goes on, metrics.jsonl and the other trackers keep every record."""
 
-    def __init__(self, chosen_trackers: list[Chosen], started: dict[str, Tracker]) -> None:
-        self._chosen = {c.name: c for c in chosen_trackers}
+    def __init__(self, started: dict[str, Tracker], *, skip_through: dict[str, int]) -> None:
         self._started = started
+        self._skip_through = skip_through  # per tracker: it has the steps up to here already
 
     @classmethod
-    def start(cls, logger: dict, run: RunInfo, *, resume: dict[str, dict]) -> TrackerSet:
-        """Start every tracker of ``logger``; ``resume``: each one's run.json info from the
-        attempt before a preemption (empty for a fresh run)."""
-        wanted = chosen(logger)
+    def start(
+        cls,
+        logger: dict,
+        run: RunInfo,
+        *,
+        resume: dict[str, dict],
+        logged_through: int,
+        history: list[dict],
+    ) -> TrackerSet:
+        """Start every tracker of ``logger``. A resumed run gives ``resume``, each tracker's
+        run.json info from the attempt before, ``logged_through``, the last step the trackers
+        were sent then, and ``history``, the records metrics.jsonl kept: a tracker with info
+        continues its run (and skips the steps it has), one without (new to the run, or not
+        started last time) starts a new run and is sent the history first."""
         started = {}
-        for c in wanted:
+        for c in chosen(logger):
             try:
                 tracker = c.cls.start(c.settings, run, resume=resume.get(c.name))
             except Exception as e:  # noqa: BLE001 - no tracker may end the run
@@ -106,7 +116,11 @@ class TrackerSet:
                 continue
             if tracker is not None:
                 started[c.name] = tracker
-        return cls(wanted, started)
+        skip = {name: logged_through if name in resume else -1 for name in started}
+        tracker_set = cls(started, skip_through=skip)
+        if history:
+            tracker_set.log(history)
+        return tracker_set
 
     @property
     def info(self) -> dict[str, dict]:
@@ -114,17 +128,13 @@ class TrackerSet:
         return {name: t.info for name, t in self._started.items()}
 
     def log(self, records: list[dict]) -> None:
-        """A logging window's metrics.jsonl records, each at its step, then a flush."""
-        if not (self._started and records):
-            return
+        """Records of metrics.jsonl, each at its step, then a flush; a tracker is sent only
+        the steps it does not have."""
         numbers = [(metrics_of(r), r["step"]) for r in records]
-
-        def send(tracker: Tracker) -> None:
-            for values, step in numbers:
-                tracker.log_metrics(values, step)
-            tracker.flush()
-
-        self._each(send)
+        for name in list(self._started):
+            mine = [(m, step) for m, step in numbers if step > self._skip_through[name]]
+            if mine:
+                self._call(name, lambda t, mine=mine: _send(t, mine))
 
     def finish(self, *, status: str, summary: dict, files: list[Path]) -> None:
         """The run's files and summary; every tracker closed."""
@@ -134,17 +144,25 @@ class TrackerSet:
         self._started = {}
 
     def _each(self, call) -> None:
-        for name, tracker in list(self._started.items()):
-            try:
-                call(tracker)
-            except Exception as e:  # noqa: BLE001 - no tracker may end the run
-                log.warning(
-                    "logger=%s stopped (%s); metrics.jsonl and the other trackers have every "
-                    "record",
-                    name,
-                    _first_line(e),
-                )
-                del self._started[name]
+        for name in list(self._started):
+            self._call(name, call)
+
+    def _call(self, name: str, call) -> None:
+        try:
+            call(self._started[name])
+        except Exception as e:  # noqa: BLE001 - no tracker may end the run
+            log.warning(
+                "logger=%s stopped (%s); metrics.jsonl and the other trackers have every record",
+                name,
+                _first_line(e),
+            )
+            del self._started[name]
+
+
+def _send(tracker: Tracker, numbers: list[tuple[dict[str, float], int]]) -> None:
+    for values, step in numbers:
+        tracker.log_metrics(values, step)
+    tracker.flush()
 
 
 def log_sweep_files(logger: dict, sweep_dir: Path, paths: list[Path]) -> None:

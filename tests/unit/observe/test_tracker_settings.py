@@ -156,6 +156,39 @@ class _Flaky(Tracker):
         self.calls.append(status)
 
 
+class _Recorder(_Flaky):
+    """Records the steps it is sent, and whether it was started to continue."""
+
+    @classmethod
+    def start(cls, settings, run, *, resume):
+        cls.calls.append(("resumed", resume))
+        return cls()
+
+    def log_metrics(self, metrics, step):
+        self.calls.append(step)
+
+
+def test_on_resume_a_continued_tracker_skips_what_it_has_and_a_new_one_gets_the_history(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(_Recorder, "calls", [])
+    logger = {"old": {"tracker": f"{__name__}._Recorder"}}
+    logger["new"] = dict(logger["old"])
+    val = {"split": "val", "val_loss": 1.0, "val_ppl": 2.7, "val_tokens": 8}
+    history = [{**val, "step": s} for s in (2, 4)]  # metrics.jsonl, cut at the checkpoint (4)
+    tracker_set = TrackerSet.start(
+        logger,
+        RunInfo(tmp_path, {}),
+        resume={"old": {"id": "x"}},
+        logged_through=6,  # the attempt before sent steps up to 6, then died
+        history=history,
+    )
+    assert _Recorder.calls == [("resumed", {"id": "x"}), ("resumed", None), 2, 4]
+    _Recorder.calls.clear()
+    tracker_set.log([{**val, "step": s} for s in (6, 8)])
+    assert _Recorder.calls == [8, 6, 8]  # "old" has 6 already
+
+
 class _NeedsAPackage(_Flaky):
     requires = (("no_such_module_here", "no-such-package"),)
 
@@ -179,7 +212,9 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(fail_at, caplog, tmp_
     }
     record = {"split": "val", "step": 2, "val_loss": 1.0, "val_ppl": 2.7, "val_tokens": 8}
     with caplog.at_level(logging.WARNING, logger="fsdp_lab"):
-        tracker_set = TrackerSet.start(logger, RunInfo(tmp_path, {"seed": 0}), resume={})
+        tracker_set = TrackerSet.start(
+            logger, RunInfo(tmp_path, {"seed": 0}), resume={}, logged_through=-1, history=[]
+        )
         for _ in range(3):
             tracker_set.log([record])
         tracker_set.finish(status="completed", summary={"final_loss": None}, files=[])
