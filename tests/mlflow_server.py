@@ -1,8 +1,9 @@
 """A real MLflow tracking server for the tests, on localhost, with a SQLite backend.
 
-`mlflow server` needs the full mlflow package and SQLAlchemy 2, which the project's environment
-cannot have (the study sweeper's optuna<3 pins SQLAlchemy 1.4; ../shared/FACTS.md): the server
-runs from an environment of its own, .venv-mlflow, built here the first time (about a minute),
+`mlflow server` needs the full mlflow package and SQLAlchemy 2 (with SQLAlchemy 1.4 it dies at
+start: "module 'sqlalchemy' has no attribute 'Engine'"), which the project's environment cannot
+have: the optuna extra's optuna<3 pins SQLAlchemy below 2. So the server runs from an
+environment of its own, .venv-mlflow, built here the first time (about a minute),
 with the same MLflow version as the project's mlflow-skinny client.
 """
 

@@ -46,8 +46,9 @@ class LossRow:
     """hardware=tpu runs it. XLA compiles the model's own loss into the step; a fused loss's
     autograd function would be traced and compiled as it is, which nobody has measured."""
     memory_as: LossKind | None = None
-    """The loss whose working memory ``fsdp-lab plan`` counts for this one (and says so), or
-    None: the plan models this one's own."""
+    """The loss whose working memory ``fsdp-lab plan`` counts for this one (and says so in a
+    note). None only for the two the plan models: hf (the fp32 logits) and chunked (a chunk's);
+    a new row names the nearer of the two (test_losses holds this)."""
 
 
 L = LossKind

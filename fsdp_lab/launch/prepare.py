@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind, StartMethod
 from fsdp_lab.config.checkpoint_formats import format_row
+from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
@@ -110,13 +111,12 @@ def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None
     to train, and LoRA on the output head under a loss that reads the head's weight alone."""
     from fsdp_lab.config import FinetuneMethod
     from fsdp_lab.engine import finetune
-    from fsdp_lab.train import loss as loss_lib
 
     finetune.apply(meta_model, cfg.finetune)
     method = cfg.finetune.method
     if method is FinetuneMethod.full:
         return
-    if finetune.adapts_head(meta_model) and loss_kind in loss_lib.FUSED_KINDS:
+    if finetune.adapts_head(meta_model) and loss_of(loss_kind).fused:
         raise ConfigError(
             f"finetune.target_modules adapts the output head, and loss={loss_kind.name} "
             "computes the logits from the head's weight alone (without its adapter); set "
@@ -160,8 +160,8 @@ def _resume_point(
     _claim_run_dir(run_dir, continuing=continuing, job=job)
     if continuing:
         logged = _truncate_metrics(run_dir / rundir.METRICS_FILE, step)
-        # W&B keeps what it logged past the checkpoint; the worker logs only after it, so a
-        # resumed W&B run has every step once.
+        # A tracker keeps what it logged past the checkpoint; the reporter sends a continued
+        # tracker only the steps after it, so a resumed tracker run has every step once.
         rundir.update_run_file(run_dir, logged_through_step=max(logged, step))
         log.info("resuming %s from %s (step %d)", run_dir, resume_path, step)
     elif resume_path is not None:

@@ -34,7 +34,7 @@ OBJECTIVE_KEYS = {
 
 
 def job_info(hydra_cfg) -> dict:
-    """What run.json, W&B and reports say of a job: its command-line overrides, the chosen
+    """What run.json, the trackers and reports say of a job: its command-line overrides, the chosen
     option of every config group, and in a sweep its multirun dir and number."""
     from hydra.types import RunMode
 

@@ -100,7 +100,7 @@ def read_records(path: Path) -> list[dict]:
 
 
 class RunSummary:
-    """A run's final and best values from its metric records: run.json and W&B's summary."""
+    """A run's final and best values from its metric records: run.json and the trackers' summary."""
 
     def __init__(self) -> None:
         self._train: list[dict] = []

@@ -1,5 +1,6 @@
 """The files of a run dir, and who may write them: config.yaml (the resolved config the ranks
-run), run.json (facts and status), metrics.jsonl, logs/, checkpoints/, hf/, wandb/."""
+run), run.json (facts and status), metrics.jsonl, logs/, checkpoints/, hf/, and the trackers'
+own (wandb/, tensorboard/)."""
 
 from __future__ import annotations
 

@@ -336,7 +336,6 @@ def strategy_plan(
     )
 
 
-# Long: mostly the Plan's fields, one per line.
 def build_plan(overrides: list[str]) -> Plan:
     """Every figure of the plan (bytes per rank)."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES

@@ -81,7 +81,7 @@ class StrategyPlan:
 
 @dataclass(frozen=True)
 class Units:
-    description: str  # wrap.describe's line
+    description: str  # wrap.summarize_units' line
     count: int  # FSDP units, the root included
     classes: dict[str, int]  # units per module class
 

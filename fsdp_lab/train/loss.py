@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
-from fsdp_lab.config.losses import fused_kinds, loss_of
+from fsdp_lab.config.losses import loss_of
 from fsdp_lab.data.loader import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 # loss = ForCausalLMLoss(logits, labels). Gemma 2/3 (soft-capping), Cohere (logit_scale) and
 # Granite (logits_scaling) are not: they keep loss=hf.
 FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
-FUSED_KINDS = fused_kinds()  # the rows of config.losses with fused=True
 CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 

@@ -27,7 +27,7 @@ from fsdp_lab.observe.rundir import (
     write_run_file,
 )
 from fsdp_lab.observe.trackers import RunInfo, TrackerSet
-from fsdp_lab.observe.trackers.base import flatten
+from fsdp_lab.observe.trackers.base import flatten, redact
 from fsdp_lab.train.build import RankContext, TrainState
 
 log = logging.getLogger("fsdp_lab")
@@ -280,7 +280,7 @@ def tracker_params(cfg: Config, facts: RunFacts) -> dict:
         params.update({"study.name": job["study"], "study.trial": job["num"]})
     system = facts.as_dict()
     params.update({f"system.{k}": system[k] for k in _SYSTEM_PARAMS if k in system})
-    return params
+    return {k: redact(v) for k, v in params.items()}
 
 
 def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:

@@ -76,7 +76,7 @@ def run(
     rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
     try:
         result = fit(rank_run)  # 3) the loop, with its evaluations and checkpoints
-        finish(rank_run, result)  # 4) last checkpoint, export, run.json, W&B's summary
+        finish(rank_run, result)  # 4) last checkpoint, export, run.json, the trackers' summary
     except BaseException:
         if reporter is not None:
             reporter.fail()
@@ -126,7 +126,7 @@ def fit(r: RankRun) -> FitResult:
     """The loop, with its evaluations and checkpoints; a preemption signal ends it at the next
     logging boundary on every rank."""
     cfg, ctx, state = r.cfg, r.ctx, r.state
-    # The steps' peak memory is theirs: not the weight loading's, nor W&B's start on rank 0.
+    # The steps' peak memory is theirs: not the weight loading's, nor the trackers' start on rank 0.
     hardware.reset_peak_memory(ctx.device)
     r.facts.memory_before_train_bytes_per_rank = hardware.gather_from_processes(
         hardware.current_memory_bytes(ctx.device)
@@ -180,7 +180,7 @@ def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
 
 
 def finish(r: RankRun, result: FitResult) -> None:
-    """The final (or preemption) checkpoint, the Hugging Face export, run.json and W&B's
+    """The final (or preemption) checkpoint, the Hugging Face export, run.json and the trackers'
     summary. A preempted run raises ``Preempted`` on every rank once that is done."""
     cfg, state, end = r.cfg, r.state, result.end_step
     if state.checkpointer.enabled and result.saved_step != end:

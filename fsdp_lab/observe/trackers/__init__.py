@@ -63,7 +63,7 @@ def _load(name: str, raw: dict) -> Chosen:
         raise ConfigError(f"logger.{name}.tracker={path}: cannot import it ({e})") from e
     if not (isinstance(cls, type) and issubclass(cls, Tracker)):
         raise ConfigError(f"logger.{name}.tracker={path} is not a fsdp_lab Tracker subclass")
-    for module, package in getattr(cls, "requires", ()):
+    for module, package in cls.requires:
         if importlib.util.find_spec(module) is None:
             ours = cls.__module__.startswith("fsdp_lab.")  # its package is in the trackers extra
             fix = (

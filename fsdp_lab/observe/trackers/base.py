@@ -10,6 +10,7 @@ and drops it.
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -63,6 +64,8 @@ class Tracker(abc.ABC):
 
     Settings: ClassVar[type]
     """A dataclass of the tracker's YAML keys (besides `tracker`), with a docstring for each."""
+    requires: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """(module, pip package) pairs it imports: a missing one is refused before launch."""
 
     @classmethod
     @abc.abstractmethod
@@ -127,6 +130,14 @@ def metrics_of(record: dict) -> dict[str, float]:
     if len(peaks) <= _PER_RANK_SERIES:
         data.update({f"memory/peak_gib_rank{r}": b / 2**30 for r, b in enumerate(peaks)})
     return data
+
+
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://[^/:@]*):[^/@]*@", re.IGNORECASE)
+
+
+def redact(value: Any) -> Any:
+    """A URL's password as *** (a tracking URI may carry one): never in params or run.json."""
+    return _USERINFO.sub(r"\1:***@", value) if isinstance(value, str) else value
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

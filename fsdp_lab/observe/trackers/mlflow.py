@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from fsdp_lab.observe.trackers.base import RunInfo, Tracker
+from fsdp_lab.observe.trackers.base import RunInfo, Tracker, redact
 
 log = logging.getLogger("fsdp_lab")
 
@@ -84,9 +84,9 @@ class MlflowTracker(Tracker):
     @classmethod
     def start(cls, settings: MlflowSettings, run: RunInfo, *, resume: dict | None) -> MlflowTracker:
         client, uri = _client(settings)
-        if resume is not None and resume.get("tracking_uri") == uri:
+        if resume is not None and resume.get("tracking_uri") == redact(uri):
             client.update_run(resume["run_id"], status="RUNNING")
-            log.info("MLflow: continuing run %s at %s", resume["run_id"], uri)
+            log.info("MLflow: continuing run %s at %s", resume["run_id"], redact(uri))
             return cls(client, resume)
         experiment_id = _experiment(client, settings.experiment)
         ident = run.identity(group=settings.group, name=settings.run_name, tags=settings.tags)
@@ -96,14 +96,20 @@ class MlflowTracker(Tracker):
         if ident["group"]:
             tags["fsdp_lab.group"] = ident["group"]
             if settings.nested and run.sweep_dir is not None:
-                parent = _parent_run(client, uri, experiment_id, run.sweep_dir, ident["group"])
+                parent = _parent_run(
+                    client,
+                    uri=uri,
+                    experiment_id=experiment_id,
+                    sweep_dir=run.sweep_dir,
+                    group=ident["group"],
+                )
                 tags["mlflow.parentRunId"] = parent
         created = client.create_run(experiment_id, run_name=ident["name"], tags=tags)
         run_id = created.info.run_id
         _log_params(client, run_id, run.params)
         log.info("MLflow: run %s (%s) in experiment %s at %s", run_id, ident["name"],
-                 settings.experiment, uri)  # fmt: skip
-        info = {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri}
+                 settings.experiment, redact(uri))  # fmt: skip
+        info = {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": redact(uri)}
         if parent:
             info["parent_run_id"] = parent
         return cls(client, info)
@@ -149,17 +155,19 @@ class MlflowTracker(Tracker):
         if not record.is_file():
             return
         parent = json.loads(record.read_text())
-        client, _ = _client(settings, uri=parent["tracking_uri"])
+        client, uri = _client(settings)
+        if redact(uri) != parent["tracking_uri"]:
+            raise ValueError(f"the sweep's parent run is at {parent['tracking_uri']}, not here")
         for path in paths:
             client.log_artifact(parent["run_id"], str(path))
         client.set_terminated(parent["run_id"], status="FINISHED")
 
 
-def _client(settings: MlflowSettings, uri: str | None = None) -> tuple[Any, str]:
+def _client(settings: MlflowSettings) -> tuple[Any, str]:
     # MLflow reads its HTTP limits from the environment only; a user's own values win.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(settings.request_timeout_s))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(settings.max_retries))
-    uri = uri or settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     uri = uri or (Path.cwd() / "mlruns").as_uri()
     if uri.startswith("file:") or "://" not in uri:
         # MLflow 3 refuses a file store unless asked; it is the one store the client alone
@@ -180,7 +188,7 @@ def _experiment(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def _parent_run(client, uri: str, experiment_id: str, sweep_dir: Path, group: str) -> str:
+def _parent_run(client, *, uri: str, experiment_id: str, sweep_dir: Path, group: str) -> str:
     """The sweep's parent run, created once: the first job takes the lock and writes its id."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / f".{SWEEP_FILE}.lock", "w") as lock:
@@ -188,14 +196,18 @@ def _parent_run(client, uri: str, experiment_id: str, sweep_dir: Path, group: st
         record = sweep_dir / SWEEP_FILE
         if record.is_file():
             known = json.loads(record.read_text())
-            if known["tracking_uri"] == uri and known["experiment_id"] == experiment_id:
+            if known["tracking_uri"] == redact(uri) and known["experiment_id"] == experiment_id:
                 return known["run_id"]
         parent = client.create_run(
             experiment_id,
             run_name=f"sweep {group}",
             tags={"fsdp_lab.group": group, "fsdp_lab.sweep_dir": str(sweep_dir)},
         )
-        known = {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": parent.info.run_id}
+        known = {
+            "tracking_uri": redact(uri),
+            "experiment_id": experiment_id,
+            "run_id": parent.info.run_id,
+        }
         record.write_text(json.dumps(known, indent=2) + "\n")
         return parent.info.run_id
 

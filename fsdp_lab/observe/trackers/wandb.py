@@ -106,7 +106,6 @@ class WandbTracker(Tracker):
     def info(self) -> dict:
         return self._info
 
-    # Long: W&B's start and its fallbacks (offline, then none) must run in this order.
     @classmethod
     def start(
         cls, settings: WandbSettings, run: RunInfo, *, resume: dict | None

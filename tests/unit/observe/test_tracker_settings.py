@@ -18,7 +18,7 @@ from fsdp_lab.config import ConfigError
 from fsdp_lab.config.load import register_schema, to_typed
 from fsdp_lab.observe import trackers
 from fsdp_lab.observe.trackers import RunInfo, Tracker, TrackerSet
-from fsdp_lab.observe.trackers.base import flatten
+from fsdp_lab.observe.trackers.base import flatten, redact
 from fsdp_lab.observe.trackers.wandb import WandbMode, resolve_mode
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -234,3 +234,9 @@ def test_nothing_outside_the_trackers_package_names_a_tracker():
     hits = named_outside(TRACKER_NAMES, {"observe/trackers/"})
     assert not hits, "a tracker named outside observe/trackers:\n" + "\n".join(hits)
     assert TRACKER_NAMES.search("from fsdp_lab.observe.trackers.wandb import WandbTracker")
+
+
+def test_a_password_in_a_uri_never_reaches_params_or_run_json():
+    assert redact("http://me:s3cret@mlflow.corp:5000/x") == "http://me:***@mlflow.corp:5000/x"
+    assert redact("https://mlflow.corp") == "https://mlflow.corp"
+    assert redact(7) == 7

@@ -106,19 +106,11 @@ def train_state(sharded, optimizer, scheduler, data, loss, *, checkpointer, toke
 
 
 def run_loop(*overrides: str, stop: bool = False, implementation=None, on_records=None):
-    cfg, sharded, optimizer, scheduler, data, loss = build_run(
-        *overrides, implementation=implementation
-    )
+    cfg, *parts = build_run(*overrides, implementation=implementation)
     t = cfg.trainer
     reporter = Recorded(on_records)
     state = train_state(
-        sharded,
-        optimizer,
-        scheduler,
-        data,
-        loss,
-        checkpointer=SavesAt(6),
-        tokens_per_step=t.micro_batch_size * t.seq_len,
+        *parts, checkpointer=SavesAt(6), tokens_per_step=t.micro_batch_size * t.seq_len
     )
     setup = loop.LoopSetup(
         trainer=dataclasses.replace(t, grad_accum_steps=1),
@@ -236,7 +228,7 @@ def test_a_non_finite_loss_fails_at_the_boundary_naming_its_step(gloo_group):
 def test_a_boundary_records_then_evaluates_then_checkpoints(gloo_group):
     """The loop's own order at a boundary (evaluation and checkpoint visible in it): a fresh
     run is evaluated at step 0; then records, evaluation, the finished async save, the save."""
-    cfg, sharded, optimizer, scheduler, data, loss = build_run("trainer.max_steps=6")
+    cfg, *parts = build_run("trainer.max_steps=6")
     events = []
 
     class Reporter(Recorded):
@@ -254,15 +246,7 @@ def test_a_boundary_records_then_evaluates_then_checkpoints(gloo_group):
         def save(self, step, tokens_seen):
             events.append(("save", step, tokens_seen))
 
-    state = train_state(
-        sharded,
-        optimizer,
-        scheduler,
-        data,
-        loss,
-        checkpointer=Checkpointer(3),
-        tokens_per_step=100,
-    )
+    state = train_state(*parts, checkpointer=Checkpointer(3), tokens_per_step=100)
     state.eval_batches = 1
     trainer = dataclasses.replace(cfg.trainer, log_every=2, eval_every=3, grad_accum_steps=1)
     setup = loop.LoopSetup(
