@@ -10,7 +10,8 @@
 Groups: sharding, precision, wrap, offload, hardware, model, data, optim, loss, trainer,
 checkpoint, activation_checkpointing, logger, experiment (see conf/).
 Each run writes outputs/<date>/<time>/: config.yaml, run.json, metrics.jsonl, logs/rank*.log,
-and each tracker's files (wandb/, tensorboard/); a sweep also writes report.md and plots in its multirun dir.
+and each tracker's files (wandb/, tensorboard/); a sweep also writes report.md and plots in its
+multirun dir.
 """
 
 import sys
