@@ -99,9 +99,9 @@ class TrackerSet:
     ) -> TrackerSet:
         """Start every tracker of ``logger``. A resumed run gives ``resume``, each tracker's
         run.json info from the attempt before, ``logged_through``, the last step the trackers
-        were sent then, and ``history``, the records metrics.jsonl kept: a tracker with info
-        continues its run (and skips the steps it has), one without (new to the run, or not
-        started last time) starts a new run and is sent the history first."""
+        were sent then, and ``history``, the records metrics.jsonl kept: a tracker that
+        continues its run skips the steps it has; one that starts a new run (new to the run, not
+        started last time, or unable to continue) is sent the history first."""
         started = {}
         for c in chosen(logger):
             try:
@@ -116,7 +116,7 @@ class TrackerSet:
                 continue
             if tracker is not None:
                 started[c.name] = tracker
-        skip = {name: logged_through if name in resume else -1 for name in started}
+        skip = {name: logged_through if t.continues else -1 for name, t in started.items()}
         tracker_set = cls(started, skip_through=skip)
         if history:
             tracker_set.log(history)

@@ -66,13 +66,16 @@ class Tracker(abc.ABC):
     """A dataclass of the tracker's YAML keys (besides `tracker`), with a docstring for each."""
     requires: ClassVar[tuple[tuple[str, str], ...]] = ()
     """(module, pip package) pairs it imports: a missing one is refused before launch."""
+    continues: bool = False
+    """Set by ``start`` when it continued the earlier attempt's run: that run has the steps the
+    attempt logged, which it is then not sent again; a new run is sent metrics.jsonl's."""
 
     @classmethod
     @abc.abstractmethod
     def start(cls, settings: Any, run: RunInfo, *, resume: dict | None) -> Tracker | None:
         """Start the tracker's run, or with ``resume`` (what ``info`` said when the run started
-        before a preemption) continue that same run. None: the tracker is off for this run
-        (after saying why in the log)."""
+        before a preemption) continue that same run, and say so in ``continues``. None: the
+        tracker is off for this run (after saying why in the log)."""
 
     @property
     @abc.abstractmethod

@@ -87,7 +87,9 @@ class MlflowTracker(Tracker):
         if resume is not None and resume.get("tracking_uri") == redact(uri):
             client.update_run(resume["run_id"], status="RUNNING")
             log.info("MLflow: continuing run %s at %s", resume["run_id"], redact(uri))
-            return cls(client, resume)
+            tracker = cls(client, resume)
+            tracker.continues = True
+            return tracker
         experiment_id = _experiment(client, settings.experiment)
         ident = run.identity(group=settings.group, name=settings.run_name, tags=settings.tags)
         tags = dict(_tag(t) for t in ident["tags"])

@@ -57,7 +57,9 @@ class TensorBoardTracker(Tracker):
             writer.add_text("config", "```\n" + json.dumps(run.params, indent=1) + "\n```")
             writer.add_hparams(params, {}, run_name=".")
         log.info("TensorBoard: %s (`tensorboard --logdir %s`)", log_dir, run.run_dir)
-        return cls(writer, str(log_dir))
+        tracker = cls(writer, str(log_dir))
+        tracker.continues = resume is not None  # the same dir: the earlier events are there
+        return tracker
 
     @property
     def info(self) -> dict:

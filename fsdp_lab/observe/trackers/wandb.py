@@ -161,7 +161,9 @@ class WandbTracker(Tracker):
             "group": ident["group"],
             "name": ident["name"],
         }
-        return cls(wb_run, info)
+        tracker = cls(wb_run, info)
+        tracker.continues = resume is not None  # resume="allow" with the earlier run's id
+        return tracker
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)

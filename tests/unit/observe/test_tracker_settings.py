@@ -162,7 +162,9 @@ class _Recorder(_Flaky):
     @classmethod
     def start(cls, settings, run, *, resume):
         cls.calls.append(("resumed", resume))
-        return cls()
+        tracker = cls()
+        tracker.continues = resume is not None
+        return tracker
 
     def log_metrics(self, metrics, step):
         self.calls.append(step)
@@ -240,3 +242,17 @@ def test_a_password_in_a_uri_never_reaches_params_or_run_json():
     assert redact("http://me:s3cret@mlflow.corp:5000/x") == "http://me:***@mlflow.corp:5000/x"
     assert redact("https://mlflow.corp") == "https://mlflow.corp"
     assert redact(7) == 7
+
+
+def test_mlflow_continues_its_run_only_where_that_run_is(tmp_path):
+    """A changed tracking_uri starts a new run, which then gets the steps from metrics.jsonl."""
+    from fsdp_lab.observe.trackers.mlflow import MlflowSettings, MlflowTracker
+
+    here = MlflowSettings(tracking_uri=(tmp_path / "a").as_uri())
+    run = RunInfo(tmp_path / "run", {"seed": 0})
+    first = MlflowTracker.start(here, run, resume=None)
+    again = MlflowTracker.start(here, run, resume=first.info)
+    assert again.continues and again.info["run_id"] == first.info["run_id"]
+    elsewhere = MlflowSettings(tracking_uri=(tmp_path / "b").as_uri())
+    moved = MlflowTracker.start(elsewhere, run, resume=first.info)
+    assert not moved.continues and moved.info["run_id"] != first.info["run_id"]
