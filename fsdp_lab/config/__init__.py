@@ -45,6 +45,7 @@ from fsdp_lab.config.schema import (
     TrainerConfig,
     WrapConfig,
     WrapPolicy,
+    first_line,
     to_container,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
     "TrainerConfig",
     "WrapConfig",
     "WrapPolicy",
+    "first_line",
     "register_schema",
     "to_container",
     "to_typed",

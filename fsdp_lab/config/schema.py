@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A user error in the config: the message names the setting and the fix, on one line."""
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An error in one short line, to quote inside a one-line message: its first line (or its
+    type's name when it has no text), cut at ``limit`` characters (HTTP clients' and hub
+    errors' first lines run to a kilobyte)."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class ShardingStrategy(enum.Enum):
     full = "full"  # ZeRO-3: params, grads, optimizer state sharded; reshard after forward
     grad_op = "grad_op"  # ZeRO-2: params kept gathered between forward and backward

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask
+from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask, first_line
 from fsdp_lab.engine import hardware
 from fsdp_lab.engine.activations import clean_name
 
@@ -47,11 +47,11 @@ def _hf_config(cfg: ModelConfig):
         try:
             return AutoConfig.from_pretrained(local if local.exists() else cfg.name_or_path)
         except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type, offline
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             if not local.exists():
                 raise ConfigError(
                     f"model.name_or_path={cfg.name_or_path} is not a local directory and the "
-                    f"Hugging Face hub did not give its config ({first[:200]}); offline, download "
+                    f"Hugging Face hub did not give its config ({first}); offline, download "
                     "the model elsewhere and pass its directory"
                 ) from e
             raise ConfigError(
@@ -223,10 +223,10 @@ def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
     try:
         return _auto_class(task).from_pretrained(source, dtype=torch.float32)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise ConfigError(
             f"model.pretrained=true but no weights can be read from model.name_or_path="
-            f"{name_or_path} ({first[:200]}); set model.pretrained=false for random init"
+            f"{name_or_path} ({first}); set model.pretrained=false for random init"
         ) from e
 
 

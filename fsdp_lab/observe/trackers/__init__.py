@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_lab.config import ConfigError
+from fsdp_lab.config import ConfigError, first_line
 from fsdp_lab.observe.trackers.base import RunInfo, Tracker, metrics_of, settings_of
 
 log = logging.getLogger("fsdp_lab")
@@ -111,7 +111,7 @@ class TrackerSet:
                     "logger=%s failed to start (%s); the run goes on, metrics.jsonl has every "
                     "record",
                     c.name,
-                    _first_line(e),
+                    first_line(e, limit=240),
                 )
                 continue
             if tracker is not None:
@@ -154,7 +154,7 @@ class TrackerSet:
             log.warning(
                 "logger=%s stopped (%s); metrics.jsonl and the other trackers have every record",
                 name,
-                _first_line(e),
+                first_line(e, limit=240),
             )
             del self._started[name]
 
@@ -178,10 +178,3 @@ def log_sweep_files(logger: dict, sweep_dir: Path, paths: list[Path]) -> None:
             c.cls.log_sweep_files(c.settings, sweep_dir, paths)
         except Exception as e:  # noqa: BLE001 - the report is written already
             log.warning("logger=%s: the sweep's report was not logged (%s)", c.name, e)
-
-
-def _first_line(e: BaseException, limit: int = 240) -> str:
-    """An error in one short line (HTTP clients' first lines run to a kilobyte)."""
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
