@@ -66,9 +66,8 @@ def _load(name: str, raw: dict) -> Chosen:
     for module, package in cls.requires:
         if importlib.util.find_spec(module) is None:
             ours = cls.__module__.startswith("fsdp_lab.")  # its package is in the trackers extra
-            fix = (
-                f"pip install -e '.[trackers]' (or {package})" if ours else f"pip install {package}"
-            )
+            fix = f"pip install -e '.[trackers]' (or pip install {package})"
+            fix = fix if ours else f"pip install {package}"
             raise ConfigError(
                 f"logger={name} needs the {package} package: {fix}, or choose another logger"
             )
@@ -130,7 +129,11 @@ class TrackerSet:
     def log(self, records: list[dict]) -> None:
         """Records of metrics.jsonl, each at its step, then a flush; a tracker is sent only
         the steps it does not have."""
-        numbers = [(metrics_of(r), r["step"]) for r in records]
+        if not self._started:
+            return
+        # On resume the history is mostly steps every tracker has: converted only if wanted.
+        wanted = min(self._skip_through[name] for name in self._started)
+        numbers = [(metrics_of(r), r["step"]) for r in records if r["step"] > wanted]
         for name in list(self._started):
             mine = [(m, step) for m, step in numbers if step > self._skip_through[name]]
             if mine:
