@@ -24,6 +24,7 @@ from fsdp_lab.config import (
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward
 from fsdp_lab.config.topology import Topology, mesh_shape
+from fsdp_lab.observe.trackers.base import flatten
 
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -75,12 +76,12 @@ def test_every_option_composes_and_types(group, option, tmp_path):
     extra = [o.format(tiny_model_dir=model_dir) for o in REQUIRED.get((group, option), [])]
     cfg = to_typed(compose_cfg(f"{group}={option}", *extra))
     # Every value the option's YAML sets reaches the typed config unchanged.
-    typed = flat(to_container(cfg))
+    typed = flatten(to_container(cfg))
     yaml = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
     yaml.pop("defaults", None)
     global_package = (CONF / group / f"{option}.yaml").read_text().startswith("# @package _global_")
     overridden = {o.split("=")[0] for o in extra}
-    for key, value in flat(yaml if global_package else {group: yaml}).items():
+    for key, value in flatten(yaml if global_package else {group: yaml}).items():
         if (
             key in overridden
             or key.startswith("hydra.")  # Hydra's own settings (hparams_search's sweeper)
@@ -90,21 +91,11 @@ def test_every_option_composes_and_types(group, option, tmp_path):
         assert typed[key] == value, f"{group}={option}: {key} is {typed[key]!r}, YAML {value!r}"
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def test_the_default_composition_is_the_schemas_defaults():
     """One source of truth: the default options' YAML restates no default differently from the
     schema. Only what picking an option means differs: the preset's arch, the CPU ranks."""
-    composed = flat(to_container(to_typed(compose_cfg("hardware=cpu"))))
-    schema = flat(to_container(Config()))
+    composed = flatten(to_container(to_typed(compose_cfg("hardware=cpu"))))
+    schema = flatten(to_container(Config()))
     differs = {
         k: (composed.get(k), schema.get(k))
         for k in composed.keys() | schema.keys()
