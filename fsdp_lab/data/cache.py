@@ -39,6 +39,7 @@ from fsdp_lab.data.worker import SPLITS, Setup, write_error
 log = logging.getLogger(__name__)
 
 WAIT_REPORT_S = 60.0
+HOLDER_NAMED_S = 5.0
 
 
 def is_complete(entry: Path) -> bool:
@@ -57,7 +58,7 @@ class CacheLock:
         it while this process waited). Says who it waits for, now and every minute."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        said = 0.0
+        said, began = 0.0, time.monotonic()
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -65,9 +66,11 @@ class CacheLock:
                 if is_complete(entry):
                     os.close(fd)
                     return False
-                if time.monotonic() - said > WAIT_REPORT_S:
-                    who = self._holder() or "another process"
-                    log.info("data: waiting for %s to prepare %s", who, entry)
+                who = self._holder()
+                # the holder writes its pid just after it locks: give it a moment to be named
+                named = who is not None or time.monotonic() - began > HOLDER_NAMED_S
+                if named and time.monotonic() - said > WAIT_REPORT_S:
+                    log.info("data: waiting for %s to prepare %s", who or "another process", entry)
                     said = time.monotonic()
                 time.sleep(0.5)
                 continue
