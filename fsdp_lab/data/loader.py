@@ -79,6 +79,7 @@ class Loader:
         self.local_ranks = local_ranks
         self.row_offset = self.start_step = 0  # moved by restore()
         self.rows_per_micro = dp_size * micro_batch_size
+        self.causal = masking is None  # targets are the next tokens (masked LM: the masked)
 
     def first_row(self, step: int, micro: int) -> int:
         """Global index of the first row of micro-batch ``micro`` of step ``step``."""
@@ -97,7 +98,11 @@ class Loader:
     def num_val_batches(self, limit: int) -> int:
         raise NotImplementedError
 
-    def _to_batch(self, rows: torch.Tensor, gen_key: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    def _global_batch(
+        self, rows: torch.Tensor, gen_key: tuple[int, ...]
+    ) -> dict[str, torch.Tensor]:
+        """All ranks' rows of one micro-batch as model inputs (``labels`` IGNORE_INDEX where
+        nothing is learned: a row past the split, an unmasked masked-LM position)."""
         valid = (rows >= 0).all(dim=1, keepdim=True)
         ids = rows.clamp(min=0).long()
         if self.masking is not None:
@@ -105,15 +110,40 @@ class Loader:
         else:
             inputs, labels = ids, ids  # the model shifts labels for next-token prediction
         labels = torch.where(valid, labels, IGNORE_INDEX)
+        return {"input_ids": inputs, "labels": labels}
+
+    def _to_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """This rank's rows of a global micro-batch, and the global micro-batch's targets: the
+        tokens the loss learns, counted on the host (a causal LM's labels shifted by one)."""
+        labels = batch["labels"]
+        if self.causal:
+            labels = labels[:, 1:]
+        targets = int((labels != IGNORE_INDEX).sum())
         lo = self.dp_rank * self.micro_batch_size
         hi = lo + self.micro_batch_size * self.local_ranks
-        return {"input_ids": inputs[lo:hi], "labels": labels[lo:hi]}
+        return {k: v[lo:hi] for k, v in batch.items()}, targets
+
+    def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        """All ranks' rows of training micro-batch ``micro`` of step ``step``."""
+        return self._global_batch(self.global_rows(step, micro), (self.seed, 0, step, micro))
 
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        return self._to_batch(self.global_rows(step, micro), (self.seed, 0, step, micro))
+        return self._to_batch(self.global_batch_of(step, micro))[0]
+
+    def step_batches(self, step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This rank's micro-batches of step ``step``, and the targets of the whole global batch
+        (every rank, every micro-batch): the one count the step's loss is divided by. Known on
+        the host from the data alone, so the step needs no collective and no device read for
+        it."""
+        batches, targets = [], 0
+        for micro in range(self.grad_accum_steps):
+            batch, count = self._to_batch(self.global_batch_of(step, micro))
+            batches.append(batch)
+            targets += count
+        return batches, targets
 
     def val_batch(self, index: int) -> dict[str, torch.Tensor]:
-        return self._to_batch(self.val_rows(index), (self.seed, 1, index))
+        return self._to_batch(self._global_batch(self.val_rows(index), (self.seed, 1, index)))[0]
 
     def state(self, step: int) -> dict:
         """Where the loader is after ``step`` optimizer steps (kept in checkpoints)."""
@@ -144,12 +174,10 @@ class SyntheticData(Loader):
         stride = torch.randint(1, self.max_stride + 1, (rows, 1), generator=gen)
         return (start + stride * torch.arange(self.seq_len)) % self.modulus
 
-    def global_batch(self, step: int, micro: int) -> torch.Tensor:
+    def global_rows(self, step: int, micro: int) -> torch.Tensor:
         """All ranks' rows of one micro-batch: [dp_size * micro_batch_size, seq_len] token ids.
         Keyed by the step itself, so a resumed run continues the same stream."""
         return self._rows(_generator(self.seed, step, micro))
-
-    global_rows = global_batch
 
     def val_rows(self, index: int) -> torch.Tensor:
         return self._rows(_generator(self.seed, 2**32 + index))
