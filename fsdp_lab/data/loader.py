@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fsdp_lab.config import Config, DataKind, ModelTask
+from fsdp_lab.data.packing import ChatSplit
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +207,16 @@ class PackedData(Loader):
             self._perms[epoch] = rng.permutation(len(self.train))
         return self._perms[epoch]
 
-    def global_rows(self, step: int, micro: int) -> torch.Tensor:
+    def row_indices(self, step: int, micro: int) -> np.ndarray:
+        """The training rows (indices into ``train``) of one global micro-batch."""
         first, n = self.first_row(step, micro), len(self.train)
-        idx = [self._perm(g // n)[g % n] for g in range(first, first + self.rows_per_micro)]
+        return np.asarray(
+            [self._perm(g // n)[g % n] for g in range(first, first + self.rows_per_micro)]
+        )
+
+    def global_rows(self, step: int, micro: int) -> torch.Tensor:
         # Fancy indexing copies; the cache's uint16/uint32 become int64 ids.
-        return torch.from_numpy(self.train[np.asarray(idx)].astype(np.int64))
+        return torch.from_numpy(self.train[self.row_indices(step, micro)].astype(np.int64))
 
     def val_rows(self, index: int) -> torch.Tensor:
         per_micro = self.rows_per_micro
@@ -245,17 +251,31 @@ class PackedData(Loader):
         self.row_offset, self.start_step = state["rows_consumed"], step
 
 
-def build_data(
-    cfg: Config,
-    *,
-    corpus,
-    tokenizer,
-    vocab_size: int,
-    dp_size: int,
-    dp_rank: int,
-    local_ranks: int = 1,
-) -> Loader:
-    t = cfg.trainer
+class ChatData(PackedData):
+    """data=chat rows (``packing.ChatSplit``), reshuffled every epoch and resumed exactly as
+    packed text rows are."""
+
+    def __init__(self, *, train: ChatSplit, val: ChatSplit, fingerprint: str, pad_id: int, **kw):
+        super().__init__(train=train, val=val, fingerprint=fingerprint, **kw)
+        self.pad_id = pad_id
+
+    def _rows(self, split: ChatSplit, indices) -> dict[str, torch.Tensor]:
+        rows = [split.row(int(i), self.pad_id) for i in indices]
+        batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+        learned = batch.pop("learned")
+        batch["labels"] = torch.where(learned, batch["input_ids"], IGNORE_INDEX)
+        return batch
+
+    def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        return self._rows(self.train, self.row_indices(step, micro))
+
+    def val_batch(self, index: int) -> dict[str, torch.Tensor]:
+        lo = index * self.rows_per_micro
+        return self._to_batch(self._rows(self.val, range(lo, lo + self.rows_per_micro)))[0]
+
+
+def _masking(cfg: Config, tokenizer, vocab_size: int) -> Masking | None:
+    """A masked LM's corruption (None for a causal LM)."""
     masking = None
     if cfg.model.task is ModelTask.masked_lm:
         if cfg.data.kind is DataKind.synthetic:  # ids, not text: the last id is [MASK]
@@ -281,6 +301,21 @@ def build_data(
                 probability=cfg.data.mlm_probability,
                 special_ids=special,
             )
+    return masking
+
+
+def build_data(
+    cfg: Config,
+    *,
+    corpus,
+    tokenizer,
+    vocab_size: int,
+    dp_size: int,
+    dp_rank: int,
+    local_ranks: int = 1,
+) -> Loader:
+    t = cfg.trainer
+    masking = _masking(cfg, tokenizer, vocab_size)
     common = dict(
         seed=cfg.seed,
         micro_batch_size=t.micro_batch_size,
@@ -296,6 +331,15 @@ def build_data(
         case DataKind.text | DataKind.hub | DataKind.shakespeare | DataKind.tokens:
             return PackedData(
                 train=corpus.train, val=corpus.val, fingerprint=corpus.fingerprint, **common
+            )
+        case DataKind.chat:
+            pad = tokenizer.pad_token_id
+            return ChatData(
+                train=corpus.train,
+                val=corpus.val,
+                fingerprint=corpus.fingerprint,
+                pad_id=pad if pad is not None else tokenizer.eos_token_id,
+                **common,
             )
         case _:
             raise ValueError(f"unknown data.kind {cfg.data.kind}")

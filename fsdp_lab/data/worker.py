@@ -46,6 +46,7 @@ class Setup:
     input_dtype: str = "uint16"  # of .bin token files
     id_limit: int | None = None  # token files: ids must be below it (the model's vocabulary)
     stream: dict | None = None  # a streamed hub dataset: DataConfig fields and hf_cache
+    chat: dict | None = None  # data=chat: how a row becomes pieces (chat.ChatFormat's fields)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -67,55 +68,83 @@ class CacheWriteError(Exception):
         self.error = error
 
 
-class ShardWriter:
-    """A task's two shards, written as the task goes, named final only once complete."""
+def streams(chat: bool) -> dict[str, str | None]:
+    """The files of each split and what each holds per element: the token ids (the shards'
+    dtype: None), and for data=chat which tokens are learned (uint8, one per token) and each
+    conversation's length (uint32, one per conversation; no EOS between conversations)."""
+    return {"bin": None, "mask.bin": "uint8", "docs.bin": "uint32"} if chat else {"bin": None}
 
-    def __init__(self, directory: Path, index: int, dtype: str, eos: int) -> None:
+
+class ShardWriter:
+    """A task's shards (each split's streams), written as the task goes, named final only once
+    complete."""
+
+    def __init__(self, directory: Path, index: int, dtype: str, eos: int, *, chat=False) -> None:
         self.dtype, self.eos = np.dtype(dtype), np.array([eos], dtype=dtype)
-        self.paths = {s: directory / f"{index:06d}.{s}.bin" for s in SPLITS}
+        self.streams = {k: np.dtype(v or dtype) for k, v in streams(chat).items()}
+        self.paths = {
+            (s, k): directory / f"{index:06d}.{s}.{k}" for s in SPLITS for k in self.streams
+        }
         try:
-            self.files = {s: open(f"{p}.tmp", "wb") for s, p in self.paths.items()}  # noqa: SIM115
+            self.files = {sk: open(f"{p}.tmp", "wb") for sk, p in self.paths.items()}  # noqa: SIM115
         except OSError as e:
             raise CacheWriteError(e) from e
-        self.pending: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        self.pending: dict[tuple, list[np.ndarray]] = {sk: [] for sk in self.paths}
         self.buffered = dict.fromkeys(SPLITS, 0)
         self.documents, self.tokens = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
         self.max_id = -1
 
     def add(self, split: str, ids: np.ndarray, *, doc_end: bool = True) -> None:
-        self.pending[split].append(ids)
+        self.pending[split, "bin"].append(ids)
         if doc_end:
-            self.pending[split].append(self.eos)
+            self.pending[split, "bin"].append(self.eos)
             self.documents[split] += 1
-        self.buffered[split] += len(ids) + doc_end
+        self._added(split, len(ids) + doc_end)
+
+    def add_conversation(self, split: str, ids: np.ndarray, learned: np.ndarray) -> None:
+        """A data=chat conversation: its ids and which of them are learned."""
+        self.pending[split, "bin"].append(ids)
+        self.pending[split, "mask.bin"].append(learned)
+        self.pending[split, "docs.bin"].append(np.array([len(ids)]))
+        self.documents[split] += 1
+        self._added(split, len(ids))
+
+    def _added(self, split: str, n: int) -> None:
+        self.buffered[split] += n
         if self.buffered[split] >= FLUSH_TOKENS:
             self._flush(split)
 
     def _flush(self, split: str) -> None:
-        if self.pending[split]:
-            data = np.concatenate(self.pending[split]).astype(self.dtype, copy=False)
-            self.max_id = max(self.max_id, int(data.max()))
+        for kind, dtype in self.streams.items():
+            pending = self.pending[split, kind]
+            if not pending:
+                continue
+            data = np.concatenate(pending).astype(dtype, copy=False)
+            if kind == "bin":
+                self.max_id = max(self.max_id, int(data.max()))
+                self.tokens[split] += len(data)
             try:
-                self.files[split].write(data.data)  # (ndarray.tofile drops the errno)
+                self.files[split, kind].write(data.data)  # (ndarray.tofile drops the errno)
             except OSError as e:
                 raise CacheWriteError(e) from e
-            self.tokens[split] += len(data)
-        self.pending[split], self.buffered[split] = [], 0
+            self.pending[split, kind] = []
+        self.buffered[split] = 0
 
     def close(self) -> None:
-        for split, f in self.files.items():
+        for split in SPLITS:
             self._flush(split)
+        for sk, f in self.files.items():
             try:
                 f.close()
-                os.replace(f"{self.paths[split]}.tmp", self.paths[split])
+                os.replace(f"{self.paths[sk]}.tmp", self.paths[sk])
             except OSError as e:
                 raise CacheWriteError(e) from e
 
     def abandon(self) -> None:
-        for split, f in self.files.items():
+        for sk, f in self.files.items():
             with contextlib.suppress(OSError):  # a full disk fails the close's flush too
                 f.close()
-            Path(f"{self.paths[split]}.tmp").unlink(missing_ok=True)
+            Path(f"{self.paths[sk]}.tmp").unlink(missing_ok=True)
 
 
 class TaskRunner:
@@ -138,11 +167,19 @@ class TaskRunner:
             self._stream = load_hub(d, Path(self.setup.stream["hf_cache"]), streaming=True)
         return self._stream
 
+    def split_of(self, raw: bytes) -> str:
+        """The split of a document whose split the planner did not decide, by its content."""
+        return "val" if in_validation(raw, len(raw), self.setup.fraction) else "train"
+
     def run(self, task: Task) -> dict:
         s = self.setup
-        out = ShardWriter(Path(s.shard_dir), task.index, s.dtype, s.eos)
+        out = ShardWriter(Path(s.shard_dir), task.index, s.dtype, s.eos, chat=bool(s.chat))
         try:
-            if self.encoder is None:
+            if s.chat:
+                from fsdp_lab.data.chat_prep import chat_task  # (it imports this module)
+
+                extra = chat_task(self, task, out)
+            elif self.encoder is None:
                 extra = self._token_task(task, out)
             else:
                 extra = self._text_task(task, out)
@@ -187,12 +224,8 @@ class TaskRunner:
         """Tokenise and file a batch; False once ``budget`` tokens are reached (a stream)."""
         if not batch:
             return True
-        fraction = self.setup.fraction
         for (text, seg), ids in zip(batch, self.encoder.encode([t for t, _ in batch]), strict=True):
-            split = seg.split
-            if split is None:
-                raw = text.encode("utf-8")
-                split = "val" if in_validation(raw, len(raw), fraction) else "train"
+            split = seg.split or self.split_of(text.encode("utf-8"))
             out.add(split, ids, doc_end=seg.doc_end)
             if (
                 budget is not None

@@ -8,6 +8,7 @@ fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, n
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
 fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
 fsdp-lab data prepare OVERRIDES...     # a run's corpus tokenised into the cache, no run
+fsdp-lab data preview OVERRIDES... -n 3 # data=chat: the first rows, learned spans marked
 """
 
 from __future__ import annotations
@@ -217,11 +218,20 @@ def _add_data(sub, name: str) -> None:
         "would (on a CPU node before a GPU job, once before a multi-node job)",
     )
     pre.add_argument("overrides", nargs="*", help="the same overrides as train.py")
+    view = verbs.add_parser(
+        "preview",
+        help="data=chat: print the first rows as text with the learned spans marked, and the "
+        "counts (conversations, tokens, share learned, truncated, dropped)",
+    )
+    view.add_argument("overrides", nargs="*", help="the same overrides as train.py")
+    view.add_argument("-n", "--rows", type=int, default=3, help="rows to print (default 3)")
 
 
 def _data(args) -> int:
-    from fsdp_lab.tools.data import prepare_command
+    from fsdp_lab.tools.data import prepare_command, preview_command
 
+    if args.verb == "preview":
+        return preview_command(args.overrides, rows=args.rows)
     return prepare_command(args.overrides)
 
 

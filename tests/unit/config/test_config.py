@@ -35,6 +35,7 @@ REQUIRED = {
     ("data", "text"): ["data.files=[corpus.txt]"],
     ("data", "hub"): ["data.name=roneneldan/TinyStories"],
     ("data", "tokens"): ["data.files=[train.bin]", "model.vocab_size=50304"],
+    ("data", "chat"): ["data.files=[chats.jsonl]"],
     ("finetune", "freeze"): ["finetune.freeze_blocks=1"],  # what to freeze is the user's
     # Its model is converted once by scripts/prepare_smollm2.py; a stand-in directory here.
     ("experiment", "smollm2_shakespeare"): ["model.name_or_path={tiny_model_dir}"],
