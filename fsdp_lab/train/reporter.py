@@ -111,6 +111,8 @@ class RunFacts:
                 "fingerprint": corpus.fingerprint,
                 "tokenizer": type(state.tokenizer).__name__ if state.tokenizer else None,
             }
+            if hasattr(corpus, "summary"):  # data=chat: what fsdp-lab data preview counts
+                data["chat"] = corpus.summary()
         else:
             data = {"kind": cfg.data.kind.name}
         return cls(
