@@ -150,7 +150,8 @@ def test_a_resumed_loader_gives_the_same_batches(tmp_path, chats, smollm2):
     resumed.restore(first.state(3), 3)
     for step in (3, 4):
         (a, n_a), (b, n_b) = first.step_batches(step), resumed.step_batches(step)
-        assert n_a == n_b and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+        assert n_a == n_b
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
     batch = a[0]
     assert set(batch) == {"input_ids", "labels", "position_ids", "sequence_index"}
     # the global count covers both ranks and both micro-batches
