@@ -195,6 +195,15 @@ def _check_data(d: DataConfig) -> None:
             "data=chat needs data.files=[...] (paths or globs of .jsonl, .json or .parquet "
             "files of messages or prompt/completion rows)"
         )
+    chat_only = ("layout", "messages_column", "prompt_column", "completion_column")
+    chat_only += ("chat_template", "train_on", "packing", "overlong")
+    default = DataConfig()
+    changed = [f for f in chat_only if getattr(d, f) != getattr(default, f)]
+    if d.kind is not DataKind.chat and changed:
+        raise ConfigError(
+            f"data.{changed[0]} applies to data=chat (conversations), not data={d.kind.value}; "
+            f"drop it, or set data=chat"
+        )
     if d.kind is DataKind.tokens and not d.files:
         raise ConfigError(
             "data=tokens needs data.files=[...] (paths or globs of .bin or .npy files)"

@@ -263,12 +263,15 @@ def _cover(text: str, spans: list[tuple[int, int]]) -> Pieces:
 
 
 def _prompt_completion(prompt, completion, fmt: ChatFormat, where) -> tuple[Pieces, bool]:
-    """String fields: the prompt untrained, the completion and an EOS trained. Lists of
+    """String fields: the prompt untrained, the completion and an EOS trained (unless the
+    completion ends with the EOS text already). Lists of
     messages (TRL's conversational prompt-completion): the completion's span is what the
     completion adds to the prompt's generation prompt; its end-of-turn ends it, no EOS."""
     everything = fmt.train_on == "all"
     if isinstance(prompt, str) and isinstance(completion, str):
-        return [(t, f) for t, f in ((prompt, everything), (completion, True)) if t], True
+        eos = fmt.template_vars.get("eos_token")
+        ends = bool(eos) and completion.endswith(eos)  # it brings its own EOS (as TRL checks)
+        return [(t, f) for t, f in ((prompt, everything), (completion, True)) if t], not ends
     if isinstance(prompt, (list, tuple)) and isinstance(completion, (list, tuple)):
         before = _messages(prompt, fmt.prompt_column, where)
         after = _messages(completion, fmt.completion_column, where)

@@ -167,6 +167,12 @@ def test_prompt_completion_learns_the_completion_and_eos(tmp_path, smollm2):
     start, n = int(c.train.offsets[2]), int(c.train.lengths[2])
     ids, learned = c.train.tokens[start : start + n], c.train.learned[start : start + n]
     assert tok.decode(ids[learned.astype(bool)]) == " 6." + tok.eos_token
+    # a completion that ends with the EOS text gets no second one
+    again = write_rows(
+        tmp_path / "eos.jsonl", [{"prompt": "Q:", "completion": " 1." + tok.eos_token}]
+    )
+    tok, c = prepare(config(tmp_path / "eos", [again], smollm2, validation_fraction=0.0))
+    assert c.train.tokens[-2:].tolist() == [*tok.encode(" 1.")[-1:], tok.eos_token_id]
 
 
 @pytest.mark.parametrize(
