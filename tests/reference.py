@@ -2,10 +2,11 @@
 
 Built from the same pieces (seeded init, each rank's batches of each step, AdamW, the
 schedule), with no FSDP and the model's own loss (HF's, whatever loss.kind the run computes):
-what every strategy must reproduce in fp32. The loss of a micro-batch is
-the mean of the ranks' mean losses, as data-parallel gradient averaging makes it (for packed
-causal LM every rank has the same token count, so this is the global mean; for masked LM the
-ranks' masked counts differ and it is not).
+what every strategy must reproduce in fp32. The loss of a step is the mean over the global
+batch's trained tokens: every rank's micro-batches' summed token losses (the model's mean times
+its count of targets, an independent path from the run's sums) over the step's targets. Not the
+mean of the ranks' or micro-batches' means, which differs where their counts do (a masked LM's
+masks, chat data's answers).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import math
 
 import torch
 
-from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind
+from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind, ModelTask
 from fsdp_lab.data import corpus as corpus_lib
-from fsdp_lab.data.loader import build_data
+from fsdp_lab.data.loader import IGNORE_INDEX, build_data
 from fsdp_lab.engine import finetune
 from fsdp_lab.engine.model import build_full_model, build_hf_config, load_pretrained
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
@@ -61,11 +62,13 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     losses, norms = [], []
     for step in range(t.max_steps):
         total = 0.0
-        for micro in range(t.grad_accum_steps):
-            per_rank = [model(**data.batch(step, micro)).loss for data in ranks]
-            loss = torch.stack(per_rank).mean() / t.grad_accum_steps
-            loss.backward()
-            total += loss.item()
+        steps = [data.step_batches(step) for data in ranks]
+        targets = steps[0][1]  # every rank's count is the global batch's
+        for batches, _ in steps:
+            for batch in batches:
+                loss = token_loss_sum(model, batch, causal=cfg.model.task is ModelTask.causal_lm)
+                (loss / targets).backward()
+                total += loss.item() / targets
         clip = cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), clip if clip is not None else math.inf
@@ -76,6 +79,18 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
         losses.append(total)
         norms.append(norm.item())
     return losses, norms
+
+
+def token_loss_sum(model: torch.nn.Module, batch: dict, *, causal: bool) -> torch.Tensor:
+    """The summed token losses of a batch through the model's own mean loss: mean x count.
+    Packed rows keep their ``position_ids``; transformers finds their sequences itself (the
+    run's ``sequence_index`` is the loader's answer to the same question)."""
+    inputs = {k: v for k, v in batch.items() if k != "sequence_index"}
+    labels = inputs["labels"]
+    count = int(((labels[:, 1:] if causal else labels) != IGNORE_INDEX).sum())
+    out = model(**inputs)
+    # No target (a masked LM's row past the split): HF's mean is nan; the sum is 0.
+    return out.loss * count if count else out.logits.sum() * 0.0
 
 
 def _finetune(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:

@@ -18,7 +18,8 @@ class StepMetrics:
     grad_norm: float
     lr: float
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # every position of every row of the global batch (MFU's FLOPs' count)
+    trained_tokens: int  # the global batch's targets, the tokens the loss is the mean over
     peak_mem_bytes: int
     peak_mem_bytes_per_rank: list[int]
     skipped: bool = False
@@ -34,7 +35,8 @@ class _PendingStep:
 
     step: int
     lr: float
-    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    trained_tokens: int  # the global batch's targets, counted on the host
+    loss: torch.Tensor  # this rank's share of the global mean, times dp (see train_step)
     grad_norm: torch.Tensor  # the global norm before clipping
     skipped: torch.Tensor | None  # fp16: the scaler skipped the update
     span: tuple  # the step's start and end marks (hardware.StepClock)
@@ -65,6 +67,7 @@ class StepWindow:
         *,
         start,
         lr: float,
+        trained_tokens: int,
         loss: torch.Tensor,
         grad_norm: torch.Tensor,
         skipped: torch.Tensor | None,
@@ -73,6 +76,7 @@ class StepWindow:
             _PendingStep(
                 step=step,
                 lr=lr,
+                trained_tokens=trained_tokens,
                 loss=loss,
                 grad_norm=grad_norm,
                 skipped=skipped,
@@ -87,9 +91,12 @@ class StepWindow:
         whether any rank asked to stop, in one all-reduce of a (world, 2k+1) table: each rank
         fills its own row (losses, peaks, its stop flag), the sum is everyone's.
 
-        Every rank's micro-batches hold the same number of tokens, so the mean of the ranks' mean
-        losses is the mean loss of the global batch. A stop request (a signal) may reach the
-        ranks at different steps; sharing it here makes every rank stop after the same step."""
+        A rank's loss is its summed token losses x dp / the global targets (``train_step``), so
+        their mean over the world is the mean over the global batch's trained tokens, however
+        unevenly the ranks hold them; a TP group's ranks hold the same value and every group is
+        as large, so the mean over all ranks is the mean over data-parallel ranks. A stop
+        request (a signal) may reach the ranks at different steps; sharing it here makes every
+        rank stop after the same step."""
         pending, self._pending = self._pending, []
         k, world = len(pending), dist.get_world_size()
         where = hardware.collective_device(self.device)
@@ -136,6 +143,7 @@ class StepWindow:
                     lr=p.lr,
                     step_time_s=times[i],
                     tokens_per_s=self.tokens_per_step / times[i],
+                    trained_tokens=p.trained_tokens,
                     peak_mem_bytes=max(peaks),
                     peak_mem_bytes_per_rank=peaks,
                     skipped=bool(skipped[i]),

@@ -67,7 +67,7 @@ class TrainState:
     checkpointer: Checkpointer
     start_step: int
     tokens_seen: int  # before start_step (a resumed run's)
-    tokens_per_step: int
+    tokens_per_step: int  # every position of every row of a global batch (throughput, MFU)
     eval_batches: int  # per evaluation; 0: no evaluation
 
 

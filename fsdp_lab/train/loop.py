@@ -43,26 +43,51 @@ class NonFiniteLoss(FloatingPointError):
 class StepResult:
     """One optimizer step's numbers, still on the device."""
 
-    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    # This rank's summed token losses x dp / the global targets: averaged over the world's
+    # ranks (``StepWindow.flush``) it is the mean over the global batch's trained tokens (a TP
+    # group's ranks hold the same value and are as many in every group).
+    loss: torch.Tensor
     grad_norm: torch.Tensor  # global norm over all ranks' shards, before clipping
     skipped: torch.Tensor | None  # fp16: the grad scaler found inf/nan and skipped the update
+
+
+def loss_scale(targets: int, dp: int, device: torch.device) -> torch.Tensor:
+    """dp / targets as an fp32 scalar on the device: copied as a batch is (no host wait; on XLA
+    device data, not a constant baked into the graph, which would recompile every step)."""
+    scale = torch.tensor(dp / max(targets, 1), dtype=torch.float32)
+    return hardware.to_device({"scale": scale}, device)["scale"]
+
+
+def averaged_ranks(data) -> int:
+    """The participants of the gradient average: FSDP2's reduce-scatter (and HSDP's all-reduce)
+    averages over the data-parallel mesh (dp_shard x dp_replicate, the loader's dp_size; a TP
+    group's ranks read the same rows and are one). On XLA one process computes the gradient of
+    its devices' rows as one program, summed, not averaged: the loader's local_ranks are one."""
+    return data.dp_size // data.local_ranks
 
 
 def train_step(
     model: nn.Module,
     batches: list[dict[str, torch.Tensor]],
     *,
+    targets: int,
+    dp: int,
     optimizer: torch.optim.Optimizer,
     scaler,
     grad_clip: float | None,
-    loss: Loss | None = None,
+    loss: Loss,
 ) -> StepResult:
-    """Forward/backward over the micro-batches, one gradient reduction, clip, update. Reads
-    nothing back from the device: ``clip_grad_norm_`` keeps the norm there, and ``loss`` (the
-    run's, else ``model(**batch).loss``) spares the forward transformers' packed-sequence
-    check."""
+    """Forward/backward over the micro-batches, one gradient reduction, clip, update.
+
+    The loss is the mean over the global batch's trained tokens: each micro-batch's summed
+    token losses times ``dp / targets`` (``targets``: every rank's and micro-batch's, counted
+    on the host by the loader; ``dp``: the ranks the gradient is averaged over, which undoes
+    the average into a sum). Reads nothing back from the device: the scale is copied there as
+    the batches are, ``clip_grad_norm_`` keeps the norm there, and ``loss`` spares the forward
+    transformers' packed-sequence check."""
     num_micro = len(batches)
     device = batches[0]["input_ids"].device
+    scale = loss_scale(targets, dp, device)
     total = torch.zeros((), dtype=torch.float32, device=device)
     # FSDP2: reduce-scatter only after the last micro-batch; earlier ones accumulate locally.
     # (On XLA the compiler places the reductions in the step's one graph.)
@@ -70,7 +95,7 @@ def train_step(
     for i, batch in enumerate(batches):
         if set_sync is not None:
             set_sync(i == num_micro - 1)
-        value = (loss(model, batch) if loss is not None else model(**batch).loss) / num_micro
+        value = loss(model, batch) * scale
         (scaler.scale(value) if scaler is not None else value).backward()
         total += value.detach().float()
     if scaler is not None:
@@ -142,13 +167,15 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
     model.train()
     window = StepWindow(setup.device, tokens_per_step=state.tokens_per_step)
 
-    place, data, micros = state.sharded.place_batch, state.data, range(t.grad_accum_steps)
+    place, data, dp = state.sharded.place_batch, state.data, averaged_ranks(state.data)
 
-    def prepare(step: int) -> list[dict[str, torch.Tensor]]:
-        return [place(data.batch(step, micro)) for micro in micros]
+    def prepare(step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This rank's micro-batches on the device and the global batch's targets (host)."""
+        rows, count = data.step_batches(step)
+        return [place(batch) for batch in rows], count
 
     last, saved_step, scaled = None, None, state.scaler is not None
-    batches = prepare(state.start_step) if state.start_step < t.max_steps else []
+    batches, targets = prepare(state.start_step) if state.start_step < t.max_steps else ([], 0)
     for step in range(state.start_step, t.max_steps):
         done = step + 1
         # 1) The step, queued on the device; nothing is read back.
@@ -157,6 +184,8 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         result = train_step(
             model,
             batches,
+            targets=targets,
+            dp=dp,
             optimizer=state.optimizer,
             scaler=state.scaler,
             grad_clip=setup.grad_clip,
@@ -165,12 +194,14 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         state.scheduler.step()
         if setup.heartbeat is not None:
             setup.heartbeat.step_done(done)
+        trained = targets  # this step's, before the next step's batches replace them
         if done < t.max_steps:  # the next batch, copied while this step runs on the device
-            batches = prepare(done)
+            batches, targets = prepare(done)
         window.end_step(
             done,
             start=start,
             lr=lr,
+            trained_tokens=trained,
             loss=result.loss,
             grad_norm=result.grad_norm,
             skipped=result.skipped,
@@ -205,7 +236,9 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
 
 
 def tokens_seen(state: TrainState, step: int) -> int:
-    """Tokens trained on through ``step``: a resumed run's before it, and this run's since."""
+    """Positions trained on through ``step`` (every position of every row, ``tokens_per_step``
+    a step, as throughput counts them; not only the trained targets): a resumed run's before
+    it, and this run's since."""
     return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
 
 

@@ -8,7 +8,7 @@ cost time. The fused kinds take the final hidden states and the head's weight in
 
 | loss.kind | what computes it                                             | where       |
 | --------- | ------------------------------------------------------------ | ----------- |
-| hf        | the model's forward with labels (``model(**batch).loss``)    | everywhere  |
+| hf        | the model's logits, a cross-entropy sum as its own loss's    | everywhere  |
 | chunked   | ``linear_cross_entropy`` below, a chunk of tokens at a time  | everywhere  |
 | liger     | liger-kernel's ``LigerFusedLinearCrossEntropyFunction``      | GPU         |
 | cce       | cut-cross-entropy's ``linear_cross_entropy`` (exact, no filter) | GPU      |
@@ -22,6 +22,13 @@ own loss in ``tests``).
 
 What each loss needs and where it runs is its row in ``config.losses``; its code is its entry
 in ``FUSED_LOSSES`` below.
+
+Every kind gives the training step the SUM of a micro-batch's token losses, never its mean: the
+step divides all ranks' micro-batches once by the global batch's count of targets, so the loss
+is the mean over the batch's trained tokens however unevenly ranks and micro-batches hold them
+(chat data, where only answers are labels; a masked LM's masked share). Packed rows
+(``position_ids`` restarting at each sequence, with the loader's ``sequence_index``) attend
+within their sequence, without a host sync: ``default_positions``.
 """
 
 from __future__ import annotations
@@ -323,55 +330,76 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
 
 @contextlib.contextmanager
 def default_positions(batch: dict[str, torch.Tensor]):
-    """A forward of a batch without ``position_ids``, without transformers' packed-sequence
-    check. Given no position ids, a decoder makes them (0..T-1 on every row), then asks whether
-    they restart within a row (sequences packed with position resets): ``find_packed_sequence_
-    indices`` answers by reading a device tensor on every forward, a host sync. For the ids it
-    made itself the answer is known, no; so it is given that answer. A batch that brings its
-    own position ids keeps the check."""
+    """The model's inputs of a batch (``labels`` kept, ``sequence_index`` taken out), for a
+    forward without transformers' packed-sequence check, a host sync.
+
+    Given ``position_ids`` and no attention mask, a decoder asks whether the positions restart
+    within a row (sequences packed with position resets): ``find_packed_sequence_indices``
+    answers with each token's sequence index in its row, and first reads a device tensor to
+    decide whether there is any packing at all (``None`` if not), on every forward. Here the
+    answer is known without reading anything:
+
+    - no ``position_ids``: the decoder makes 0..T-1 on every row, never packed: ``None``;
+    - ``position_ids`` and ``sequence_index`` (B x T, the restarts' cumulative sum, computed by
+      the loader on the host and already on the device): that index, whatever the rows hold;
+    - ``position_ids`` alone: transformers' own check (and its sync) is kept.
+
+    An encoder (BERT) makes no causal mask and never asks: its packed rows would attend
+    across their sequences."""
     from transformers import masking_utils
 
+    inputs = dict(batch)
+    index = inputs.pop("sequence_index", None)
     check = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if "position_ids" in batch or check is None:
-        yield
+    if check is None or ("position_ids" in inputs and index is None):
+        yield inputs
         return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.find_packed_sequence_indices = lambda position_ids: index
     try:
-        yield
+        yield inputs
     finally:
         masking_utils.find_packed_sequence_indices = check
 
 
 @dataclass(frozen=True)
 class Loss:
-    """What the loop asks of the loss: the training loss of a micro-batch, and the summed token
-    losses and their count (evaluation: a mean over every token of every rank)."""
+    """What the loop asks of the loss: the summed token losses of a micro-batch (training: the
+    step divides every micro-batch of every rank by the global batch's count of targets once),
+    and those sums with their count (evaluation: a mean over every token of every rank)."""
 
     kind: LossKind  # resolved: hf, chunked, liger or cce
     causal: bool
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with default_positions(batch):
-            return model(**batch).loss
+        """The sum of the batch's token losses (fp32 scalar on the device): a fused loss's
+        reduction="sum"; for loss=hf the model's logits and a cross-entropy sum computed as the
+        model's own loss computes its mean (a causal LM's logits upcast to fp32 first, a masked
+        LM's in their dtype, as BERT's: the same memory as ``model(**batch).loss``)."""
+        with default_positions(batch) as inputs:
+            labels = inputs.pop("labels")
+            if loss_of(self.kind).fused:
+                return model(**inputs, labels=labels, loss_reduction="sum").loss.float()
+            logits = model(**inputs).logits
+            return self._cross_entropy_sum(logits.float() if self.causal else logits, labels)
+
+    def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = shifted_targets(labels) if self.causal else labels
+        return F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ).float()
 
     def token_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(sum of token losses, tokens counted) in float64, on the batch's device."""
+        """(sum of token losses, tokens counted) in float64, on the batch's device; the logits
+        in fp32 (no gradient is kept)."""
         labels = batch["labels"]
         targets = shifted_targets(labels) if self.causal else labels
         count = (targets != IGNORE_INDEX).sum()
-        with default_positions(batch):
+        with default_positions(batch) as inputs:
+            inputs.pop("labels")
             if loss_of(self.kind).fused:
-                total = model(
-                    input_ids=batch["input_ids"], labels=labels, loss_reduction="sum"
-                ).loss
+                total = model(**inputs, labels=labels, loss_reduction="sum").loss
             else:
-                logits = model(input_ids=batch["input_ids"]).logits.float()
-                total = F.cross_entropy(
-                    logits.flatten(0, 1),
-                    targets.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
+                total = self._cross_entropy_sum(model(**inputs).logits.float(), labels)
         return torch.stack([total.double(), count.double()])
 
 

@@ -75,7 +75,7 @@ class RunFacts:
     total_params: int
     trainable_params: int  # fewer than total_params with finetune=freeze or lora
     local_params_per_rank: list[int]
-    tokens_per_step: int
+    tokens_per_step: int  # positions of a global batch, trained or not (metrics: trained_tokens)
     task: str
     pretrained: bool
     load_peak_rss_bytes_per_rank: list

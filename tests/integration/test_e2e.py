@@ -23,6 +23,7 @@ STEP_KEYS = {
     "lr",
     "step_time_s",
     "tokens_per_s",
+    "trained_tokens",
     "peak_mem_bytes",
     "peak_mem_bytes_per_rank",
 }
@@ -44,6 +45,7 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     for r in records:
         assert r.keys() >= STEP_KEYS
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert r["trained_tokens"] == 2 * 4 * 63  # 2 ranks x 4 rows x 63 next tokens
         assert len(r["peak_mem_bytes_per_rank"]) == 2
         assert r["peak_mem_bytes"] == max(r["peak_mem_bytes_per_rank"]) > 100 * 2**20
     facts = json.loads((run_dir / "run.json").read_text())

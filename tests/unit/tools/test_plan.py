@@ -182,7 +182,7 @@ def sharded_rank(overrides: list[str]):
     )
     model = model_lib.build_meta_model(hf, cfg.model.task)
     finetune.apply(model, cfg.finetune)
-    loss_lib.build_loss(
+    loss = loss_lib.build_loss(
         cfg.loss,
         model,
         task=cfg.model.task,
@@ -216,7 +216,7 @@ def sharded_rank(overrides: list[str]):
             cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled
         ),
     )
-    return model, optimizer, dict(input_ids=ids, labels=ids), cfg
+    return model, optimizer, dict(input_ids=ids, labels=ids), cfg, loss
 
 
 def storage_bytes(tensors) -> int:
@@ -262,7 +262,7 @@ def storage_bytes(tensors) -> int:
 def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     expected = plan.build_plan(overrides).chosen_plan.per_rank[rank]
     fake_group(rank, plan.topology(plan.compose(overrides))[0].world_size)
-    model, optimizer, batch, _ = sharded_rank(overrides)
+    model, optimizer, batch, _, _ = sharded_rank(overrides)
     model(**batch).loss.backward()
     optimizer.step()
     assert fsdp.state_bytes(model, optimizer) == {
@@ -331,15 +331,18 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, monkeypatch, ove
     expected = plan.build_plan(overrides)
     s = expected.chosen_plan
     fake_group(rank, expected.world_size)
-    model, optimizer, batch, cfg = sharded_rank(overrides)
+    model, optimizer, batch, cfg, loss = sharded_rank(overrides)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(2):
             train_step(
                 model,
                 [batch] * cfg.trainer.grad_accum_steps,
+                targets=expected.world_size * batch["labels"][:, 1:].numel(),
+                dp=expected.world_size,
                 optimizer=optimizer,
                 scaler=None,
                 grad_clip=1.0,
+                loss=loss,
             )
     live = peak = 0
     for e in sorted(

@@ -130,13 +130,14 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, monkeypatch, loss):
     """Every read of a tensor's value (a host sync on a GPU) happens inside the window's flush
     at a boundary: none in the steps between (transformers' own packed-sequence check, one
-    read per forward, included: see loss.default_positions)."""
-    state = {"step": 0, "flushing": False}
+    read per forward, included: see loss.default_positions). The loader's count of a step's
+    targets reads host tensors before anything is placed on the device: not a device read."""
+    state = {"step": 0, "flushing": False, "on_host": False}
     reads: list[tuple[int, str]] = []
 
     def counted(name, original):
         def read(self, *args, **kwargs):
-            if not state["flushing"]:
+            if not state["flushing"] and not state["on_host"]:
                 reads.append((state["step"], name))
             return original(self, *args, **kwargs)
 
@@ -156,6 +157,18 @@ def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, m
             state["flushing"] = False
 
     _cfg, sharded, optimizer, scheduler, data, run_loss = build_run("trainer.max_steps=10", loss)
+    host_batches = data.step_batches
+
+    def step_batches(step):
+        state["on_host"] = True
+        try:
+            batches, targets = host_batches(step)
+            assert all(t.device.type == "cpu" for b in batches for t in b.values())
+            return batches, targets
+        finally:
+            state["on_host"] = False
+
+    data.step_batches = step_batches
     monkeypatch.setattr(loop, "train_step", counted_step)
     monkeypatch.setattr(metrics.StepWindow, "flush", counted_flush)
     for name in HOST_READS:
