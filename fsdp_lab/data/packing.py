@@ -68,8 +68,10 @@ class ChatSplit:
         pass over the mask, whatever the number of conversations."""
         if not len(self.kept):
             return 0
+        base, end = int(self.offsets[0]), int(self.offsets[-1])  # (a held-out split's range)
         starts = self.offsets[:-1]
-        per = np.add.reduceat(self.learned, starts, dtype=np.int64) - self.learned[starts]
+        per = np.add.reduceat(self.learned[base:end], starts - base, dtype=np.int64)
+        per -= self.learned[starts]
         full = np.diff(self.offsets)[self.kept]
         for k in np.flatnonzero(self.lengths < full).tolist():  # truncated: count what is kept
             i, n = self.kept[k], self.lengths[k]

@@ -16,7 +16,7 @@ import torch
 from fsdp_lab.config import ConfigError, Overlong, Packing, to_typed
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import IGNORE_INDEX, build_data
-from fsdp_lab.data.packing import ChatSplit
+from fsdp_lab.data.packing import ChatSplit, hold_out
 from fsdp_lab.tools.data import CLOSE, OPEN, preview_command
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -102,6 +102,16 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted():
     dropped = split_of([3, 12, 2], overlong=Overlong.drop)
     assert (dropped.truncated, dropped.dropped, len(dropped)) == (0, 1, 1)  # [3+2] in one row
     assert dropped.learned_tokens() == 2 + 1
+
+
+def test_held_out_conversations_count_only_their_own_tokens():
+    offsets = np.array([0, 3, 7, 9], dtype=np.int64)
+    train, val = hold_out(offsets, 0.3)  # every conversation in one split: the last held out
+    mask = np.ones(9, np.uint8)
+    args = {"seq_len": 8, "packing": Packing.documents, "overlong": Overlong.truncate}
+    tokens = np.arange(9, dtype=np.uint16)
+    assert ChatSplit(tokens, mask, train, **args).learned_tokens() == 2 + 3
+    assert ChatSplit(tokens, mask, val, **args).learned_tokens() == 1
 
 
 def test_pad_puts_one_conversation_a_row_without_positions():
