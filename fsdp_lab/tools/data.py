@@ -87,10 +87,24 @@ def _marked(tok, ids: list[int], learned, colour: bool) -> str:
     return "".join(text)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (a command called twice in one
+    process, as tests do, must not write to the first call's stream)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _log_to_stderr() -> None:
+    """The progress and last line of a preparation on stderr, unless logging is set up."""
     logger = logging.getLogger("fsdp_lab")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
