@@ -178,10 +178,13 @@ def throughput(
     m: StepMetrics, *, world_size: int, flops_per_token: int, peak_flops: float | None
 ) -> dict:
     """Per-rank throughput of a step and its model FLOPs utilisation (None without a known
-    peak): achieved model FLOP/s per device over the device's peak."""
+    peak): achieved model FLOP/s per device over the device's peak, counted over every position
+    (padding included: the compute done). ``trained_tokens_per_s``: the tokens the loss learns
+    (data=chat: the replies), the rate a fine-tuning run makes progress at."""
     per_rank = m.tokens_per_s / world_size
     achieved = per_rank * flops_per_token
     return {
+        "trained_tokens_per_s": m.trained_tokens / m.step_time_s if m.step_time_s else 0.0,
         "tokens_per_s_per_rank": per_rank,
         "tflops_per_s_per_rank": achieved / 1e12,
         "mfu": achieved / peak_flops if peak_flops else None,

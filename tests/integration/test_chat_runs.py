@@ -74,6 +74,9 @@ def test_the_validation_loss_on_replies_falls_and_the_run_says_what_it_learned(c
     steps = read_metrics(run_dir / "metrics.jsonl")
     # 2 ranks x 2 rows of 192 positions a step, of which only the replies are learned
     assert len(steps) == 6 and all(0 < r["trained_tokens"] < 0.9 * 2 * 2 * 192 for r in steps)
+    for r in steps:  # the rate of learned tokens, beside every position's
+        assert r["trained_tokens_per_s"] == pytest.approx(r["trained_tokens"] / r["step_time_s"])
+        assert r["trained_tokens_per_s"] < r["tokens_per_s"]
     data = json.loads((run_dir / "run.json").read_text())["data"]
     chat = data["chat"]
     assert chat["conversations"]["train"] > 100 and 0.1 < chat["learned_share"] < 0.9
