@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.data.pool import Pool, Stopped
+from fsdp_lab.data.pool import Pool, Progress, Stopped
 from fsdp_lab.data.tasks import Source, Task
 from fsdp_lab.data.worker import SPLITS, Setup, streams, write_error
 
@@ -139,41 +138,6 @@ class Totals:
         at = result.get("max_at")
         if at is not None and (self.max_at is None or at[2] > self.max_at[2]):
             self.max_at = at
-
-
-class Progress:
-    """Input bytes read: a tqdm bar (MB/s, ETA) on a terminal, else a log line a minute."""
-
-    def __init__(self, total: int | None, done: int = 0) -> None:
-        self.total, self.done, self.start = total, done, time.monotonic()
-        self.said = self.start
-        self.initial = done
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total, initial=done, desc="data", unit="B", unit_scale=True,
-                unit_divisor=1 << 20, file=sys.stderr, dynamic_ncols=True,
-            )  # fmt: skip
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif time.monotonic() - self.said > WAIT_REPORT_S:
-            self.said = time.monotonic()
-            elapsed = max(1e-9, time.monotonic() - self.start)
-            rate = (self.done - self.initial) / elapsed  # bytes/s
-            share, eta = "", ""
-            if self.total:
-                share = f" of {self.total / 1e6:,.0f} MB"
-                eta = f", {(self.total - self.done) / max(rate, 1e-9) / 60:.0f} min to go"
-            log.info("data: %.0f MB%s read, %.2f MB/s%s", self.done / 1e6, share, rate / 1e6, eta)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def build(

@@ -1,4 +1,5 @@
-"""The preparing processes: started, fed one task at a time, watched, and stopped.
+"""The preparing processes: started, fed one task at a time, watched, and stopped; and the
+progress of their reading (a bar on a terminal, a line a minute in a log).
 
 Each is ``python -m fsdp_lab.data.worker`` (a fresh interpreter that imports no torch or
 transformers: about 100 MB). The launcher samples their memory every second, so a process the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -22,6 +24,44 @@ from pathlib import Path
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.tasks import Task
+
+log = logging.getLogger(__name__)
+REPORT_S = 60.0  # a log line this often where no progress bar is drawn (not a terminal)
+
+
+class Progress:
+    """Input bytes read: a tqdm bar (MB/s, ETA) on a terminal, else a log line a minute."""
+
+    def __init__(self, total: int | None, done: int = 0) -> None:
+        self.total, self.done, self.start = total, done, time.monotonic()
+        self.said = self.start
+        self.initial = done
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=done, desc="data", unit="B", unit_scale=True,
+                unit_divisor=1 << 20, file=sys.stderr, dynamic_ncols=True,
+            )  # fmt: skip
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.said > REPORT_S:
+            self.said = time.monotonic()
+            elapsed = max(1e-9, time.monotonic() - self.start)
+            rate = (self.done - self.initial) / elapsed  # bytes/s
+            share, eta = "", ""
+            if self.total:
+                share = f" of {self.total / 1e6:,.0f} MB"
+                eta = f", {(self.total - self.done) / max(rate, 1e-9) / 60:.0f} min to go"
+            log.info("data: %.0f MB%s read, %.2f MB/s%s", self.done / 1e6, share, rate / 1e6, eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class Stopped(ConfigError):
