@@ -4,9 +4,10 @@ In the launcher, ``chat_format`` fixes how rows become text (the layout, read fr
 row's columns, the template and its special tokens, data.train_on): it goes into the cache key
 and to the preparing processes. There ``chat_task`` reads a task's rows, renders each
 (``chat.pieces``), tokenises the pieces in batches and writes the conversation's ids, its learned
-mask and its length; a conversation is held out for validation by a hash of its rendered text,
-so the split is by conversation and fixed. ``load`` memory-maps a prepared entry as two
-``packing.ChatSplit`` laid out in rows of the run's trainer.seq_len.
+mask and its length; a conversation is held out for validation by a hash of its row (not its
+rendering: another template keeps the split), so the split is by conversation and fixed.
+``load`` memory-maps a prepared entry as two ``packing.ChatSplit`` laid out in rows of the
+run's trainer.seq_len.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def chat_task(runner, task, out) -> dict:
     """A task's rows as conversations: ids, learned mask and length (``worker.TaskRunner``'s
     ``run`` calls it with the task's ``ShardWriter``)."""
     fmt = chat.ChatFormat(**runner.setup.chat)
-    batch: list[tuple[chat.Pieces, bool]] = []
+    batch: list[tuple[chat.Pieces, bool, bytes]] = []
     skipped = 0
     for seg in task.segments:
         for row, where in readers.read_rows(seg):
@@ -96,7 +97,7 @@ def chat_task(runner, task, out) -> dict:
             if got is None:
                 skipped += 1
                 continue
-            batch.append(got)
+            batch.append((*got, _identity(row)))
             if len(batch) >= BATCH_ROWS:
                 _write(batch, runner, out)
                 batch = []
@@ -106,13 +107,20 @@ def chat_task(runner, task, out) -> dict:
     return {"skipped": skipped}
 
 
-def _write(batch: list[tuple[chat.Pieces, bool]], runner, out) -> None:
+def _identity(row: dict) -> bytes:
+    """What decides a conversation's split: the row itself, not its rendering, so another
+    template or data.train_on keeps every conversation in its split (and a row read from
+    parquet or JSON lines is the same row)."""
+    return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+
+
+def _write(batch: list[tuple[chat.Pieces, bool, bytes]], runner, out) -> None:
     if not batch:
         return
     setup = runner.setup
-    ids = iter(runner.encoder.encode([text for pieces, _ in batch for text, _ in pieces]))
+    ids = iter(runner.encoder.encode([text for pieces, _, _ in batch for text, _ in pieces]))
     eos = np.array([setup.eos])
-    for pieces, add_eos in batch:
+    for pieces, add_eos, identity in batch:
         parts, learned = [], []
         for _, trained in pieces:
             part = next(ids)
@@ -124,7 +132,7 @@ def _write(batch: list[tuple[chat.Pieces, bool]], runner, out) -> None:
         conversation = np.concatenate(parts)
         if len(conversation) == 0:
             continue
-        split = runner.split_of("".join(t for t, _ in pieces).encode("utf-8"))
+        split = runner.split_of(identity)
         out.add_conversation(split, conversation, np.concatenate(learned))
 
 

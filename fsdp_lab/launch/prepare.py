@@ -89,6 +89,12 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
         # before any rank starts, and the ranks find the result in the cache.
         corpus = corpus_lib.prepare(cfg, tokenizer, vocab_size=hf_config.vocab_size)
+        if cfg.data.kind is DataKind.chat and corpus.train.learned_tokens() == 0:
+            raise ConfigError(
+                f"data=chat: no reply token lies within the first trainer.seq_len="
+                f"{cfg.trainer.seq_len} tokens of any training conversation, so nothing would "
+                "be learned; raise trainer.seq_len (fsdp-lab data preview shows the rows)"
+            )
         if cfg.trainer.eval_every and len(corpus.val) == 0:
             log.warning(
                 "data.validation_fraction=%s leaves no validation blocks: no evaluation",

@@ -111,7 +111,8 @@ class RunFacts:
                 "fingerprint": corpus.fingerprint,
                 "tokenizer": type(state.tokenizer).__name__ if state.tokenizer else None,
             }
-            if hasattr(corpus, "summary"):  # data=chat: what fsdp-lab data preview counts
+            if hasattr(corpus, "summary") and ctx.rank == 0:  # data=chat: the preview's counts
+                # (rank 0's run.json only: counting reads every conversation's mask)
                 data["chat"] = corpus.summary()
         else:
             data = {"kind": cfg.data.kind.name}
