@@ -33,7 +33,7 @@ import xxhash
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.pool import Pool, Progress, Stopped
 from fsdp_lab.data.tasks import Source, Task
-from fsdp_lab.data.worker import SPLITS, Setup, streams, write_error
+from fsdp_lab.data.worker import PER_DOCUMENT, SPLITS, Setup, streams, write_error
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,9 @@ def _append_in_order(results, source: Source, totals: Totals, splits, partial, d
             _append(shard_dir, task, splits)
             totals.add(result)
             _write_json(partial / "progress.json", {"plan": digest, **totals.__dict__})
+            # Only now: a stop before progress.json is written re-appends the task from them
+            # (the split files are cut back to the recorded sizes).
+            _remove_shards(shard_dir, task, splits)
 
     with contextlib.closing(results):
         append_ready()
@@ -265,7 +268,7 @@ def _open_splits(partial: Path, totals: Totals, setup: Setup):
     try:
         for split in SPLITS:
             for kind, dtype in streams(setup.chat is not None).items():
-                per = totals.documents if kind == "docs.bin" else totals.tokens
+                per = totals.documents if kind in PER_DOCUMENT else totals.tokens
                 size = per[split] * np.dtype(dtype or setup.dtype).itemsize
                 path = partial / f"{split}.{kind}"
                 path.touch()
@@ -299,8 +302,12 @@ def _append(shard_dir: Path, task: Task, splits: dict) -> None:
         with shard.open("rb") as f:
             shutil.copyfileobj(f, splits[split, kind], 1 << 22)
         splits[split, kind].flush()
-        shard.unlink()
-    (shard_dir / f"{task.index:06d}.json").unlink()
+
+
+def _remove_shards(shard_dir: Path, task: Task, splits: dict) -> None:
+    for split, kind in splits:
+        (shard_dir / f"{task.index:06d}.{split}.{kind}").unlink(missing_ok=True)
+    (shard_dir / f"{task.index:06d}.json").unlink(missing_ok=True)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -53,6 +53,7 @@ class ChatFormat:
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
+    bos: str | None = None  # string prompt/completion: opens the row where the tokenizer adds BOS
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -198,6 +199,12 @@ def _render(messages: list[dict], fmt: ChatFormat, generation: bool, where) -> s
     renderer, with the special tokens as template variables."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    if fmt.template is None:  # string prompt/completion rows first, then a row of messages
+        raise ConfigError(
+            f"data.chat_template: {where()} holds messages, and the tokenizer has no chat "
+            "template to render them; set data.chat_template=<a .jinja file> "
+            "(conf/chat_templates/chatml.jinja), or keep the rows' prompts strings"
+        )
     try:
         rendered, _ = render_jinja_template(
             conversations=[messages],
@@ -262,16 +269,22 @@ def _cover(text: str, spans: list[tuple[int, int]]) -> Pieces:
     return out
 
 
-def _prompt_completion(prompt, completion, fmt: ChatFormat, where) -> tuple[Pieces, bool]:
-    """String fields: the prompt untrained, the completion and an EOS trained (unless the
-    completion ends with the EOS text already). Lists of
+def _prompt_completion(prompt, completion, fmt: ChatFormat, where) -> tuple[Pieces, bool] | None:
+    """String fields: the prompt untrained (after the BOS the tokenizer adds by default, if any),
+    the completion and an EOS trained (unless the completion ends with the EOS text already); a
+    blank completion has nothing to learn: None, skipped. Lists of
     messages (TRL's conversational prompt-completion): the completion's span is what the
     completion adds to the prompt's generation prompt; its end-of-turn ends it, no EOS."""
     everything = fmt.train_on == "all"
     if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            return None  # no reply to learn: skipped and counted, as a conversation without one
         eos = fmt.template_vars.get("eos_token")
         ends = bool(eos) and completion.endswith(eos)  # it brings its own EOS (as TRL checks)
-        return [(t, f) for t, f in ((prompt, everything), (completion, True)) if t], not ends
+        # The BOS the tokenizer adds to a text by default (Llama's), as at inference.
+        opened = [(fmt.bos, everything)] if fmt.bos else []
+        texts = [*opened, (prompt, everything), (completion, True)]
+        return [(t, f) for t, f in texts if t], not ends
     if isinstance(prompt, (list, tuple)) and isinstance(completion, (list, tuple)):
         before = _messages(prompt, fmt.prompt_column, where)
         after = _messages(completion, fmt.completion_column, where)

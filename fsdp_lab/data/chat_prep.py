@@ -45,10 +45,16 @@ def chat_format(cfg: Config, tok) -> dict:
             source=where,
         )
     strings = layout == "prompt_completion" and isinstance(first.get(d.prompt_column), str)
-    needs_template = not strings or d.chat_template is not None
+    try:  # string rows need none; but a later row may hold messages
+        template = chat.template_of(tok, d.chat_template)
+    except ConfigError:
+        if not strings or d.chat_template is not None:
+            raise
+        template = None
     fmt = chat.ChatFormat(
         layout=layout,
-        template=chat.template_of(tok, d.chat_template) if needs_template else None,
+        template=template,
+        bos=_default_bos(tok) if strings else None,
         template_vars=chat.template_vars_of(tok) if tok is not None else {},
         train_on=d.train_on.value,
         messages_column=d.messages_column,
@@ -56,6 +62,15 @@ def chat_format(cfg: Config, tok) -> dict:
         completion_column=d.completion_column,
     )
     return asdict(fmt)
+
+
+def _default_bos(tok) -> str | None:
+    """The BOS text where the tokenizer opens every text with it (Llama's), else None."""
+    bos = getattr(tok, "bos_token", None)
+    if tok is None or bos is None:
+        return None
+    ids = tok("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == tok.bos_token_id else None
 
 
 def _first_row(patterns: list[str], column: str) -> tuple[dict, str]:
@@ -119,7 +134,7 @@ def _write(batch: list[tuple[chat.Pieces, bool, bytes]], runner, out) -> None:
         return
     setup = runner.setup
     ids = iter(runner.encoder.encode([text for pieces, _, _ in batch for text, _ in pieces]))
-    eos = np.array([setup.eos])
+    eos = np.array([setup.eos], dtype=np.int64)
     for pieces, add_eos, identity in batch:
         parts, learned = [], []
         for _, trained in pieces:
@@ -127,7 +142,7 @@ def _write(batch: list[tuple[chat.Pieces, bool, bytes]], runner, out) -> None:
             parts.append(part)
             learned.append(np.full(len(part), trained, dtype=np.uint8))
         if add_eos:  # prompt/completion strings: the completion ends with EOS, learned
-            parts.append(eos.astype(part.dtype))
+            parts.append(eos)
             learned.append(np.ones(1, dtype=np.uint8))
         conversation = np.concatenate(parts)
         if len(conversation) == 0:
@@ -181,12 +196,12 @@ def load(entry: Path, cfg: Config) -> ChatCorpus:
     meta = json.loads((entry / "meta.json").read_text())
     arrays = {s: _arrays(entry, s, meta["dtype"]) for s in ("train", "val")}
     if meta["split"] == "blocks":  # every conversation in one split: hold out the last ones
-        tokens, learned, offsets = arrays["train"]
-        train_offsets, val_offsets = hold_out(offsets, d.validation_fraction)
-        arrays = {"train": (tokens, learned, train_offsets), "val": (tokens, learned, val_offsets)}
+        tokens, mask, offsets, counts = arrays["train"]
+        train, val = hold_out(offsets, counts, d.validation_fraction)
+        arrays = {"train": (tokens, mask, *train), "val": (tokens, mask, *val)}
     splits = {
-        s: ChatSplit(t, m, o, seq_len=seq_len, packing=d.packing, overlong=d.overlong)
-        for s, (t, m, o) in arrays.items()
+        s: ChatSplit(*a, seq_len=seq_len, packing=d.packing, overlong=d.overlong)
+        for s, a in arrays.items()
     }
     identity = [meta["digests"], meta["split"], seq_len, d.packing.value, d.overlong.value]
     identity.append(d.validation_fraction if meta["split"] == "blocks" else 0)
@@ -203,7 +218,9 @@ def load(entry: Path, cfg: Config) -> ChatCorpus:
     return corpus
 
 
-def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, ...]:
+    """A split's ids, learned mask, conversation offsets and learned counts."""
+
     def mapped(name: str, dt: str) -> np.ndarray:
         path = entry / f"{split}.{name}"
         n = path.stat().st_size // np.dtype(dt).itemsize
@@ -212,7 +229,12 @@ def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, np.ndarray
     lengths = mapped("docs.bin", "uint32")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return mapped("bin", dtype), mapped("mask.bin", "uint8"), offsets
+    return (
+        mapped("bin", dtype),
+        mapped("mask.bin", "uint8"),
+        offsets,
+        mapped("learned.bin", "uint32"),
+    )
 
 
 def _check_rows(corpus: ChatCorpus, cfg: Config) -> None:

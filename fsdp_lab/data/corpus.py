@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
-from fsdp_lab.data import cache, chat_prep, encode, sources, tasks
+from fsdp_lab.data import cache, chat_prep, encode, sources, tasks, worker
 from fsdp_lab.data.worker import Setup, in_validation
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,11 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
         "validation_fraction": d.validation_fraction,
     }
     if d.kind is DataKind.chat:  # the template and what is learned decide the tokens and mask
+        import transformers  # its renderer renders the template: another version may differ
+
         key["chat"] = chat_prep.chat_format(cfg, tok)
+        key["renderer"] = f"transformers {transformers.__version__}"
+        key["streams"] = sorted(worker.streams(chat=True))
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     entry = root / f"tokens-{name}"

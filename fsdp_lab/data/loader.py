@@ -269,9 +269,26 @@ class ChatData(PackedData):
     def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         return self._rows(self.train, self.row_indices(step, micro))
 
+    def _mine(self, indices):
+        """This rank's rows of a global micro-batch's: only they are built (the count of the
+        others' targets comes from the split's per-row counts, not their rows)."""
+        lo = self.dp_rank * self.micro_batch_size
+        return indices[lo : lo + self.micro_batch_size * self.local_ranks]
+
+    def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        return self._rows(self.train, self._mine(self.row_indices(step, micro)))
+
+    def step_batches(self, step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+        batches, targets = [], 0
+        for micro in range(self.grad_accum_steps):
+            indices = self.row_indices(step, micro)
+            batches.append(self._rows(self.train, self._mine(indices)))
+            targets += int(self.train.row_targets[indices].sum())
+        return batches, targets
+
     def val_batch(self, index: int) -> dict[str, torch.Tensor]:
         lo = index * self.rows_per_micro
-        return self._to_batch(self._rows(self.val, range(lo, lo + self.rows_per_micro)))[0]
+        return self._rows(self.val, self._mine(range(lo, lo + self.rows_per_micro)))
 
 
 def _masking(cfg: Config, tokenizer, vocab_size: int) -> Masking | None:

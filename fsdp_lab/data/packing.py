@@ -1,9 +1,10 @@
 """data=chat conversations in rows of ``trainer.seq_len`` tokens, and their batches.
 
 The cache holds each split's conversations back to back (``{split}.bin``), which of their tokens
-are learned (``{split}.mask.bin``, one byte a token) and each conversation's length
-(``{split}.docs.bin``); it serves every ``trainer.seq_len`` and packing. At load the
-conversations are laid out in rows, in corpus order:
+are learned (``{split}.mask.bin``, one byte a token), each conversation's length
+(``{split}.docs.bin``) and its learned tokens (``{split}.learned.bin``); it serves every
+``trainer.seq_len`` and packing. At load the conversations are laid out in rows, in corpus
+order:
 
 - ``data.packing=documents``: as many whole conversations as fit in a row. The row carries
   ``position_ids`` restarting at 0 at each conversation and ``sequence_index`` (which
@@ -36,12 +37,14 @@ class ChatSplit:
     tokens: np.ndarray  # every conversation's ids back to back (memory-mapped)
     learned: np.ndarray  # uint8, 1 where the token is learned (memory-mapped)
     offsets: np.ndarray  # int64 [n + 1]: conversation i is tokens[offsets[i]:offsets[i + 1]]
+    counts: np.ndarray  # [n]: conversation i's learned tokens after its first (whole)
     seq_len: int
     packing: Packing
     overlong: Overlong
     kept: np.ndarray = field(init=False)  # the conversations in rows, in corpus order
     lengths: np.ndarray = field(init=False)  # their lengths in the rows (truncated)
     rows: np.ndarray = field(init=False)  # [r + 1]: row j holds kept[rows[j]:rows[j + 1]]
+    row_targets: np.ndarray = field(init=False)  # [r]: the labels of each row
     truncated: int = field(init=False)
     dropped: int = field(init=False)
 
@@ -55,6 +58,7 @@ class ChatSplit:
         )
         self.lengths = np.minimum(full[self.kept], self.seq_len)
         self.rows = _row_starts(self.lengths, self.seq_len, self.packing)
+        self.row_targets = self._row_targets()
 
     def __len__(self) -> int:
         return len(self.rows) - 1
@@ -64,19 +68,19 @@ class ChatSplit:
         return len(self.offsets) - 1
 
     def learned_tokens(self) -> int:
-        """Tokens learned in the rows (after truncation; first tokens are never labels): one
-        pass over the mask, whatever the number of conversations."""
-        if not len(self.kept):
-            return 0
-        base, end = int(self.offsets[0]), int(self.offsets[-1])  # (a held-out split's range)
-        starts = self.offsets[:-1]
-        per = np.add.reduceat(self.learned[base:end], starts - base, dtype=np.int64)
-        per -= self.learned[starts]
-        full = np.diff(self.offsets)[self.kept]
-        for k in np.flatnonzero(self.lengths < full).tolist():  # truncated: count what is kept
-            i, n = self.kept[k], self.lengths[k]
-            per[i] = int(self.learned[self.offsets[i] + 1 : self.offsets[i] + n].sum())
-        return int(per[self.kept].sum())
+        """Tokens learned in the rows (after truncation; first tokens are never labels)."""
+        return int(self.row_targets.sum())
+
+    def _row_targets(self) -> np.ndarray:
+        """Each row's labels, from the conversations' counts (prepared with them): only a
+        truncated conversation's kept part is counted on its mask."""
+        per = self.counts[self.kept].astype(np.int64)
+        for k in np.flatnonzero(self.lengths < np.diff(self.offsets)[self.kept]).tolist():
+            start = self.offsets[self.kept[k]]
+            per[k] = int(self.learned[start + 1 : start + self.lengths[k]].sum())
+        if not len(per):
+            return np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(per, self.rows[:-1])
 
     def row(self, index: int, pad_id: int) -> dict[str, np.ndarray]:
         """Row ``index``: input ids, which are learned, and (packing=documents) positions and
@@ -126,9 +130,10 @@ def _row_starts(lengths: np.ndarray, seq_len: int, packing: Packing) -> np.ndarr
     return np.asarray(starts, dtype=np.int64)
 
 
-def hold_out(offsets: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets of the training and validation conversations when every conversation fell in
-    one split (a handful of them): the last ``fraction`` of them are held out."""
+def hold_out(offsets: np.ndarray, counts: np.ndarray, fraction: float) -> tuple[tuple, tuple]:
+    """(offsets, counts) of the training and validation conversations when every conversation
+    fell in one split (a handful of them): the last ``fraction`` of them are held out."""
     n = len(offsets) - 1
     n_val = min(n - 1, math.ceil(n * fraction)) if fraction > 0 and n > 1 else 0
-    return offsets[: n - n_val + 1], offsets[n - n_val :]
+    cut = n - n_val
+    return (offsets[: cut + 1], counts[:cut]), (offsets[cut:], counts[cut:])

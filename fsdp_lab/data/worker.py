@@ -68,11 +68,17 @@ class CacheWriteError(Exception):
         self.error = error
 
 
+PER_DOCUMENT = ("docs.bin", "learned.bin")  # streams with one element a conversation
+
+
 def streams(chat: bool) -> dict[str, str | None]:
     """The files of each split and what each holds per element: the token ids (the shards'
-    dtype: None), and for data=chat which tokens are learned (uint8, one per token) and each
-    conversation's length (uint32, one per conversation; no EOS between conversations)."""
-    return {"bin": None, "mask.bin": "uint8", "docs.bin": "uint32"} if chat else {"bin": None}
+    dtype: None), and for data=chat which tokens are learned (uint8, one per token), each
+    conversation's length and its learned tokens after the first (uint32 each, one per
+    conversation: the counts need no pass over the mask; no EOS between conversations)."""
+    if not chat:
+        return {"bin": None}
+    return {"bin": None, "mask.bin": "uint8", "docs.bin": "uint32", "learned.bin": "uint32"}
 
 
 class ShardWriter:
@@ -106,6 +112,7 @@ class ShardWriter:
         self.pending[split, "bin"].append(ids)
         self.pending[split, "mask.bin"].append(learned)
         self.pending[split, "docs.bin"].append(np.array([len(ids)]))
+        self.pending[split, "learned.bin"].append(np.array([int(learned[1:].sum())]))
         self.documents[split] += 1
         self._added(split, len(ids))
 

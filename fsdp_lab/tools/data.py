@@ -49,6 +49,7 @@ def preview_command(overrides: list[str], *, rows: int, out=None) -> int:
             "(every token learned); add data=chat and its data.files"
         )
     _log_to_stderr()
+    validate(cfg, topology(cfg)[0])  # what the run would refuse, refused here too
     cfg = corpus_lib.absolute_paths(cfg)
     tok = corpus_lib.load_tokenizer(cfg)
     corpus = corpus_lib.prepare(cfg, tok, vocab_size=len(tok))

@@ -5,6 +5,7 @@ one line, and ``fsdp-lab data preview``. SmolLM2's real tokenizer and chat templ
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from fsdp_lab.config import ConfigError, Overlong, Packing, to_typed
 from fsdp_lab.data import corpus as corpus_lib
+from fsdp_lab.data.chat import ChatFormat, pieces
 from fsdp_lab.data.loader import IGNORE_INDEX, build_data
 from fsdp_lab.data.packing import ChatSplit, hold_out
 from fsdp_lab.tools.data import CLOSE, OPEN, preview_command
@@ -78,7 +80,12 @@ def split_of(lengths: list[int], learned: list[list[int]] | None = None, **kw) -
         else np.ones(offsets[-1], np.uint8)
     )
     args = {"seq_len": 8, "packing": Packing.documents, "overlong": Overlong.truncate} | kw
-    return ChatSplit(tokens, mask, offsets, **args)
+    return ChatSplit(tokens, mask, offsets, counts_of(mask, offsets), **args)
+
+
+def counts_of(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each conversation's learned tokens after its first, as preparation stores them."""
+    return np.array([mask[a + 1 : b].sum() for a, b in itertools.pairwise(offsets)])
 
 
 def test_documents_pack_whole_conversations_in_order_and_restart_positions():
@@ -106,12 +113,13 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted():
 
 def test_held_out_conversations_count_only_their_own_tokens():
     offsets = np.array([0, 3, 7, 9], dtype=np.int64)
-    train, val = hold_out(offsets, 0.3)  # every conversation in one split: the last held out
     mask = np.ones(9, np.uint8)
+    # every conversation in one split: the last held out
+    train, val = hold_out(offsets, counts_of(mask, offsets), 0.3)
     args = {"seq_len": 8, "packing": Packing.documents, "overlong": Overlong.truncate}
     tokens = np.arange(9, dtype=np.uint16)
-    assert ChatSplit(tokens, mask, train, **args).learned_tokens() == 2 + 3
-    assert ChatSplit(tokens, mask, val, **args).learned_tokens() == 1
+    assert ChatSplit(tokens, mask, *train, **args).learned_tokens() == 2 + 3
+    assert ChatSplit(tokens, mask, *val, **args).learned_tokens() == 1
 
 
 def test_pad_puts_one_conversation_a_row_without_positions():
@@ -185,6 +193,13 @@ def test_prompt_completion_learns_the_completion_and_eos(tmp_path, smollm2):
     assert c.train.tokens[-2:].tolist() == [*tok.encode(" 1.")[-1:], tok.eos_token_id]
 
 
+def test_string_rows_open_with_the_bos_the_tokenizer_adds_and_skip_blank_completions():
+    fmt = ChatFormat(layout="prompt_completion", template=None, bos="<s>")
+    got, eos = pieces({"prompt": "Q:", "completion": " A."}, fmt, lambda: "f line 1")
+    assert got == [("<s>", False), ("Q:", False), (" A.", True)] and eos
+    assert pieces({"prompt": "Q:", "completion": "  "}, fmt, lambda: "f line 2") is None
+
+
 @pytest.mark.parametrize(
     ("rows", "data", "message"),
     [
@@ -196,6 +211,17 @@ def test_prompt_completion_learns_the_completion_and_eos(tmp_path, smollm2):
         ),
         ([conversation(i, 3) for i in range(4)], {"overlong": "drop", "seq_len": 16}, "all 4"),
         ([{"messages": [{"role": "user", "content": "alone"}]}], {}, "no row of data.files"),
+        (  # a string row first, then one of messages, and no chat template to render it
+            [
+                {"prompt": "Q", "completion": " A"},
+                {
+                    "prompt": [{"role": "user", "content": "Q"}],
+                    "completion": [{"role": "assistant", "content": "A"}],
+                },
+            ],
+            {"tokenizer": None},
+            "line 2 holds messages, and the tokenizer has no chat template",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_file_and_row(tmp_path, smollm2, rows, data, message):
