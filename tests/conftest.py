@@ -274,3 +274,18 @@ def bpe_tokenizer(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("bpe")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct's directory (model and tokenizer), converted offline by
+    scripts/prepare_smollm2.py: cached after the first time (~40 s)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from prepare_smollm2 import MissingDependency, prepare
+    finally:
+        sys.path.pop(0)
+    try:
+        return str(prepare())
+    except MissingDependency as e:  # `make test` installs them: a missing one is a failure
+        pytest.fail(f"SmolLM2 tests need: {e}")

@@ -7,7 +7,6 @@ a CPU without native bf16 matmuls takes minutes."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from conftest import ROOT, check_ok, run_python, train
@@ -15,19 +14,6 @@ from conftest import ROOT, check_ok, run_python, train
 from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from prepare_smollm2 import MissingDependency, prepare
-    finally:
-        sys.path.pop(0)
-    try:
-        return prepare()
-    except MissingDependency as e:
-        pytest.fail(f"SmolLM2 test needs: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -7,28 +7,14 @@ is checked against the fp32 reference in test_parity."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, check_ok, train
+from conftest import check_ok, train
 
 from fsdp_lab.observe.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from prepare_smollm2 import MissingDependency, prepare
-    finally:
-        sys.path.pop(0)
-    try:
-        return prepare()  # cached after the first time (~40 s)
-    except MissingDependency as e:  # `make test` installs them: a missing one is a failure
-        pytest.fail(f"SmolLM2 test needs: {e}")
 
 
 # Full fine-tuning and LoRA of the same model on the same batches: the LoRA test compares

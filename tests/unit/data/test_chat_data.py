@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,21 +19,6 @@ from fsdp_lab.data.chat import ChatFormat, pieces
 from fsdp_lab.data.loader import IGNORE_INDEX, build_data
 from fsdp_lab.data.packing import ChatSplit, hold_out
 from fsdp_lab.tools.data import CLOSE, OPEN, preview_command
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> str:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from prepare_smollm2 import MissingDependency, prepare
-    finally:
-        sys.path.pop(0)
-    try:
-        return str(prepare())
-    except MissingDependency as e:  # `make test` installs them: a missing one is a failure
-        pytest.fail(f"SmolLM2 test needs: {e}")
 
 
 def conversation(i: int, turns: int, system: bool = False) -> dict:

@@ -5,8 +5,6 @@ the prompt before each reply the ids it has at inference."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +14,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from fsdp_lab.config import ConfigError
 from fsdp_lab.data.chat import ChatFormat, detect_layout, pieces, template_of, template_vars_of
 
-ROOT = Path(__file__).resolve().parents[3]
 WHERE = "data.jsonl line 7"
 
 SYSTEM = [{"role": "system", "content": "You answer in French."}]
@@ -32,17 +29,9 @@ CONVERSATIONS = [SYSTEM + TURNS, TURNS, SYSTEM + TURNS + [{"role": "user", "cont
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from prepare_smollm2 import MissingDependency, prepare
-    finally:
-        sys.path.pop(0)
-    try:
-        model_dir = prepare()  # cached after the first time (~40 s)
-    except MissingDependency as e:  # `make test` installs them: a missing one is a failure
-        pytest.fail(f"SmolLM2 test needs: {e}")
-    return AutoTokenizer.from_pretrained(model_dir), "<|im_end|>"
+def smollm2_tok(smollm2):
+    """SmolLM2's real tokenizer and chat template (no generation tags), and its end of turn."""
+    return AutoTokenizer.from_pretrained(smollm2), "<|im_end|>"
 
 
 # Llama 3's pre-tokenizer split: "\n\n" is one piece whether text follows it or not, so a reply
@@ -81,7 +70,7 @@ def llama3():
     return toy_llama3(LLAMA3_SPLIT), "<|eot_id|>"
 
 
-@pytest.fixture(params=["smollm2", "llama3"])
+@pytest.fixture(params=["smollm2_tok", "llama3"])
 def tokenizer(request):
     return request.getfixturevalue(request.param)
 
@@ -162,8 +151,8 @@ def test_train_on_all_trains_the_whole_rendering(tokenizer):
     assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
 
 
-def test_chatml_template_with_a_system_turn(smollm2):
-    tok, eot = smollm2
+def test_chatml_template_with_a_system_turn(smollm2_tok):
+    tok, eot = smollm2_tok
     fmt = ChatFormat("messages", template_of(tok, "conf/chat_templates/chatml.jinja"), {})
     parts, _ = pieces({"messages": SYSTEM + TURNS}, fmt, lambda: WHERE)
     # SmolLM2's template is ChatML too: with a system turn both render the same text
@@ -174,8 +163,8 @@ def test_chatml_template_with_a_system_turn(smollm2):
     assert parts[-1] == ("\n", False)
 
 
-def test_a_conversation_without_a_reply_is_skipped(smollm2):
-    tok, _ = smollm2
+def test_a_conversation_without_a_reply_is_skipped(smollm2_tok):
+    tok, _ = smollm2_tok
     row = {"messages": SYSTEM + TURNS[:1]}
     assert pieces(row, fmt_of(tok, "assistant"), lambda: WHERE) is None
     assert pieces(row, fmt_of(tok, "last"), lambda: WHERE) is None
@@ -202,8 +191,8 @@ def test_conversational_prompt_completion(tokenizer):
     check(tok, eot, prompt + completion, ids, mask, [len(prompt)])
 
 
-def test_format_round_trips_through_json(smollm2):
-    fmt = fmt_of(smollm2[0], "last", messages_column="conversation")
+def test_format_round_trips_through_json(smollm2_tok):
+    fmt = fmt_of(smollm2_tok[0], "last", messages_column="conversation")
     assert ChatFormat.from_json(fmt.to_json()) == fmt
 
 
@@ -294,8 +283,8 @@ def test_train_on_last_needs_only_the_last_reply_stable():
     assert "".join(t for t, _ in parts) == "<user>a</s><assistant></s><user>a</s><assistant>b</s>"
 
 
-def test_template_of(tmp_path, smollm2):
-    tok, _ = smollm2
+def test_template_of(tmp_path, smollm2_tok):
+    tok, _ = smollm2_tok
     assert template_of(tok, None) == tok.chat_template
     mine = tmp_path / "t.jinja"
     mine.write_text(ALTERNATE)
