@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from fsdp_lab.config import Config, ConfigError
-from fsdp_lab.data import chat, readers
+from fsdp_lab.config import Config, ConfigError, DataKind
+from fsdp_lab.data import chat, readers, tasks
 from fsdp_lab.data.packing import ChatSplit, hold_out
-from fsdp_lab.data.sources import local_files, non_empty
-from fsdp_lab.data.tasks import UNTIL_END, Segment
+from fsdp_lab.data.sources import CHAT_FORMATS, file_format, local_files
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def chat_format(cfg: Config, tok) -> dict:
     layout = d.layout.value
     if layout == "auto":
         layout = chat.detect_layout(
-            list(first) if isinstance(first, dict) else [],
+            list(first),
             d.messages_column,
             d.prompt_column,
             d.completion_column,
@@ -74,13 +73,15 @@ def _default_bos(tok) -> str | None:
 
 
 def _first_row(patterns: list[str], column: str) -> tuple[dict, str]:
-    """The first row of the first non-empty file, and where it is (for the layout)."""
-    path = next(iter(non_empty(local_files(patterns))), None)
+    """The first row of the first non-empty file, and where it is (for the layout): read
+    through the first segment the planner cuts, as a preparing process reads it."""
+    files = local_files(patterns)
+    fmt = file_format(files, CHAT_FORMATS, DataKind.chat)
+    path = next((f for f in files if f.stat().st_size), None)  # (plan warns of empty ones)
     if path is None:
         raise ConfigError("data.files: every file is empty; add conversations")
-    fmt = "parquet" if path.suffix.lower() == ".parquet" else _json_kind(path)
-    seg = Segment(str(path), fmt, 0, 1 if fmt == "parquet" else UNTIL_END)
-    for row, where in readers.read_rows(seg):
+    first = tasks.text_segments([path], fmt, None, tasks.MAX_TASK_BYTES, split_of=None)[0]
+    for row, where in readers.read_rows(first):
         if not isinstance(row, dict):
             raise ConfigError(
                 f"data.files: {where()} is a JSON {type(row).__name__}, not an object with a "
@@ -88,13 +89,6 @@ def _first_row(patterns: list[str], column: str) -> tuple[dict, str]:
             )
         return row, str(path)
     raise ConfigError(f"data.files: {path} holds no row; add conversations")
-
-
-def _json_kind(path: Path) -> str:
-    from fsdp_lab.data.sources import open_input
-
-    with open_input(path) as f:
-        return "json_array" if f.read(1 << 16).lstrip().startswith(b"[") else "jsonl"
 
 
 # -- in a preparing process -----------------------------------------------------------------------
@@ -190,8 +184,9 @@ class ChatCorpus:
         }
 
 
-def load(entry: Path, cfg: Config) -> ChatCorpus:
-    """A prepared entry as rows of trainer.seq_len (packing and overlong as data. says)."""
+def load(entry: Path, cfg: Config) -> tuple[ChatCorpus, dict]:
+    """A prepared entry as rows of trainer.seq_len (packing and overlong as data. says), and
+    its meta.json."""
     d, seq_len = cfg.data, cfg.trainer.seq_len
     meta = json.loads((entry / "meta.json").read_text())
     arrays = {s: _arrays(entry, s, meta["dtype"]) for s in ("train", "val")}
@@ -215,7 +210,7 @@ def load(entry: Path, cfg: Config) -> ChatCorpus:
         skipped=meta["skipped_rows"],
     )
     _check_rows(corpus, cfg)
-    return corpus
+    return corpus, meta
 
 
 def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, ...]:

@@ -201,11 +201,9 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
             finally:
                 lock.release()
     if d.kind is DataKind.chat:
-        corpus = chat_prep.load(entry, cfg)
-        _check_ids(json.loads((entry / "meta.json").read_text()), vocab_size)
-        _report(corpus, json.loads((entry / "meta.json").read_text()), cfg, prepared=prepared)
-        return corpus
-    corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
+        corpus, meta = chat_prep.load(entry, cfg)
+    else:
+        corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
     _check_ids(meta, vocab_size)
     _report(corpus, meta, cfg, prepared=prepared)
     return corpus
