@@ -76,11 +76,18 @@ class ChatSplit:
         truncated conversation's kept part is counted on its mask."""
         per = self.counts[self.kept].astype(np.int64)
         for k in np.flatnonzero(self.lengths < np.diff(self.offsets)[self.kept]).tolist():
-            start = self.offsets[self.kept[k]]
-            per[k] = int(self.learned[start + 1 : start + self.lengths[k]].sum())
+            per[k] = int(self.conversation(k)[1].sum())
         if not len(per):
             return np.zeros(0, dtype=np.int64)
         return np.add.reduceat(per, self.rows[:-1])
+
+    def conversation(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k``-th conversation in the rows as it is trained: its ids (truncated) and which
+        are labels (its first token never is: nothing in it comes before)."""
+        start, n = self.offsets[self.kept[k]], int(self.lengths[k])
+        learned = self.learned[start : start + n].astype(bool)
+        learned[0] = False
+        return self.tokens[start : start + n], learned
 
     def row(self, index: int, pad_id: int) -> dict[str, np.ndarray]:
         """Row ``index``: input ids, which are learned, and (packing=documents) positions and
@@ -94,10 +101,9 @@ class ChatSplit:
             return _fields(ids, labels, positions, sequence, self.packing)
         at = 0
         for j, k in enumerate(range(self.rows[index], self.rows[index + 1])):
-            start, n = self.offsets[self.kept[k]], int(self.lengths[k])
-            ids[at : at + n] = self.tokens[start : start + n]
-            learned = self.learned[start : start + n].astype(bool)
-            learned[0] = False
+            conversation, learned = self.conversation(k)
+            n = len(conversation)
+            ids[at : at + n] = conversation
             labels[at : at + n] = learned
             positions[at : at + n] = np.arange(n)
             sequence[at : at + n] = j

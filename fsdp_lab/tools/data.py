@@ -59,15 +59,13 @@ def preview_command(overrides: list[str], *, rows: int, out=None) -> int:
         first, end = int(split.rows[r]), int(split.rows[r + 1])
         print(f"=== row {r} of {len(split):,}: {end - first} conversation(s) ===", file=out)
         for k in range(first, end):
-            start, n = int(split.offsets[split.kept[k]]), int(split.lengths[k])
-            ids = split.tokens[start : start + n].tolist()
-            learned = split.learned[start : start + n].astype(bool)
-            learned[0] = False
-            whole = int(split.offsets[split.kept[k] + 1]) - start
+            ids, learned = split.conversation(k)
+            n, conv = len(ids), split.kept[k]
+            whole = int(split.offsets[conv + 1] - split.offsets[conv])
             cut = f", cut from {whole}" if whole > n else ""
             print(f"--- conversation {k}: {n} tokens{cut}, {int(learned.sum())} learned ---",
                   file=out)  # fmt: skip
-            print(_marked(tok, ids, learned, colour), file=out)
+            print(_marked(tok, ids.tolist(), learned, colour), file=out)
     for key, value in corpus.summary().items():
         print(f"{key}: {value}", file=out)
     return 0
