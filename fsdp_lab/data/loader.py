@@ -120,9 +120,12 @@ class Loader:
         if self.causal:
             labels = labels[:, 1:]
         targets = int((labels != IGNORE_INDEX).sum())
+        return {k: self._mine(v) for k, v in batch.items()}, targets
+
+    def _mine(self, rows):
+        """This process's rows of a global micro-batch's (rows, or their indices)."""
         lo = self.dp_rank * self.micro_batch_size
-        hi = lo + self.micro_batch_size * self.local_ranks
-        return {k: v[lo:hi] for k, v in batch.items()}, targets
+        return rows[lo : lo + self.micro_batch_size * self.local_ranks]
 
     def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         """All ranks' rows of training micro-batch ``micro`` of step ``step``."""
@@ -266,15 +269,8 @@ class ChatData(PackedData):
         batch["labels"] = torch.where(learned, batch["input_ids"], IGNORE_INDEX)
         return batch
 
-    def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        return self._rows(self.train, self.row_indices(step, micro))
-
-    def _mine(self, indices):
-        """This rank's rows of a global micro-batch's: only they are built (the count of the
-        others' targets comes from the split's per-row counts, not their rows)."""
-        lo = self.dp_rank * self.micro_batch_size
-        return indices[lo : lo + self.micro_batch_size * self.local_ranks]
-
+    # Only this rank's rows are built (``_mine``): the others' targets are counted from the
+    # split's per-row counts, not from their rows.
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         return self._rows(self.train, self._mine(self.row_indices(step, micro)))
 
