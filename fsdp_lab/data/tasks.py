@@ -198,7 +198,8 @@ def _check_json_fields(path: Path, first_line: bytes, text_column: str) -> None:
         )
 
 
-def _parquet_file(path: Path, text_column: str) -> list[Segment]:
+def _parquet_file(path: Path, text_column: str | None) -> list[Segment]:
+    """A parquet file's row groups (``text_column`` None: whole rows, checked by the caller)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -206,23 +207,29 @@ def _parquet_file(path: Path, text_column: str) -> list[Segment]:
         meta = pq.ParquetFile(path).metadata
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"data.files: {path} is not a readable parquet file ({e})") from e
-    schema = meta.schema.to_arrow_schema()
-    if text_column is not None and text_column not in schema.names:  # None: whole rows
-        raise ConfigError(
-            f"data.text_column={text_column!r} is not a column of {path}; its columns are "
-            f"{schema.names}"
-        )
-    column_type = schema.field(text_column).type if text_column is not None else pa.string()
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise ConfigError(
-            f"data.text_column={text_column!r} of {path} holds {column_type}, not text; name "
-            "the text column"
-        )
+    if text_column is not None:
+        _check_parquet_column(path, meta.schema.to_arrow_schema(), text_column)
     size, rows = path.stat().st_size, max(1, meta.num_rows)
     return [
         Segment(str(path), "parquet", g, g + 1, size * meta.row_group(g).num_rows // rows)
         for g in range(meta.num_row_groups)
     ]
+
+
+def _check_parquet_column(path: Path, schema, text_column: str) -> None:
+    import pyarrow as pa
+
+    if text_column not in schema.names:
+        raise ConfigError(
+            f"data.text_column={text_column!r} is not a column of {path}; its columns are "
+            f"{schema.names}"
+        )
+    column_type = schema.field(text_column).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ConfigError(
+            f"data.text_column={text_column!r} of {path} holds {column_type}, not text; name "
+            "the text column"
+        )
 
 
 def _check_csv_header(path: Path, text_column: str) -> None:
