@@ -202,7 +202,10 @@ class TaskRunner:
             "peak_rss": memory_of(os.getpid())[1],
             **extra,
         }
-        Path(s.shard_dir, f"{task.index:06d}.json").write_text(json.dumps(result))
+        try:  # the task's marker is part of the cache: a full disk here is the cache's
+            Path(s.shard_dir, f"{task.index:06d}.json").write_text(json.dumps(result))
+        except OSError as e:
+            raise CacheWriteError(e) from e
         return result
 
     def _text_task(self, task: Task, out: ShardWriter) -> dict:
