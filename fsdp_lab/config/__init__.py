@@ -8,6 +8,7 @@ fsdp_lab.config import Config, to_typed`` is how the other packages read them.
 """
 
 from fsdp_lab.config.load import register_schema, to_typed
+from fsdp_lab.config.profiling import ProfileConfig, ProfileMode
 from fsdp_lab.config.schema import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
@@ -85,6 +86,8 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "PrefetchConfig",
+    "ProfileConfig",
+    "ProfileMode",
     "QuantizeBase",
     "ShardingConfig",
     "ShardingStrategy",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.losses import runs_on_xla
+from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import (
     CheckpointConfig,
     Config,
@@ -431,6 +432,14 @@ def validate(cfg: Config, topo: Topology) -> None:
     s = cfg.sharding
     if topo.device is HardwareKind.tpu:
         refuse_for_xla(cfg)
+    problem = profile_problem(
+        cfg.profile,
+        max_steps=cfg.trainer.max_steps,
+        world_size=topo.world_size,
+        kind=topo.device.name,
+    )
+    if problem is not None:
+        raise ConfigError(problem)
     hybrid = strategy_of(s.strategy).has_replica_groups
     if s.replicate_size is not None and not hybrid:
         raise ConfigError(

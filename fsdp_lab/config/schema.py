@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from fsdp_lab.config.profiling import ProfileConfig
+
 
 class ConfigError(ValueError):
     """A user error in the config: the message names the setting and the fix, on one line."""
@@ -514,6 +516,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     logger: Dict[str, Any] = field(default_factory=dict)
     """The trackers beside metrics.jsonl, one key each (conf/logger/: wandb, tensorboard, mlflow;
     logger=[wandb,tensorboard] for several, logger=none for none), each with a `tracker` naming

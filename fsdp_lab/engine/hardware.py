@@ -15,6 +15,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -294,6 +295,40 @@ def current_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     return _proc_status_bytes("VmRSS") or host_peak_rss_bytes()
+
+
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records on this device: the host's operators, and on a GPU its
+    kernels and copies (with their streams)."""
+    from torch.profiler import ProfilerActivity
+
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    return [ProfilerActivity.CPU]
+
+
+def start_memory_history(max_entries: int) -> None:
+    """GPU: record every allocation and free, with its stack, from now (profile=memory)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_history(pickle_path: Path, html_path: Path | None = None) -> None:
+    """GPU: the recorded history as a snapshot (pytorch.org/memory_viz reads it) and, with
+    ``html_path``, torch's own HTML view of it (no tool to learn)."""
+    torch.cuda.memory._dump_snapshot(str(pickle_path))
+    if html_path is not None:
+        from torch.cuda import _memory_viz
+
+        html_path.write_text(_memory_viz.trace_plot(torch.cuda.memory._snapshot()))
+
+
+def stop_memory_history() -> None:
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def on_out_of_memory(callback) -> None:
+    """GPU: ``callback()`` when an allocation fails, before the OutOfMemoryError is raised."""
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: callback())
 
 
 def host_peak_rss_bytes() -> int:

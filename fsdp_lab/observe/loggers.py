@@ -107,7 +107,9 @@ class RunSummary:
         self._val: list[dict] = []
 
     def add(self, record: dict) -> None:
-        (self._val if record["split"] == "val" else self._train).append(record)
+        """A train or val record (a profile window's record is run.json's `profile`)."""
+        if record["split"] in ("train", "val"):
+            (self._val if record["split"] == "val" else self._train).append(record)
 
     def as_dict(self) -> dict:
         """Steady-state figures are medians over this attempt's steps after its first (which

@@ -6,6 +6,7 @@ fsdp-lab verify CHECKPOINT             # every file against its checksum, every 
 fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
+fsdp-lab profile RUN_DIR               # profile=trace: where each step's time went, again
 fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
 fsdp-lab data prepare OVERRIDES...     # a run's corpus tokenised into the cache, no run
 fsdp-lab data preview OVERRIDES... -n 3 # data=chat: the first rows, learned spans marked
@@ -209,6 +210,41 @@ def _report(args) -> int:
     return 0
 
 
+def _add_profile(sub, name: str) -> None:
+    pro = sub.add_parser(
+        name,
+        help="read a profile=trace run's traces again: each rank's step split into compute, "
+        "exposed communication and idle time, and each FSDP unit's collectives",
+    )
+    pro.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run dir (its profile/ dir), or any dir of rank{r}.trace.json[.gz] files "
+        "(torch.profiler traces, from torchrun too)",
+    )
+    pro.add_argument("--json", action="store_true", help="print run.json's profile section")
+    pro.add_argument("--png", type=Path, help="also draw the timeline picture to this file")
+
+
+def _profile(args) -> int:
+    import json
+
+    from fsdp_lab.observe.profile.analysis import analyse_dir
+    from fsdp_lab.observe.profile.recorder import PROFILE_DIR
+    from fsdp_lab.observe.profile.summary import table
+
+    traces = args.run_dir / PROFILE_DIR
+    root = args.run_dir if traces.is_dir() else None
+    result = analyse_dir(traces if root is not None else args.run_dir, relative_to=root)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else table(result))
+    if args.png is not None:
+        from fsdp_lab.observe.profile.picture import draw_timeline
+
+        draw_timeline([r.picture for r in result.ranks if r.picture is not None], args.png)
+        print(args.png, file=sys.stderr)
+    return 0
+
+
 def _add_data(sub, name: str) -> None:
     dat = sub.add_parser(name, help="a run's corpus: prepare it into the cache")
     verbs = dat.add_subparsers(dest="verb", required=True)
@@ -244,6 +280,7 @@ COMMANDS = {
     "plan": (_add_plan, _plan),
     "tune": (_add_tune, _tune),
     "report": (_add_report, _report),
+    "profile": (_add_profile, _profile),
     "data": (_add_data, _data),
 }
 

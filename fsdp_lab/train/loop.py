@@ -23,6 +23,8 @@ from fsdp_lab.config import TrainerConfig
 from fsdp_lab.engine import hardware, tensor_parallel
 from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
+from fsdp_lab.observe.profile.recorder import WindowProfiler
+from fsdp_lab.observe.profile.result import RankProfile
 from fsdp_lab.train.loss import Loss
 
 if TYPE_CHECKING:
@@ -125,6 +127,8 @@ class Recorder(Protocol):
 
     def validation(self, step: int, result: EvalResult) -> None: ...
 
+    def profile(self, ranks: list[RankProfile], *, analysis_s: float) -> None: ...
+
 
 @dataclass(frozen=True)
 class LoopSetup:
@@ -139,6 +143,7 @@ class LoopSetup:
     reporter: Recorder | None = None  # rank 0's; the other ranks record nothing
     stop_requested: Callable[[], bool] = lambda: False  # a preemption signal (preempt.StopFlag)
     heartbeat: Heartbeat | None = None  # told of each step as it completes
+    profiler: WindowProfiler | None = None  # profile=trace|memory: told of each step
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
     window = StepWindow(setup.device, tokens_per_step=state.tokens_per_step)
 
     place, data, dp = state.sharded.place_batch, state.data, averaged_ranks(state.data)
+    prof = setup.profiler or WindowProfiler.disabled()
 
     def prepare(step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
         """This rank's micro-batches on the device and the global batch's targets (host)."""
@@ -181,22 +187,24 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         # 1) The step, queued on the device; nothing is read back.
         start = window.start_step()
         lr = state.scheduler.get_last_lr()[0]
-        result = train_step(
-            model,
-            batches,
-            targets=targets,
-            dp=dp,
-            optimizer=state.optimizer,
-            scaler=state.scaler,
-            grad_clip=setup.grad_clip,
-            loss=state.loss,
-        )
-        state.scheduler.step()
-        if setup.heartbeat is not None:
-            setup.heartbeat.step_done(done)
-        trained = targets  # this step's, before the next step's batches replace them
-        if done < t.max_steps:  # the next batch, copied while this step runs on the device
-            batches, targets = prepare(done)
+        with prof.step_region(done):
+            result = train_step(
+                model,
+                batches,
+                targets=targets,
+                dp=dp,
+                optimizer=state.optimizer,
+                scaler=state.scaler,
+                grad_clip=setup.grad_clip,
+                loss=state.loss,
+            )
+            state.scheduler.step()
+            if setup.heartbeat is not None:
+                setup.heartbeat.step_done(done)
+            trained = targets  # this step's, before the next step's batches replace them
+            if done < t.max_steps:  # the next batch, copied while this step runs on the device
+                with prof.data_region():
+                    batches, targets = prepare(done)
         window.end_step(
             done,
             start=start,
@@ -206,9 +214,10 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
             grad_norm=result.grad_norm,
             skipped=result.skipped,
         )
+        profiled = prof.step(done)  # the profile's window ended: on every rank
         evaluates = bool(state.eval_batches) and (done % t.eval_every == 0 or done == t.max_steps)
         saves = ckpt.should_save(done)
-        if done % t.log_every and done != t.max_steps and not (evaluates or saves):
+        if done % t.log_every and done != t.max_steps and not (evaluates or saves or profiled):
             continue
         # 2) A boundary: every rank reads the window (and whether any rank was signalled).
         records, stop = window.flush(stop_requested=setup.stop_requested())
@@ -221,6 +230,8 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         if bad is not None:
             raise NonFiniteLoss(records[bad].step, records[bad].loss)
         last = records[-1]
+        if profiled:  # after the window's step records: trackers take steps in order
+            _profile_window(prof, setup.reporter)
         # 3) Evaluation, on every rank (each forward is a collective).
         if evaluates:
             _evaluate_at(state, setup, done)
@@ -233,6 +244,17 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         if stop and done < t.max_steps:
             return LoopEnd(last, preempted=True, saved_step=saved_step)
     return LoopEnd(last, preempted=False, saved_step=saved_step)
+
+
+def _profile_window(prof: WindowProfiler, reporter: Recorder | None) -> None:
+    """Each rank's window analysed from its trace, gathered to rank 0 (a collective: every rank
+    takes part, traced or not), recorded there."""
+    started = time.perf_counter()
+    mine = prof.analyse()
+    gathered = hardware.gather_from_processes((mine, time.perf_counter() - started))
+    if reporter is not None:
+        ranks = [profile for profile, _ in gathered if profile is not None]
+        reporter.profile(ranks, analysis_s=max(seconds for _, seconds in gathered))
 
 
 def tokens_seen(state: TrainState, step: int) -> int:

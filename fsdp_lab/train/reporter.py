@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from fsdp_lab.config import Config, HardwareKind, LossKind, to_container
+from fsdp_lab.config import Config, HardwareKind, LossKind, ProfileMode, to_container
 from fsdp_lab.engine import hardware
 from fsdp_lab.observe import metrics
 from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary, read_records
+from fsdp_lab.observe.profile.recorder import PROFILE_DIR
+from fsdp_lab.observe.profile.result import ProfileResult, RankProfile
+from fsdp_lab.observe.profile.summary import TIMELINE_PNG, metrics_record, summary_line
 from fsdp_lab.observe.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -55,6 +58,7 @@ _OPTIONAL = (
     "trackers",
     "memory_before_train_bytes_per_rank",
     "state_bytes_per_rank",
+    "profile",
 )
 
 
@@ -95,6 +99,7 @@ class RunFacts:
     trackers: dict | None = None  # each started tracker's run: ids, dirs (see logger=...)
     memory_before_train_bytes_per_rank: list | None = None
     state_bytes_per_rank: list | None = None  # measured after the first optimizer step
+    profile: dict | None = None  # profile=trace|memory: the window's analysis, or its files
 
     @classmethod
     def collect(cls, cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
@@ -242,6 +247,24 @@ class Reporter:
             result.tokens,
         )
 
+    def profile(self, ranks: list[RankProfile], *, analysis_s: float) -> None:
+        """A profiled window: run.json's `profile` section (written now: a run that fails
+        later keeps it), a metrics.jsonl record and profile/timeline.png."""
+        p, out = self.cfg.profile, self.run_dir / PROFILE_DIR
+        section: dict = {"mode": p.mode.name, "window": list(p.window(self.facts.start_step))}
+        if p.mode is ProfileMode.memory:
+            files = sorted(out.glob("rank*.memory.*"))
+            section["files"] = [str(f.relative_to(self.run_dir)) for f in files]
+            log.info("profile=memory: allocator snapshots in %s (pytorch.org/memory_viz)", out)
+        elif ranks:
+            result = ProfileResult(ranks, analysis_s=analysis_s)
+            section.update(result.as_dict())
+            section["timeline"] = _draw_timeline(result, out / TIMELINE_PNG, self.run_dir)
+            self._emit([metrics_record(result, result.steps[-1])])
+            log.info("%s (details: fsdp-lab profile %s)", summary_line(result), self.run_dir)
+        self.facts.profile = section
+        write_run_file(self.run_dir, {**read_run_file(self.run_dir), **self.facts.as_dict()})
+
     def end_of_training(self) -> None:
         """The loop is over: no more step records."""
         self.progress.close()
@@ -254,10 +277,11 @@ class Reporter:
         write_run_file(
             self.run_dir, {**self.facts.as_dict(), "status": status, "step": end_step, **results}
         )
+        profiled = sorted((self.run_dir / PROFILE_DIR).glob("*.*"))  # traces, picture
         self.trackers.finish(
             status=status,
             summary={**results, "step": end_step},
-            files=[self.run_dir / RUN_FILE, self.run_dir / CONFIG_FILE],
+            files=[self.run_dir / RUN_FILE, self.run_dir / CONFIG_FILE, *profiled],
         )
         if not preempted:
             final_loss = results["final_loss"]
@@ -271,6 +295,19 @@ class Reporter:
 
     def fail(self) -> None:
         self.trackers.finish(status="failed", summary=self.summary.as_dict(), files=[])
+
+
+def _draw_timeline(result: ProfileResult, path: Path, run_dir: Path) -> str | None:
+    """The picture's path in the run dir; None (and a warning) if it cannot be drawn: the
+    numbers are in run.json whatever becomes of the picture."""
+    try:
+        from fsdp_lab.observe.profile.picture import draw_timeline
+
+        draw_timeline([r.picture for r in result.ranks if r.picture is not None], path)
+    except Exception as e:  # noqa: BLE001 - a picture never fails a run
+        log.warning("no profile timeline picture: %s", e)
+        return None
+    return str(path.relative_to(run_dir))
 
 
 def tracker_params(cfg: Config, facts: RunFacts) -> dict:

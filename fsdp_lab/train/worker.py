@@ -29,6 +29,7 @@ from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import hardware
 from fsdp_lab.observe import heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
+from fsdp_lab.observe.profile.recorder import WindowProfiler
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
 from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
@@ -145,6 +146,14 @@ def fit(r: RankRun) -> FitResult:
         reporter=r.reporter,
         stop_requested=r.stop,
         heartbeat=heartbeat.current(),
+        profiler=WindowProfiler.start(
+            cfg.profile,
+            rank=ctx.rank,
+            device=ctx.device,
+            run_dir=r.run_dir,
+            start_step=state.start_step,
+            max_steps=cfg.trainer.max_steps,
+        ),
     )
     try:
         end = train(state, setup)

@@ -85,7 +85,7 @@ class RankProfile:
     """One rank's profiled window."""
 
     rank: int
-    device: str  # cpu: gloo's threads vs the main thread; cuda: NCCL kernels vs other kernels
+    device: str  # cpu: gloo's threads vs the main thread; gpu: NCCL kernels vs other kernels
     trace: str  # the trace file, relative to the run dir
     steps: list[StepBreakdown]
     picture: StepPicture | None = None  # the window's median-time step

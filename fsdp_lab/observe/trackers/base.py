@@ -120,7 +120,14 @@ def settings_of(tracker_cls: type[Tracker], raw: dict) -> Any:
 
 def metrics_of(record: dict) -> dict[str, float]:
     """A metrics.jsonl record as trackers' numbers: `train/<key>` for a step (peak memory in
-    GiB, per rank up to 8 ranks), `val/loss`, `val/ppl`, `val/tokens` for an evaluation."""
+    GiB, per rank up to 8 ranks), `val/loss`, `val/ppl`, `val/tokens` for an evaluation,
+    `profile/<time or share>` for a profiled window (profile=trace)."""
+    if record["split"] == "profile":  # a profiled window's means (profile=trace)
+        return {
+            f"profile/{k}": v
+            for k, v in record.items()
+            if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
     if record["split"] != "train":
         return {
             "val/loss": record["val_loss"],

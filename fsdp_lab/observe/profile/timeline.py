@@ -1,0 +1,229 @@
+"""A torch.profiler Chrome trace as a device-neutral timeline: the steps, compute, each
+collective with its kind and FSDP unit, and the host's data and optimizer regions.
+
+Two readers, chosen by what the trace holds:
+
+- **gpu** (the trace has GPU kernels): compute is every kernel, copy and memset that is not
+  NCCL's; communication is NCCL's kernels (``ncclDevKernel_AllGather_...``), on whatever stream.
+  A kernel belongs to the step and the FSDP unit whose annotation was open on the CPU thread
+  when it was launched (its ``correlation`` id leads to that launch). A step's device span runs
+  from its first kernel to the next step's first kernel: the host runs ahead of the device.
+- **cpu** (gloo): a collective runs on one of gloo's threads (``gloo:all_gather``); compute is
+  the main thread's operators, except those that wait: ``c10d::*`` (issuing a collective) and any
+  operator that encloses an FSDP annotation or a ``c10d::*`` call (an autograd node whose hook
+  waits for a reduce-scatter). A gloo collective is matched to the ``c10d::*`` call that issued
+  it in order of issue, and so to the FSDP annotation around that call. FSDP2 on CPU waits for
+  each collective as it issues it (there are no streams to overlap on), so almost all of it is
+  exposed: the CPU numbers measure the waits, the GPU numbers the overlap.
+
+Steps are the loop's ``fsdp_lab::step N`` annotations (N: the optimizer step, 1-based), or
+``ProfilerStep#N`` in a trace from elsewhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_lab.config import ConfigError
+from fsdp_lab.observe.profile.intervals import Interval, union
+from fsdp_lab.observe.profile.result import OTHER_UNIT, ROOT_UNIT
+
+STEP_PREFIX = "fsdp_lab::step "  # the loop's annotation of each optimizer step
+DATA_REGION = "fsdp_lab::data"  # the loop's annotation around preparing the next batch
+_STEP = re.compile(r"^(?:fsdp_lab::step |ProfilerStep#)(\d+)$")
+# FSDP2's record_function names: "FSDP::all_gather (model.layers.3)", "FSDP::post_backward_reduce"
+# (the root: no name, or "()"), "FSDP::backward_prefetch for model.layers.2".
+_FSDP = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
+_OPTIMIZER = ("Optimizer.step#", "Optimizer.zero_grad#")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LOOK_BACK = 16
+
+
+@dataclass
+class Collective:
+    start: float  # microseconds
+    end: float
+    kind: str  # all_gather | reduce_scatter | all_reduce | other
+    unit: str  # the FSDP unit's module name, ROOT_UNIT, or OTHER_UNIT
+
+
+@dataclass
+class Timeline:
+    """What the analysis measures, on the device's clock (microseconds)."""
+
+    device: str  # cpu | gpu
+    rank: int | None  # from the trace's distributedInfo, where torch recorded it
+    steps: list[tuple[int, float, float]]  # (step, start, end), in order
+    compute: list[Interval]  # sorted, disjoint
+    comm: list[Collective]
+    regions: dict[str, list[Interval]] = field(default_factory=dict)  # data, optimizer
+
+
+def load_trace(path: Path) -> dict:
+    """A Chrome trace as torch.profiler exports it (.json or .json.gz)."""
+    try:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            trace = json.load(f)
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(f"cannot read the trace {path}: {str(e).splitlines()[0]}") from e
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ConfigError(f"{path} is not a torch.profiler trace (no traceEvents list)")
+    return trace
+
+
+def build_timeline(trace: dict) -> Timeline:
+    """The trace's timeline: the gpu reader if it holds kernels, else the cpu reader."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = _steps(events)
+    rank = (trace.get("distributedInfo") or {}).get("rank")
+    main = {e["tid"] for e in events if _STEP.match(e["name"])}
+    host = [e for e in events if e.get("tid") in main]
+    regions = {
+        "data": union(_span(e) for e in host if e["name"] == DATA_REGION),
+        "optimizer": union(_span(e) for e in host if e["name"].startswith(_OPTIMIZER)),
+    }
+    if any(e.get("cat") == "kernel" for e in events):
+        device_steps, compute, comm = _gpu(events, steps)
+        return Timeline("gpu", rank, device_steps, compute, comm, regions)
+    compute, comm = _cpu(host, [e for e in events if e.get("tid") not in main])
+    return Timeline("cpu", rank, steps, compute, comm, regions)
+
+
+def _span(e: dict) -> Interval:
+    return (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+
+
+def _steps(events: list[dict]) -> list[tuple[int, float, float]]:
+    """The step annotations; the loop's own where present (ProfilerStep#N counts from the
+    profiler's start, not the run's)."""
+    ours = [e for e in events if e["name"].startswith(STEP_PREFIX)]
+    chosen = ours or [e for e in events if _STEP.match(e["name"])]
+    return sorted((int(_STEP.match(e["name"]).group(1)), *_span(e)) for e in chosen)
+
+
+def collective_kind(name: str) -> str:
+    """all_gather, reduce_scatter, all_reduce or other, from an operator's or kernel's name
+    (c10d::_allgather_base_, gloo:all_reduce, ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL)."""
+    flat = name.lower().replace("_", "")
+    for kind in ("allgather", "reducescatter", "allreduce"):
+        if kind in flat:
+            return {"allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(
+                kind, "all_reduce"
+            )
+    return "other"
+
+
+class _Annotations:
+    """The FSDP annotations of one thread, to find the unit around a moment."""
+
+    def __init__(self, events: list[dict]) -> None:
+        spans = []
+        for e in events:
+            m = _FSDP.match(e["name"])
+            if m and m.group(1) in ("all_gather", "post_backward_reduce", "backward_prefetch"):
+                unit = m.group(2) if m.group(2) is not None else m.group(3)
+                spans.append((*_span(e), unit or ROOT_UNIT))
+        self.spans = sorted(spans)
+        self.starts = [s for s, _, _ in self.spans]
+
+    def unit_at(self, t: float) -> str:
+        """The innermost (latest-starting) annotation open at ``t``; OTHER_UNIT if none."""
+        last = bisect.bisect_right(self.starts, t) - 1
+        # Annotations nest a few deep, and an enclosing one started just before the ones
+        # inside it: a short look back finds it without scanning the whole window.
+        for start, end, unit in reversed(self.spans[max(last - _LOOK_BACK, 0) : last + 1]):
+            if start <= t < end:
+                return unit
+        return OTHER_UNIT
+
+
+def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Collective]]:
+    """The main thread's compute; gloo's collectives matched to the calls that issued them."""
+    issued = sorted(
+        (e for e in host if e["name"].startswith("c10d::") and e.get("cat") == "cpu_op"),
+        key=lambda e: e["ts"],
+    )
+    blockers = sorted(float(e["ts"]) for e in host if e["name"].startswith(("FSDP::", "c10d::")))
+    compute = []
+    for e in host:
+        if e.get("cat") != "cpu_op" or e["name"].startswith("c10d::"):
+            continue
+        start, end = _span(e)
+        i = bisect.bisect_right(blockers, start)
+        if i < len(blockers) and blockers[i] < end:
+            continue  # it encloses a wait: its own work is in the operators under it
+        compute.append((start, end))
+    notes = _Annotations(host)
+    pending = deque((float(e["ts"]), collective_kind(e["name"])) for e in issued)
+    comm = []
+    for e in sorted((e for e in others if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
+        start, end = _span(e)
+        kind, unit = collective_kind(e["name"]), OTHER_UNIT
+        call = _take_issue(pending, start, kind)
+        if call is not None:
+            kind, unit = call[1], notes.unit_at(call[0])
+        comm.append(Collective(start, end, kind, unit))
+    return union(compute), comm
+
+
+def _take_issue(pending: deque, start: float, kind: str) -> tuple[float, str] | None:
+    """The earliest call issued before ``start`` that can have run as this gloo collective (gloo
+    runs a reduce-scatter as an all-reduce), removed from ``pending``. Calls never matched by
+    a collective (a group of one rank runs none) are passed over."""
+    for i, (t, issued_kind) in enumerate(pending):
+        if t > start:
+            return None
+        if issued_kind == kind or (issued_kind, kind) == ("reduce_scatter", "all_reduce"):
+            del pending[i]
+            return t, issued_kind
+    return None
+
+
+def _gpu(
+    events: list[dict], cpu_steps: list[tuple[int, float, float]]
+) -> tuple[list[tuple[int, float, float]], list[Interval], list[Collective]]:
+    """Device steps, compute and NCCL collectives from the kernels, through their launches."""
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    by_thread: dict = {}
+    for e in events:
+        if e["name"].startswith("FSDP::"):
+            by_thread.setdefault(e.get("tid"), []).append(e)
+    notes = {tid: _Annotations(evs) for tid, evs in by_thread.items()}
+    starts = [s for _, s, _ in cpu_steps]
+    first: dict[int, float] = {}  # step index -> its first device event's start
+    last_end: dict[int, float] = {}
+    compute, comm = [], []
+    for e in events:
+        if e.get("cat") not in _DEVICE_CATS:
+            continue
+        start, end = _span(e)
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        at = float(launch["ts"]) if launch is not None else start
+        k = bisect.bisect_right(starts, at) - 1
+        if 0 <= k < len(cpu_steps) and at <= cpu_steps[k][2]:
+            first[k] = min(first.get(k, start), start)
+            last_end[k] = max(last_end.get(k, end), end)
+        if e.get("cat") == "kernel" and e["name"].lower().startswith("nccl"):
+            thread = notes.get(launch.get("tid")) if launch is not None else None
+            unit = thread.unit_at(at) if thread is not None else OTHER_UNIT
+            comm.append(Collective(start, end, collective_kind(e["name"]), unit))
+        else:
+            compute.append((start, end))
+    device_steps = []
+    for k, (step, cpu_start, cpu_end) in enumerate(cpu_steps):
+        begin = first.get(k, cpu_start)
+        following = next((first[j] for j in range(k + 1, len(cpu_steps)) if j in first), None)
+        finish = following if following is not None else last_end.get(k, cpu_end)
+        device_steps.append((step, begin, max(finish, begin)))
+    return device_steps, union(compute), comm
