@@ -15,6 +15,7 @@ import os
 import secrets
 import string
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 from urllib.parse import urlparse
 
@@ -98,8 +99,8 @@ class WandbTracker(Tracker):
     Settings = WandbSettings
     requires = (("wandb", "wandb"),)
 
-    def __init__(self, run, info: dict) -> None:
-        self._run = run
+    def __init__(self, run, info: dict, run_dir: Path) -> None:
+        self._run, self._run_dir = run, run_dir
         self._info = info  # kept in run.json: id, mode, project, group, name
 
     @property
@@ -161,12 +162,23 @@ class WandbTracker(Tracker):
             "group": ident["group"],
             "name": ident["name"],
         }
-        tracker = cls(wb_run, info)
+        tracker = cls(wb_run, info, run.run_dir)
         tracker.continues = resume is not None  # resume="allow" with the earlier run's id
         return tracker
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
+
+    def log_files(self, paths: list[Path]) -> None:
+        """The run's files (run.json, config.yaml, profile=trace's traces and timeline) as one
+        artifact of the run, named after it; kept under their path in the run dir."""
+        import wandb
+
+        artifact = wandb.Artifact(f"run-{self._info['id']}-files", type="run-files")
+        for path in paths:
+            inside = path.parent.name if path.parent != self._run_dir else ""
+            artifact.add_file(str(path), name=f"{inside}/{path.name}" if inside else path.name)
+        self._run.log_artifact(artifact)
 
     def finish(self, *, status: str, summary: dict) -> None:
         """The summary, and the run closed; a failed or preempted run is marked so."""
