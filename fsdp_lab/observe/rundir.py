@@ -4,6 +4,7 @@ own (wandb/, tensorboard/)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -43,12 +44,24 @@ def write_json(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Through a temporary file and a rename: a reader sees the old or the new file, never half
     of one (the pid in the temporary's name keeps two writers apart)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    if isinstance(text, bytes):
+        tmp.write_bytes(text)
+    else:
+        tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_png(path: Path, figure) -> Path:
+    """A matplotlib ``Figure`` as a PNG, written atomically (a re-drawn plot replaces the old
+    one, never half of it); its path. Takes the figure, so this module needs no matplotlib."""
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120, bbox_inches="tight")
+    write_atomic(path, png.getvalue())
+    return path
 
 
 def update_run_file(run_dir: Path, **changes) -> None:

@@ -6,7 +6,7 @@ It reads only files: each job dir's run.json (status, error) and metrics.jsonl, 
 multirun.yaml, and an Optuna study's study.json (its objective and best parameters). So it works
 offline, on a sweep still running, on a partly failed one, and on old sweeps. A report is derived
 data: running it again replaces the earlier one. This module reads the run dirs and reduces them
-to figures; ``report_render`` writes report.md and the plots.
+to figures; ``report_render`` writes report.md and ``report_plots`` the plots.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe import trackers
 from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.profile.result import ProfileResult, StepBreakdown
 from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE, write_atomic
-from fsdp_lab.tools.report_render import Figures, Job, render_markdown, write_plots
+from fsdp_lab.tools.report_plots import write_plots
+from fsdp_lab.tools.report_render import Figures, Job, render_markdown
 
 REPORT_FILE = "report.md"
 MULTIRUN_FILE = "multirun.yaml"
@@ -233,7 +235,20 @@ def summarize(job: Job) -> Figures:
         final_loss=losses[-1] if losses else job.facts.get("final_loss"),
         val_loss=val_losses[-1] if val_losses else None,
         mfu=_median(steady, "mfu"),
+        profile=_profile(job.facts.get("profile")),
     )
+
+
+def _profile(section) -> StepBreakdown | None:
+    """run.json's profile section (profile=trace) as its mean step over the window's steps and
+    ranks; None without one, or with one the report cannot read (the rest of the row still is)."""
+    if not isinstance(section, dict):
+        return None
+    try:
+        mean = ProfileResult.from_dict(section).mean()
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return mean if mean.step_s > 0 else None
 
 
 def _numbers(records: list[dict], key: str) -> list[float]:

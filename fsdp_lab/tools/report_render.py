@@ -1,30 +1,24 @@
-"""What `fsdp-lab report` writes from the figures it read: report.md's text, and two PNG plots
-(throughput against peak memory per job, and loss curves overlaid).
-
-Plots are drawn with matplotlib's object API (``Figure``, drawn by the Agg renderer), never
-pyplot: no display is needed on a headless node, and importing this module does not switch the
-backend of a notebook that imports it. Each file is written to a temporary name and renamed, so a
-reader never sees half a PNG and re-running the report replaces it.
+"""What `fsdp-lab report` writes from the figures it read: report.md's text (its plots are
+``report_plots``'s), and the records both read: a ``Job`` and its ``Figures``.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, StrMethodFormatter
+from fsdp_lab.observe.profile.result import StepBreakdown
 
 THROUGHPUT_PNG, LOSS_PNG = "throughput_vs_memory.png", "loss_curves.png"
-# Lines of several jobs often coincide (same seed, same data): a dash pattern per job keeps
-# each visible under the others.
-LINESTYLES = ("-", "--", "-.", ":")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+STEP_BREAKDOWN_PNG = "step_breakdown.png"  # only where a job ran with profile=trace
+# The profile's columns: (header, the time whose share of the step they give).
+PROFILE_COLUMNS = (
+    ("compute", "compute_s"),
+    ("comm", "comm_s"),
+    ("exposed comm", "exposed_comm_s"),
+    ("idle", "idle_s"),
+)
 ERROR_CHARS = 90  # enough of an error to recognise it in the table; run.json holds all of it
 MAX_RANKS_LISTED = 8  # beyond this the per-rank cell gives the range
 
@@ -55,6 +49,8 @@ class Figures:
     final_loss: float | None  # the last step's train loss
     val_loss: float | None  # the last evaluation's
     mfu: float | None  # median after the first step; None where the device has no peak FLOPs
+    # profile=trace's mean step over its window and ranks; None for a job not profiled
+    profile: StepBreakdown | None = None
 
 
 # Long: report.md's sections in the order a reader meets them.
@@ -97,6 +93,7 @@ def render_markdown(
         }
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
+    has_profile = any(f.profile is not None for f in figures)
     header = [
         "job",
         *varying,
@@ -109,6 +106,7 @@ def render_markdown(
         "final loss",
     ]
     header += ["val loss"] * has_val + ["MFU"] * has_mfu
+    header += [name for name, _ in PROFILE_COLUMNS] * has_profile
     if study:
         header.append(f"objective ({study.get('objective')})")
     lines += [_row(header), _row(["---"] * len(header))]
@@ -126,18 +124,18 @@ def render_markdown(
             _fmt(f.final_loss, "{:.4f}"),
         ]
         cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
+        cells += _profile_cells(f.profile) * has_profile
         if study:
             cells.append(_fmt(values.get(job.name), "{:.6g}"))
         lines.append(_row(cells))
+    lines += ["", *NOTES, *[PROFILE_NOTE] * has_profile, ""]
     lines += [
+        f"![throughput vs peak memory]({THROUGHPUT_PNG})",
         "",
-        *NOTES,
-        "",
-        "![throughput vs peak memory](throughput_vs_memory.png)",
-        "",
-        "![loss curves](loss_curves.png)",
+        f"![loss curves]({LOSS_PNG})",
         "",
     ]
+    lines += [f"![step breakdown]({STEP_BREAKDOWN_PNG})", ""] * has_profile
     return "\n".join(lines)
 
 
@@ -170,6 +168,22 @@ NOTES = [
 ]
 
 
+PROFILE_NOTE = (
+    "- **compute**, **comm**, **exposed comm**, **idle** (profile=trace): shares of the "
+    "profiled step, the mean over the profiled window's steps and ranks. compute, exposed comm "
+    "(comm that no compute covered) and idle (neither) add up to the step; comm overlapped by "
+    "compute counts in compute. On CPU, comm is gloo's threads and compute the main thread's "
+    "ops; on GPU, NCCL kernels and the other kernels. `step_breakdown.png` draws them in ms."
+)
+
+
+def _profile_cells(profile: StepBreakdown | None) -> list[str]:
+    """The profile's columns as shares of the step ("41%"); "-" for a job not profiled."""
+    if profile is None:
+        return ["-"] * len(PROFILE_COLUMNS)
+    return [f"{profile.share(time):.0%}" for _, time in PROFILE_COLUMNS]
+
+
 def _status_cell(job: Job) -> str:
     """The status, with a failure's one-line error (shortened: the table stays readable)."""
     if job.status == "preempted" and "step" in job.facts:
@@ -197,144 +211,3 @@ def _fmt(value, spec: str) -> str:
 def _row(cells: list[str]) -> str:
     """A Markdown table row; a | inside a cell (an error message) would split it."""
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-
-def write_plots(
-    jobs: list[Job], figures: list[Figures], varying: list[str], out_dir: Path
-) -> list[Path]:
-    """Both plots into out_dir; their paths. The legends name the options in varying."""
-    labels = [job_label(job, varying) for job in jobs]
-    return [
-        plot_throughput(jobs, figures, labels, out_dir / THROUGHPUT_PNG),
-        plot_losses(jobs, labels, out_dir / LOSS_PNG),
-    ]
-
-
-def job_label(job: Job, varying: list[str]) -> str:
-    """A job in a legend: its number and the options that vary."""
-    options = ", ".join(f"{k}={job.options.get(k, '?')}" for k in varying)
-    return f"job {job.name}: {options}" if options else f"job {job.name}"
-
-
-def _figure(num_jobs: int):
-    """Tall enough for a one-column legend of every job beside the axes."""
-    fig = Figure(figsize=(8, max(4.5, 0.17 * num_jobs + 1.0)))
-    return fig, fig.subplots()
-
-
-def _color(index: int, total: int):
-    cmap = colormaps["tab10" if total <= 10 else "tab20"]
-    return cmap(index % cmap.N)
-
-
-def plot_throughput(jobs: list[Job], figures: list[Figures], labels: list[str], path: Path) -> Path:
-    """One point per job that has figures (x: peak memory per rank, y: tokens/s), numbered on
-    the plot and named in the legend: labels next to points collide when jobs land close."""
-    fig, ax = _figure(len(jobs))
-    handles = []
-    for i, (job, f, label) in enumerate(zip(jobs, figures, labels, strict=True)):
-        if f.tokens_per_s is None or not f.peak_mib_per_rank:
-            continue
-        point = (max(f.peak_mib_per_rank), f.tokens_per_s)
-        failed = job.status == "failed"
-        handles.append(
-            ax.scatter(
-                *point,
-                s=60,
-                color=_color(i, len(jobs)),
-                zorder=3,
-                marker="x" if failed else MARKERS[i % len(MARKERS)],
-                label=f"{label} (failed)" if failed else label,
-            )
-        )
-        ax.annotate(job.name, point, textcoords="offset points", xytext=(6, 6), fontsize=9)
-    ax.set_xlabel("peak memory per rank, max over ranks (MiB)")
-    ax.set_ylabel("tokens/s (all ranks, median after step 1)")
-    ax.set_title("Throughput vs peak memory")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
-    ax.grid(True, alpha=0.3)
-    _pad_limits(ax)
-    return _finish(fig, ax, path, handles)
-
-
-def plot_losses(jobs: list[Job], labels: list[str], path: Path) -> Path:
-    """Train loss per step, one line per job; validation loss as markers in the job's colour.
-    One legend entry per job shows both its line and its marker."""
-    fig, ax = _figure(len(jobs))
-    handles, values = [], []
-    for i, (job, label) in enumerate(zip(jobs, labels, strict=True)):
-        train, val = _points(job.train, "loss"), _points(job.val, "val_loss")
-        if not train and not val:
-            continue
-        style = {
-            "color": _color(i, len(jobs)),
-            "markerfacecolor": "none",
-            "markersize": 6,
-            "linewidth": 1.5,
-        }
-        linestyle, marker = LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)]
-        if train:
-            ax.plot(*zip(*train, strict=True), linestyle=linestyle, **style)
-        if val:
-            ax.plot(*zip(*val, strict=True), linestyle="none", marker=marker, **style)
-        failed = " (failed)" if job.status == "failed" else ""
-        handles.append(
-            Line2D(
-                [],
-                [],
-                linestyle=linestyle if train else "none",
-                marker=marker if val else None,
-                label=f"{label}{failed}",
-                **style,
-            )
-        )
-        values += [y for _, y in train + val]
-    if values and min(values) > 0 and max(values) / min(values) > 50:
-        ax.set_yscale("log")  # one diverging job would otherwise flatten every other curve
-    ax.set_xlabel("optimizer step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("loss (lines: train, markers: validation)")
-    ax.set_title("Loss curves")
-    ax.grid(True, alpha=0.3)
-    return _finish(fig, ax, path, handles)
-
-
-def _points(records: list[dict], key: str) -> list[tuple[float, float]]:
-    """(step, value) of the records with both as finite numbers: a diverged step (inf, nan) or
-    a missing value is not drawn."""
-    pairs = [(r.get("step"), r.get(key)) for r in records]
-    return [(x, y) for x, y in pairs if _finite(x) and _finite(y)]
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _pad_limits(ax) -> None:
-    """Room around the points: a single point (or a column of them) gets a visible axis span."""
-    for get, set_ in ((ax.get_xlim, ax.set_xlim), (ax.get_ylim, ax.set_ylim)):
-        low, high = get()
-        pad = (high - low) * 0.1 or abs(high) * 0.05 or 1.0
-        set_(low - pad, high + pad)
-
-
-def _finish(fig, ax, path: Path, handles: list) -> Path:
-    """Legend outside the axes (never over the data), or a note when no job has figures."""
-    if handles:
-        ax.legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.02, 1.0),
-            borderaxespad=0.0,
-            fontsize=8,
-            frameon=False,
-        )
-    else:
-        ax.text(
-            0.5, 0.5, "no job has metrics yet", ha="center", va="center", transform=ax.transAxes
-        )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
