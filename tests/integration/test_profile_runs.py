@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok, run_python
+from conftest import check_ok, run_python
+from report_files import assert_png, read_table
 from wandb_files import records
 
 from fsdp_lab.observe.loggers import read_metrics
@@ -109,4 +110,14 @@ def test_fsdp_lab_profile_reads_the_same_numbers_from_the_traces(sweep):
     check_ok(table)
     mean = next(line for line in table.stdout.splitlines() if line.startswith("mean"))
     assert f"{stored['summary']['exposed_comm_s'] * 1000:.2f}" in mean.split()
-    assert "model.layers.1" in table.stdout and ROOT.is_dir()
+    assert "model.layers.1" in table.stdout
+
+
+def test_the_sweep_report_explains_itself(sweep):
+    header, rows = read_table(sweep / "report.md")  # written by the sweep's callback
+    assert {"compute", "comm", "exposed comm", "idle"} <= set(header)
+    for row in rows:
+        summary = profile_of(sweep / row["job"])["summary"]
+        assert row["exposed comm"] == f"{summary['exposed_comm_share']:.0%}"
+    assert_png(sweep / "step_breakdown.png")
+    assert "step_breakdown.png" in (sweep / "report.md").read_text()
