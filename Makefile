@@ -46,6 +46,7 @@ bench: setup
 	$(PY) benchmarks/bench_activation_checkpointing.py
 	$(PY) benchmarks/bench_finetune.py
 	$(PY) benchmarks/bench_data.py
+	$(PY) benchmarks/bench_profile.py
 
 # On a GPU machine (with its CUDA torch installed first): fsdp_lab beside HF Trainer and a
 # hand-written loop, 160M and 1.1B Llama. liger-kernel for loss=liger and Trainer's fast side.

@@ -32,8 +32,8 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 def memory_paths(run_dir: Path, rank: int, tag: str = "memory") -> tuple[Path, Path]:
     """(snapshot pickle, HTML view) of a memory snapshot; tag ``oom`` for the one written at an
     out-of-memory error."""
-    base = run_dir / PROFILE_DIR / f"rank{rank}.{tag}"
-    return base.with_suffix(".pickle"), base.with_suffix(".html")
+    out = run_dir / PROFILE_DIR
+    return out / f"rank{rank}.{tag}.pickle", out / f"rank{rank}.{tag}.html"
 
 
 class WindowProfiler:
