@@ -80,7 +80,12 @@ def load_trace(path: Path) -> dict:
 
 def build_timeline(trace: dict) -> Timeline:
     """The trace's timeline: the gpu reader if it holds kernels, else the cpu reader."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    # Kineto repeats annotations on the GPU's timeline (gpu_user_annotation): the host's count.
+    events = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") != "gpu_user_annotation"
+    ]
     steps = _steps(events)
     rank = (trace.get("distributedInfo") or {}).get("rank")
     main = {e["tid"] for e in events if _STEP.match(e["name"])}
@@ -120,28 +125,34 @@ def collective_kind(name: str) -> str:
     return "other"
 
 
-class _Annotations:
-    """The FSDP annotations of one thread, to find the unit around a moment."""
+class _Enclosing:
+    """Spans of one thread carrying a value (an FSDP unit, a collective's kind), to find the
+    innermost one open at a moment."""
 
-    def __init__(self, events: list[dict]) -> None:
-        spans = []
-        for e in events:
-            m = _FSDP.match(e["name"])
-            if m and m.group(1) in ("all_gather", "post_backward_reduce", "backward_prefetch"):
-                unit = m.group(2) if m.group(2) is not None else m.group(3)
-                spans.append((*_span(e), unit or ROOT_UNIT))
+    def __init__(self, spans: list[tuple[float, float, str]]) -> None:
         self.spans = sorted(spans)
         self.starts = [s for s, _, _ in self.spans]
 
-    def unit_at(self, t: float) -> str:
-        """The innermost (latest-starting) annotation open at ``t``; OTHER_UNIT if none."""
+    def at(self, t: float, default: str) -> str:
+        """The value of the innermost (latest-starting) span open at ``t``, else ``default``."""
         last = bisect.bisect_right(self.starts, t) - 1
         # Annotations nest a few deep, and an enclosing one started just before the ones
         # inside it: a short look back finds it without scanning the whole window.
-        for start, end, unit in reversed(self.spans[max(last - _LOOK_BACK, 0) : last + 1]):
+        for start, end, value in reversed(self.spans[max(last - _LOOK_BACK, 0) : last + 1]):
             if start <= t < end:
-                return unit
-        return OTHER_UNIT
+                return value
+        return default
+
+
+def _units(events: list[dict]) -> _Enclosing:
+    """FSDP2's annotations around its collectives, by unit ("" or "()": the root)."""
+    spans = []
+    for e in events:
+        m = _FSDP.match(e["name"])
+        if m and m.group(1) in ("all_gather", "post_backward_reduce", "backward_prefetch"):
+            unit = m.group(2) if m.group(2) is not None else m.group(3)
+            spans.append((*_span(e), unit or ROOT_UNIT))
+    return _Enclosing(spans)
 
 
 def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Collective]]:
@@ -160,7 +171,7 @@ def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Col
         if i < len(blockers) and blockers[i] < end:
             continue  # it encloses a wait: its own work is in the operators under it
         compute.append((start, end))
-    notes = _Annotations(host)
+    units = _units(host)
     pending = deque((float(e["ts"]), collective_kind(e["name"])) for e in issued)
     comm = []
     for e in sorted((e for e in others if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
@@ -168,7 +179,7 @@ def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Col
         kind, unit = collective_kind(e["name"]), OTHER_UNIT
         call = _take_issue(pending, start, kind)
         if call is not None:
-            kind, unit = call[1], notes.unit_at(call[0])
+            kind, unit = call[1], units.at(call[0], OTHER_UNIT)
         comm.append(Collective(start, end, kind, unit))
     return union(compute), comm
 
@@ -197,9 +208,17 @@ def _gpu(
     }
     by_thread: dict = {}
     for e in events:
-        if e["name"].startswith("FSDP::"):
+        if e["name"].startswith(("FSDP::", "c10d::", "nccl:")):
             by_thread.setdefault(e.get("tid"), []).append(e)
-    notes = {tid: _Annotations(evs) for tid, evs in by_thread.items()}
+    # Per launching thread (backward runs on autograd's device thread): the FSDP unit, and the
+    # collective a call asked for (NCCL names some kernels ncclDevKernel_Generic).
+    units = {tid: _units(evs) for tid, evs in by_thread.items()}
+    calls = {
+        tid: _Enclosing(
+            [(*_span(e), collective_kind(e["name"])) for e in evs if "FSDP::" not in e["name"]]
+        )
+        for tid, evs in by_thread.items()
+    }
     starts = [s for _, s, _ in cpu_steps]
     first: dict[int, float] = {}  # step index -> its first device event's start
     last_end: dict[int, float] = {}
@@ -215,9 +234,12 @@ def _gpu(
             first[k] = min(first.get(k, start), start)
             last_end[k] = max(last_end.get(k, end), end)
         if e.get("cat") == "kernel" and e["name"].lower().startswith("nccl"):
-            thread = notes.get(launch.get("tid")) if launch is not None else None
-            unit = thread.unit_at(at) if thread is not None else OTHER_UNIT
-            comm.append(Collective(start, end, collective_kind(e["name"]), unit))
+            tid = launch.get("tid") if launch is not None else None
+            kind = collective_kind(e["name"])
+            if kind == "other" and tid in calls:
+                kind = calls[tid].at(at, kind)
+            unit = units[tid].at(at, OTHER_UNIT) if tid in units else OTHER_UNIT
+            comm.append(Collective(start, end, kind, unit))
         else:
             compute.append((start, end))
     device_steps = []

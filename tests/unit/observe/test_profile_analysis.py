@@ -131,8 +131,8 @@ def test_an_empty_window_has_no_steps_and_no_picture():
 # --- the gpu reader ---------------------------------------------------------------------------
 
 
-def launch(ts, corr):
-    return op("cudaLaunchKernel", ts, 2, cat="cuda_runtime", correlation=corr)
+def launch(ts, corr, tid=MAIN):
+    return op("cudaLaunchKernel", ts, 2, tid=tid, cat="cuda_runtime", correlation=corr)
 
 
 def kernel(name, ts, dur, corr, stream):
@@ -164,6 +164,8 @@ def test_the_gpu_reader_classifies_kernels_by_name_across_streams_and_launches()
             correlation=4,
         ),
         kernel("ampere_bf16_gemm", 400, 60, 5, STREAM7),
+        # Kineto's copy of a step annotation on the GPU's timeline: not a step of its own.
+        op("fsdp_lab::step 1", 100, 300, tid=STREAM7, cat="gpu_user_annotation"),
     ]
     tl = build_timeline(trace(events))
     assert tl.device == "gpu"
@@ -210,3 +212,23 @@ def test_a_cut_or_foreign_trace_is_one_line_naming_the_file(tmp_path):
         load_trace(other)
     with pytest.raises(ConfigError, match="no rank"):
         analyse_dir(tmp_path / "empty")
+
+
+def test_a_reduce_scatter_launched_from_autograds_thread_keeps_its_unit_and_kind():
+    """Backward runs on autograd's device thread; NCCL may name the kernel generically: the
+    unit comes from that thread's FSDP annotation, the kind from the c10d call around the
+    launch."""
+    autograd = 555
+    events = [
+        note("fsdp_lab::step 3", 0, 100),
+        note("FSDP::post_backward_reduce (model.layers.1)", 10, 30, tid=autograd),
+        op("c10d::_reduce_scatter_base_", 15, 10, tid=autograd),
+        launch(16, 9, tid=autograd),
+        launch(50, 10),
+        kernel("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)", 200, 40, 9, STREAM21),
+        kernel("gemm", 150, 30, 10, STREAM7),
+    ]
+    (s,) = analyse(build_timeline(trace(events)), rank=0, trace="t").steps
+    ((unit,),) = [s.units]
+    assert (unit.unit, unit.kind, unit.count) == ("model.layers.1", "reduce_scatter", 1)
+    assert s.exposed_comm_s == pytest.approx(40e-6) and s.step_s == pytest.approx(90e-6)
