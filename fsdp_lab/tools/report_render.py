@@ -173,7 +173,9 @@ PROFILE_NOTE = (
     "profiled step, the mean over the profiled window's steps and ranks. compute, exposed comm "
     "(comm that no compute covered) and idle (neither) add up to the step; comm overlapped by "
     "compute counts in compute. On CPU, comm is gloo's threads and compute the main thread's "
-    "ops; on GPU, NCCL kernels and the other kernels. `step_breakdown.png` draws them in ms."
+    "ops; on GPU, NCCL kernels and the other kernels. `step_breakdown.png` draws them in ms "
+    "(the profiled steps, which carry the profiler's own cost: a few % above step time). "
+    "Per FSDP unit: `fsdp-lab profile JOB_DIR`."
 )
 
 
