@@ -86,6 +86,8 @@ def spawn_local(
     log_dir.mkdir(exist_ok=True)
     # One process per rank; on tpu one for the host, which drives every XLA device.
     nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
+    for rank in range(nprocs):  # an earlier attempt's: a rank that fails early clears none
+        flight.clear(log_dir, rank)
     forks = resolve_start_method(cfg.hardware.start_method, topo.device) is StartMethod.fork
     start = _fork_rank if forks else _spawn_rank
     base_env = {

@@ -204,7 +204,11 @@ def _describe_group(
     if mismatch := _mismatch(records, name):
         return mismatch
     seqs = {c.seq for c in now.values()}
-    waits = {r for r in waiting & set(now) if records[r].newest_group() == name}
+    waits = {
+        r
+        for r in waiting & set(now)
+        if records[r].newest_group() == name and now[r].state != "completed"
+    }
     pending = any(records[r].tracks_state and c.state != "completed" for r, c in now.items())
     if len(seqs) == 1 and not waits and not pending:
         return None  # the ranks agree and none waits here: this group is not the hang
