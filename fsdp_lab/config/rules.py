@@ -70,6 +70,8 @@ def check_fields(cfg: Config) -> None:
         )
     _positive(h.num_nodes, "hardware.num_nodes")
     _positive(h.timeout_s, "hardware.timeout_s")
+    if h.flight_recorder < 0:
+        raise ConfigError(f"hardware.flight_recorder={h.flight_recorder} must be >= 0 (0: off)")
     if h.threads_per_rank is not None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
     if h.peak_tflops is not None:

@@ -287,6 +287,12 @@ class HardwareConfig:
     and the job requeues itself."""
     timeout_s: int = 300
     """Collective timeout: a dead rank fails the run after this long instead of hanging it."""
+    flight_recorder: int = 2000
+    """torch's flight recorder: the last N collectives of each process group (op, sizes,
+    sequence number, the Python stack that issued it), dumped to logs/ when a collective times
+    out and read into the error (which rank waits where, which is behind); 0: off. On gloo it
+    costs about 1.5 us per collective (torch's own default is the same 2000). Not used on
+    tpu, whose collectives XLA runs."""
     threads_per_rank: Optional[int] = None
     """CPU threads per rank. None: the node's cores divided among its ranks."""
     start_method: StartMethod = StartMethod.auto

@@ -220,6 +220,37 @@ def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
     return threads
 
 
+# Older names torch still reads for the same settings: a user's value under either is kept.
+_FR_ENV = {
+    "TORCH_FR_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE",),
+    "TORCH_FR_DUMP_TEMP_FILE": ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": (),
+}
+
+
+def set_flight_recorder(entries: int, dump_prefix: Path | None) -> None:
+    """torch's flight recorder: the last ``entries`` collectives of each process group (0: off),
+    read when the group is created. NCCL's watchdog also writes them to ``dump_prefix<rank>``
+    on a timeout (gloo has no watchdog: the rank dumps, see ``flight_records``); torch reads that
+    name when it dumps. A variable the user set wins."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(entries)}
+    if entries and dump_prefix is not None:
+        wanted["TORCH_FR_DUMP_TEMP_FILE"] = str(dump_prefix)
+        wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    for name, value in wanted.items():
+        if not any(n in os.environ for n in (name, *_FR_ENV[name])):
+            os.environ[name] = value
+
+
+def flight_records() -> list[bytes]:
+    """This process's flight recorders now, each collective with its Python stack: pickles of
+    plain containers. NCCL keeps a recorder of its own (where CUDA is up), listed first; gloo's
+    holds the CPU collectives (all of them on cpu; on gpu those of offloading)."""
+    c10d = torch._C._distributed_c10d
+    nccl = torch.cuda.is_initialized() and hasattr(c10d, "_dump_nccl_trace")
+    return ([c10d._dump_nccl_trace()] if nccl else []) + [c10d._dump_fr_trace()]
+
+
 def init_process_group(kind: HardwareKind, device: torch.device, timeout_s: int) -> None:
     """Join the group described by the launcher's RANK/WORLD_SIZE/MASTER_* variables."""
     dist.init_process_group(

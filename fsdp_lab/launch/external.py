@@ -54,6 +54,9 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = hardware.rank_device(kind, local_rank)
+    # The recorder's size is read as the group is made; its dump file, in join (the run dir
+    # is rank 0's, known after the broadcast below).
+    hardware.set_flight_recorder(cfg.hardware.flight_recorder, None)
     hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     rank = dist.get_rank()
     payload: list = [None]

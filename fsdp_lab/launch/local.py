@@ -29,7 +29,7 @@ from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.data.pool import die_with_parent
 from fsdp_lab.launch import rank_main
-from fsdp_lab.observe import heartbeat, rundir
+from fsdp_lab.observe import flight, heartbeat, rundir
 from fsdp_lab.train import preempt
 
 # After the first rank fails, the others get this long to fail on their own (a broken
@@ -86,6 +86,8 @@ def spawn_local(
     log_dir.mkdir(exist_ok=True)
     # One process per rank; on tpu one for the host, which drives every XLA device.
     nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
+    for rank in range(nprocs):  # an earlier attempt's: a rank that fails early clears none
+        flight.clear(log_dir, rank)
     forks = resolve_start_method(cfg.hardware.start_method, topo.device) is StartMethod.fork
     start = _fork_rank if forks else _spawn_rank
     base_env = {
@@ -291,7 +293,9 @@ def _first_failure(
     launcher stopped anyone is the cause: the errors its peers then write ("Connection reset by
     peer") are effects, and they often reach the disk before the launcher's poll sees the
     death. A rank that stopped beating (stopped, hung) while the others timed out waiting is
-    the cause of their timeouts. Otherwise the earliest error written wins.
+    the cause of their timeouts. Otherwise the earliest error written wins. A timeout also
+    says what the ranks' flight recorders hold: where each waits, which is behind, or which
+    collectives did not match.
     """
     deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
@@ -304,14 +308,19 @@ def _first_failure(
             deaths.append((exit_times[rank], rank, f"died ({how}) without an error message"))
     if not deaths and not errors:
         return "a rank failed without an error message"
+    log_dir, ranks = run_dir / rundir.LOG_DIR, range(len(procs))
+    # Dumps exist only after a collective timed out (NCCL's watchdog may then end the rank).
+    waited = [r for _, r, message in errors if heartbeat.is_timeout(message)]
+    said = flight.describe(flight.read_dir(log_dir, ranks), ranks, waiting=waited)
+    recorded = f"; {said}" if said else ""
     if not deaths and heartbeat.is_timeout(min(errors)[2]):
         stall = heartbeat.describe_stall(
             beats, len(procs), waiting=min(errors)[1], exclude=frozenset(r for _, r, _ in errors)
         )
         if stall is not None:
-            return f"{stall} (full logs: {run_dir / rundir.LOG_DIR})"
+            return f"{stall}{recorded} (full logs: {log_dir})"
     _, rank, message = min(deaths or errors)
-    return f"rank {rank} {message} (full log: {run_dir / rundir.LOG_DIR / f'rank{rank}.log'})"
+    return f"rank {rank} {message}{recorded} (full log: {log_dir / f'rank{rank}.log'})"
 
 
 def _mark_failed(run_dir: Path, reason: str) -> None:

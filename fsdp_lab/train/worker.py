@@ -27,7 +27,7 @@ from fsdp_lab.config import Config, ConfigError, Dtype, FinetuneMethod, Hardware
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import hardware
-from fsdp_lab.observe import heartbeat
+from fsdp_lab.observe import flight, heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.profile.recorder import WindowProfiler
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
@@ -68,7 +68,7 @@ def run(
     started = time.perf_counter()
     setup_rank_logging(run_dir / LOG_DIR, int(os.environ["RANK"]))
     stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
-    ctx = join(cfg, validated=validated)  # 1) device, threads, the process group
+    ctx = join(cfg, run_dir / LOG_DIR, validated=validated)  # 1) device, threads, the group
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
     if (beat := heartbeat.current()) is not None:
         beat.step_done(state.start_step)
@@ -96,15 +96,18 @@ def topology_from_env(kind: HardwareKind) -> Topology:
     )
 
 
-def join(cfg: Config, *, validated: bool = False) -> RankContext:
+def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
     """Device, threads and the process group (under torchrun the launcher already joined it);
-    the topology's rules checked here unless this process has checked them (``validated``)."""
+    the topology's rules checked here unless this process has checked them (``validated``).
+    ``log_dir``: where a flight recorder dump of this rank goes."""
     kind = hardware.resolve_kind(cfg.hardware)
     device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     topo = topology_from_env(kind)
     threads = hardware.set_threads(
         cfg.hardware, hardware.processes_per_node(kind, topo.nproc_per_node)
     )
+    flight.clear(log_dir, int(os.environ["RANK"]))
+    hardware.set_flight_recorder(cfg.hardware.flight_recorder, flight.watchdog_prefix(log_dir))
     if not dist.is_initialized():
         hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
@@ -282,15 +285,32 @@ def _record_failure(run_dir: Path, e: BaseException, *, launcher_reports: bool) 
     line = traceback.format_exception_only(type(e), e)[-1].strip()
     if isinstance(e, ConfigError):  # a message written for the user: no class name before it
         line = str(e)
+    timeout = heartbeat.is_timeout(line)
+    recorded = _save_flight_record(run_dir, rank) if timeout else None
     beat = heartbeat.current()
-    # Locally the launcher reads the beats (it hosts the store); here only under torchrun/srun.
-    if beat is not None and not launcher_reports and heartbeat.is_timeout(line):
+    # Locally the launcher reads the beats (it hosts the store) and every rank's flight record;
+    # here only under torchrun/srun, and only this rank's record.
+    if not launcher_reports and timeout:
         world = int(os.environ.get("WORLD_SIZE", 1))
-        stall = heartbeat.describe_stall(heartbeat.read(beat.store, world), world, waiting=rank)
-        if stall is not None:  # name the rank it waited for
-            line = stall
-            print(f"fsdp_lab: error: {stall}", file=sys.stderr)
+        beats = heartbeat.read(beat.store, world) if beat is not None else {}
+        stall = heartbeat.describe_stall(beats, world, waiting=rank)
+        if stall is not None or recorded is not None:  # name the rank it waited for, and where
+            line = "; ".join(x for x in (stall or line, recorded) if x)
+            print(f"fsdp_lab: error: {line}", file=sys.stderr)
     log.error("rank %d failed: %s", rank, line, exc_info=True)  # the traceback: log file only
     path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line}))
     if rank == 0 and (run_dir / RUN_FILE).is_file():
         update_run_file(run_dir, status="failed", error=f"rank 0: {line}")
+
+
+def _save_flight_record(run_dir: Path, rank: int) -> str | None:
+    """This rank's flight recorder, written to its logs (gloo never dumps by itself; with NCCL
+    the watchdog may have too), and what it says in one line. Never raises: the error that
+    brought the rank here is the one to report."""
+    try:
+        path = flight.dump_file(run_dir / LOG_DIR, rank)
+        saved = flight.save(hardware.flight_records(), path, rank)
+        return flight.describe({rank: saved}, [], waiting=[rank])
+    except Exception as e:  # noqa: BLE001 - a missing dump must not hide the failure
+        log.warning("rank %d: no flight recorder dump: %s", rank, e)
+        return None

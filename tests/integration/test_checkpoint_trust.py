@@ -229,6 +229,9 @@ def test_a_hung_rank_is_named_with_its_last_step(tmp_path):
     assert elapsed < timeout_s + 15, elapsed
     (error,) = [x for x in stderr.splitlines() if x.startswith("fsdp_lab: error:")]
     assert "rank 1 stopped responding after step" in error, error
-    assert "rank 0 timed out waiting for it" in error
+    assert "rank 0 timed out waiting for it; flight recorder: rank 0 waits in collective #" in error
+    # Rank 0's own dump (gloo writes none by itself); the stopped rank could write none.
+    assert "in train_step); no dump from rank 1 (a stopped or killed rank" in error
+    assert (run / "logs" / "rank0.flight.json").is_file()
     step = int(error.split("after step ")[1].split()[0])
     assert step >= logged - 1  # rank 0 cannot log a step rank 1 has not taken part in

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,8 +95,14 @@ def test_a_timeout_is_reported_as_the_rank_that_stopped_beating(tmp_path):
     reason = local._first_failure(tmp_path, [Exited(1), Exited(-signal.SIGKILL)], {0: now}, beats)
     assert reason.startswith(
         "rank 1 stopped responding after step 34 (no heartbeat for 20 s); "
-        "rank 0 timed out waiting for it"
+        "rank 0 timed out waiting for it (full logs"
     )
+    # With rank 0's flight recorder dump (a real one, tests/unit/observe/data), where it waits.
+    dump = Path(__file__).parents[1] / "observe" / "data" / "behind_rank0.flight.json"
+    shutil.copy(dump, tmp_path / "logs" / "rank0.flight.json")
+    reason = local._first_failure(tmp_path, [Exited(1), Exited(-signal.SIGKILL)], {0: now}, beats)
+    assert "waiting for it; flight recorder: rank 0 waits in collective #5 (all_reduce" in reason
+    assert "; no dump from rank 1 (a stopped" in reason
     # Not a timeout, or every rank beating: the error itself is the cause.
     assert local._first_failure(
         tmp_path, [Exited(1), Exited(-signal.SIGKILL)], {0: now}, {0: (now, 35), 1: (now, 35)}
