@@ -41,6 +41,7 @@ LANE_TICKS = {2.4: "compute", 1.6: "comm: gather", 1.2: "comm: reduce", 0.7: "ex
 WIDTH_IN, AXES_LEFT, AXES_RIGHT = 13.0, 0.09, 0.99
 ROW_IN, HEADER_IN = 1.15, 0.9  # a rank's row, the title and legend above them
 LABEL_PT = 6.0
+MAX_RANKS = 16  # rows drawn at most
 CHAR_IN = 0.62 * LABEL_PT / 72  # a label character's width, near enough to decide if it fits
 
 
@@ -52,7 +53,12 @@ def draw_timeline(pictures: list[StepPicture], path: Path) -> Path:
 
 
 def build_timeline(pictures: list[StepPicture]) -> Figure:
-    """The figure draw_timeline writes: one axes per rank (rank order), sharing the x axis."""
+    """The figure draw_timeline writes: one axes per rank (rank order), sharing the x axis; of
+    many ranks the MAX_RANKS slowest (a tall picture of 64 alike rows says less than the
+    slowest ranks do; the title says how many were profiled)."""
+    profiled = len(pictures)
+    if profiled > MAX_RANKS:
+        pictures = sorted(pictures, key=lambda p: -p.step_s)[:MAX_RANKS]
     pictures = sorted(pictures, key=lambda p: p.rank)
     if not pictures:
         fig = Figure(figsize=(8, 1.5))
@@ -77,7 +83,8 @@ def build_timeline(pictures: list[StepPicture]) -> Figure:
         _draw_rank(ax, picture, names, ms_per_in)
     axes[-1].set_xlim(0, step_ms)
     axes[-1].set_xlabel("ms from the step's start")
-    fig.suptitle(_title(pictures), y=1 - 0.12 / height)
+    shown = f" (the {len(pictures)} slowest of {profiled} ranks)" * (profiled > len(pictures))
+    fig.suptitle(_title(pictures) + shown, y=1 - 0.12 / height)
     kinds = [k for k in KIND_COLORS if any(_kind(s) == k for p in pictures for s in p.comm)]
     handles = [Patch(color=COMPUTE_COLOR, label="compute")]
     handles += [Patch(color=KIND_COLORS[k], label=k.replace("_", "-")) for k in kinds]

@@ -7,6 +7,7 @@ from pathlib import Path
 from matplotlib.image import imread
 
 from fsdp_lab.observe.profile.picture import (
+    MAX_RANKS,
     build_timeline,
     draw_timeline,
     short_unit_names,
@@ -94,3 +95,14 @@ def test_union_counts_overlaps_once():
     spans = [Span(0.0, 2.0, "x"), Span(1.0, 3.0, "x"), Span(5.0, 6.0, "x"), Span(5.5, 5.7, "x")]
     assert union_s(spans) == 4.0
     assert union_s([]) == 0.0
+
+
+def test_of_many_ranks_the_slowest_are_drawn_and_the_title_says_so():
+    pictures = [picture(rank, 5) for rank in range(40)]
+    for p in pictures:
+        p.step_s *= 1 + (p.rank % 7 == 3)  # ranks 3, 10, 17, 24, 31, 38 are the slow ones
+    fig = build_timeline(pictures)
+    assert len(fig.axes) == MAX_RANKS
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert all(any(t.startswith(f"rank {r},") for t in titles) for r in (3, 10, 17, 24, 31, 38))
+    assert f"(the {MAX_RANKS} slowest of 40 ranks)" in fig._suptitle.get_text()
