@@ -71,6 +71,7 @@ class TrainState:
     eval_batches: int  # per evaluation; 0: no evaluation
 
 
+# Long: the state's pieces in the order each needs the ones before it.
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
     """Every rank builds the same state; only its shards and its rows of the data differ."""
     facts, meta_model = _model_on_meta(cfg, ctx)
@@ -80,6 +81,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         meta_model,
         task=facts.task,
         compiled=cfg.compile,
+        replicas=cfg.parallel.tensor,
         kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
