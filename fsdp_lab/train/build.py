@@ -19,6 +19,7 @@ from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import finetune, fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
+from fsdp_lab.engine.moe import ExpertCounts, expert_counts
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
@@ -50,6 +51,7 @@ class ModelFacts:
     flops_per_token: int
     peak_flops: float | None
     load_rss: list  # each process's host peak RSS after the weights reached the shards
+    experts: ExpertCounts  # a mixture of experts' (zeros for a dense model)
 
 
 @dataclass
@@ -176,6 +178,7 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
             cfg.hardware, ctx.kind, cfg.precision.param_dtype, tf32=cfg.precision.tf32
         ),
         load_rss=[],
+        experts=expert_counts(model),
     )
     return facts, model
 
