@@ -9,11 +9,11 @@ The aux loss (Switch Transformer's, as ``load_balancing_loss_func`` computes it)
 its mean router probability, both over every layer's rows. It is not linear in the batch: the
 mean of the ranks' aux losses is not the aux loss of their global batch. So each rank sums its
 rows' assignments and probabilities, the sums are all-reduced over the ranks, and every rank
-computes the same global aux. The all-reduce is ``torch.distributed.nn.functional``'s: its
-backward sums every rank's gradient of the probability sums, so each rank's router gets ``dp``
-times its rows' share of the gradient, and FSDP's average over dp makes it exactly the single
-process's gradient (``tests/unit/train/test_moe_loss.py``). A TP group's ranks hold the same
-rows: the world's sums are divided by ``replicas``.
+computes the same global aux. The all-reduce's backward sums every rank's gradient of the
+probability sums, so each rank's router gets ``dp`` times its rows' share of the gradient, and
+FSDP's average over dp makes it exactly the single process's gradient
+(``tests/unit/train/test_moe_loss.py``). A TP group's ranks hold the same rows: the world's
+sums are divided by ``replicas``.
 
 Rows are the positions the main loss learns from (a target): padding and prompt tokens are left
 out as the cross-entropy leaves them, the same mask in the reference. The logits are captured
@@ -68,6 +68,25 @@ def aux_from_sums(sums: torch.Tensor, *, num_experts: int) -> tuple[torch.Tensor
     return num_experts * (tokens * probs_sum / rows).sum(), per_layer.detach()
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient too: each rank's input then
+    gets the sum of every rank's gradient of the shared output (as
+    ``torch.distributed.nn.functional.all_reduce``, deprecated in torch 2.13 for the functional
+    collectives, whose all_reduce has no backward)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 class RouterAux:
     """The routers' logits of a forward, the global aux loss from them, and the step's numbers.
 
@@ -105,9 +124,7 @@ class RouterAux:
         logits, self._logits = self._logits, []
         sums = routing_sums(logits, mask, num_experts=self.num_experts, top_k=self.top_k)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from torch.distributed.nn.functional import all_reduce
-
-            sums = all_reduce(sums) / self.replicas
+            sums = _SumOverRanks.apply(sums) / self.replicas
         aux, counts = aux_from_sums(sums, num_experts=self.num_experts)
         detached = aux.detach()
         self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached

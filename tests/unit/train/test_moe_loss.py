@@ -105,7 +105,9 @@ def test_two_ranks_give_the_single_process_loss_and_gradient(tmp_path):
     """The differentiable all-reduce's backward sums the ranks' gradients of the shared aux
     loss; averaged over dp as FSDP does, that is the single process's gradient exactly."""
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, f"file://{tmp_path}/store", out), nprocs=2)
+    mp.start_processes(
+        _rank, args=(2, f"file://{tmp_path}/store", out), nprocs=2, start_method="fork"
+    )
     model = tiny_moe()
     loss = loss_lib.build_loss(
         LossConfig(), model, kind=LossKind.hf, task=ModelTask.causal_lm, compiled=False
@@ -116,15 +118,16 @@ def test_two_ranks_give_the_single_process_loss_and_gradient(tmp_path):
     value.backward()
     want = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert abs(out["loss"] - value.item()) <= 1e-6
-    assert torch.allclose(out["grads"], want, rtol=1e-5, atol=1e-8)
-    # the aux loss's share of the router's gradient is not negligible here
+    atol = 1e-6 * want.abs().max().item()  # fp32 sums in another order: 6e-8 measured
+    assert torch.allclose(out["grads"], want, rtol=0, atol=atol)
+    # The aux loss's share of the routers' gradient is far above that tolerance: a rank that
+    # kept only its own share (a backward without the sum) would fail the comparison.
     aux_only = tiny_moe()
     aux_loss = loss_lib.build_loss(
         LossConfig(), aux_only, kind=LossKind.hf, task=ModelTask.causal_lm, compiled=False
     )
     aux_loss.train_value(aux_only, full, scale=torch.tensor(0.0), num_micro=1).backward()
-    router = aux_only.model.layers[0].mlp.gate.weight.grad
-    assert router.norm() > 1e-3 * model.model.layers[0].mlp.gate.weight.grad.norm()
+    assert aux_only.model.layers[0].mlp.gate.weight.grad.abs().max() > 100 * atol
 
 
 def test_the_record_reports_the_worst_layers_imbalance():
