@@ -60,15 +60,22 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
         for r in range(world_size)
     ]
     losses, norms = [], []
+    causal = cfg.model.task is ModelTask.causal_lm
+    router_coef = getattr(model.config, "router_aux_loss_coef", None)
+    if router_coef is not None:
+        model.router_aux_loss_coef = 0.0  # its own loss is the CE alone; the aux is added below
     for step in range(t.max_steps):
         total = 0.0
         steps = [data.step_batches(step) for data in ranks]
         targets = steps[0][1]  # every rank's count is the global batch's
-        for batches, _ in steps:
-            for batch in batches:
-                loss = token_loss_sum(model, batch, causal=cfg.model.task is ModelTask.causal_lm)
-                (loss / targets).backward()
-                total += loss.item() / targets
+        if router_coef is not None:
+            total = moe_step(model, [b for b, _ in steps], targets, coef=router_coef)
+        else:
+            for batches, _ in steps:
+                for batch in batches:
+                    loss = token_loss_sum(model, batch, causal=causal)
+                    (loss / targets).backward()
+                    total += loss.item() / targets
         clip = cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), clip if clip is not None else math.inf
@@ -81,16 +88,50 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     return losses, norms
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict, *, causal: bool) -> torch.Tensor:
+def token_loss_sum(
+    model: torch.nn.Module, batch: dict, *, causal: bool, router_logits: list | None = None
+) -> torch.Tensor:
     """The summed token losses of a batch through the model's own mean loss: mean x count.
     Packed rows keep their ``position_ids``; transformers finds their sequences itself (the
-    run's ``sequence_index`` is the loader's answer to the same question)."""
+    run's ``sequence_index`` is the loader's answer to the same question). ``router_logits``:
+    a mixture of experts' routers' logits of this forward are appended to it."""
     inputs = {k: v for k, v in batch.items() if k != "sequence_index"}
     labels = inputs["labels"]
     count = int(((labels[:, 1:] if causal else labels) != IGNORE_INDEX).sum())
+    if router_logits is not None:
+        inputs["output_router_logits"] = True
     out = model(**inputs)
+    if router_logits is not None:
+        router_logits.append(out.router_logits)
     # No target (a masked LM's row past the split): HF's mean is nan; the sum is 0.
     return out.loss * count if count else out.logits.sum() * 0.0
+
+
+def moe_step(model: torch.nn.Module, ranks: list[list[dict]], targets: int, *, coef: float):
+    """A mixture of experts' step (a causal LM): micro-batch i of every rank is one global
+    micro-batch; its objective is its token losses over the step's targets plus ``coef`` x
+    transformers' own ``load_balancing_loss_func`` on its rows (the positions with a target),
+    over the number of micro-batches. Returns the step's loss (the run logs the same sum)."""
+    import importlib
+
+    balance = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    top_k, total = model.config.num_experts_per_tok, 0.0
+    num_experts = model.model.layers[0].mlp.gate.weight.shape[0]
+    num_micro = len(ranks[0])
+    for micro in zip(*ranks, strict=True):
+        logits, masks, value = [], [], 0.0
+        for batch in micro:
+            value = (
+                value + token_loss_sum(model, batch, causal=True, router_logits=logits) / targets
+            )
+            targets_of = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+            masks.append((targets_of != IGNORE_INDEX).flatten())
+        layers = tuple(torch.cat(rows) for rows in zip(*logits, strict=True))
+        aux = balance(layers, num_experts, top_k, torch.cat(masks).reshape(1, -1))
+        value = value + coef * aux / num_micro
+        value.backward()
+        total += value.item()
+    return total
 
 
 def _finetune(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:

@@ -10,6 +10,7 @@ fsdp_lab.config import Config, to_typed`` is how the other packages read them.
 from fsdp_lab.config.load import register_schema, to_typed
 from fsdp_lab.config.profiling import ProfileConfig, ProfileMode
 from fsdp_lab.config.schema import (
+    MOE_ARCHS,
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     ChatLayout,
@@ -21,6 +22,7 @@ from fsdp_lab.config.schema import (
     DataConfig,
     DataKind,
     Dtype,
+    ExpertsImplementation,
     FinetuneConfig,
     FinetuneMethod,
     HardwareConfig,
@@ -55,6 +57,7 @@ from fsdp_lab.config.schema import (
 )
 
 __all__ = [
+    "MOE_ARCHS",
     "ActivationCheckpointingConfig",
     "ActivationCheckpointingMode",
     "ChatLayout",
@@ -66,6 +69,7 @@ __all__ = [
     "DataConfig",
     "DataKind",
     "Dtype",
+    "ExpertsImplementation",
     "FinetuneConfig",
     "FinetuneMethod",
     "HardwareConfig",

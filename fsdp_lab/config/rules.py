@@ -13,6 +13,7 @@ from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import (
+    MOE_ARCHS,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -158,6 +159,7 @@ def _check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
         )
+    _check_experts(m)
     if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(
@@ -169,6 +171,30 @@ def _check_model(m: ModelConfig) -> None:
                 f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
                 "(rotary embeddings rotate pairs of dimensions)"
             )
+
+
+def _check_experts(m: ModelConfig) -> None:
+    """A preset's experts: the MoE presets need some, a dense preset takes none."""
+    if m.router_aux_loss_coef is not None and m.router_aux_loss_coef < 0:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 (0: off, "
+            "null: the model's default)"
+        )
+    if m.arch not in MOE_ARCHS:
+        if m.num_experts:
+            raise ConfigError(
+                f"model.num_experts={m.num_experts} but model.arch={m.arch.name} is dense; use "
+                "a mixture-of-experts preset (model=qwen3_moe_tiny, mixtral_tiny, olmoe_tiny)"
+            )
+        return
+    _positive(m.num_experts, "model.num_experts")
+    if not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+            f"model.num_experts={m.num_experts}"
+        )
+    if m.expert_intermediate_size is not None:
+        _positive(m.expert_intermediate_size, "model.expert_intermediate_size")
 
 
 def is_hub_id(name: str) -> bool:

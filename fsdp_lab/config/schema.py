@@ -81,6 +81,21 @@ class ModelArch(enum.Enum):
     gpt2 = "gpt2"
     qwen2 = "qwen2"
     bert = "bert"
+    qwen3_moe = "qwen3_moe"  # mixtures of experts: model.num_experts > 0
+    mixtral = "mixtral"
+    olmoe = "olmoe"
+
+
+MOE_ARCHS = frozenset({ModelArch.qwen3_moe, ModelArch.mixtral, ModelArch.olmoe})
+
+
+class ExpertsImplementation(enum.Enum):
+    """How an MoE layer runs its experts (transformers' ``_experts_implementation``)."""
+
+    auto = "auto"  # transformers' own choice (grouped_mm where torch has it)
+    eager = "eager"  # a loop over the experts that received tokens (a host sync per layer)
+    batched_mm = "batched_mm"  # one bmm over (token, expert) pairs: gathers a weight per pair
+    grouped_mm = "grouped_mm"  # tokens sorted by expert, one grouped GEMM (torch >= 2.9)
 
 
 class ModelTask(enum.Enum):
@@ -327,6 +342,20 @@ class ModelConfig:
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = False
     """Share the input embedding with the output head (GPT-2, small Qwen2)."""
+    num_experts: int = 0
+    """Mixture-of-experts presets (qwen3_moe, mixtral, olmoe): experts per MoE layer; 0 for the
+    dense presets. model=local reads it from config.json."""
+    experts_per_token: int = 2
+    """MoE presets: the experts each token is routed to (top-k)."""
+    expert_intermediate_size: Optional[int] = None
+    """MoE presets: each expert's MLP width; None: model.intermediate_size."""
+    router_aux_loss_coef: Optional[float] = None
+    """MoE models: the weight of the router's load-balancing loss added to the training
+    objective (once per step, a mean over micro-batches). None: the model's own default
+    (config.router_aux_loss_coef, 0.001 for Qwen3-MoE); 0: off (still measured and logged)."""
+    experts_implementation: ExpertsImplementation = ExpertsImplementation.auto
+    """MoE models: the experts' kernel (config._experts_implementation). auto: transformers'
+    choice; grouped_mm needs torch >= 2.9."""
 
 
 @dataclass

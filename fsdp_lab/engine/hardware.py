@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
+from fsdp_lab.config import (
+    ConfigError,
+    Dtype,
+    ExpertsImplementation,
+    HardwareConfig,
+    HardwareKind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +130,20 @@ def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
     if kind is HardwareKind.gpu and dtype is Dtype.bf16 and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             f"{setting}=bf16 but this GPU has no bf16 support; use precision=fp16 or fp32"
+        )
+
+
+def check_experts_implementation(kind: HardwareKind, implementation: ExpertsImplementation) -> None:
+    """Fail before launch on an experts kernel this device cannot run: ``grouped_mm`` calls
+    ``torch.nn.functional.grouped_mm`` (torch >= 2.9; a CPU kernel too), which XLA does not
+    lower."""
+    if implementation is not ExpertsImplementation.grouped_mm:
+        return
+    if kind is HardwareKind.tpu or not hasattr(torch.nn.functional, "grouped_mm"):
+        where = "hardware=tpu" if kind is HardwareKind.tpu else f"torch {torch.__version__}"
+        raise ConfigError(
+            f"model.experts_implementation=grouped_mm needs torch.nn.functional.grouped_mm "
+            f"(torch >= 2.9, not XLA), which {where} lacks; use eager or batched_mm"
         )
 
 

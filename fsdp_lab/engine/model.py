@@ -17,8 +17,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from fsdp_lab.config import ConfigError, ModelArch, ModelConfig, ModelTask, first_line
-from fsdp_lab.engine import hardware
+from fsdp_lab.config import (
+    ConfigError,
+    ExpertsImplementation,
+    ModelArch,
+    ModelConfig,
+    ModelTask,
+    first_line,
+)
+from fsdp_lab.engine import hardware, moe
 from fsdp_lab.engine.activations import clean_name
 
 log = logging.getLogger(__name__)
@@ -31,6 +38,12 @@ def build_hf_config(cfg: ModelConfig):
     it, +43% peak measured on a 4-layer Llama). An export turns it back on."""
     hf_config = _hf_config(cfg)
     hf_config.use_cache = False
+    if cfg.router_aux_loss_coef is not None and hasattr(hf_config, "router_aux_loss_coef"):
+        hf_config.router_aux_loss_coef = cfg.router_aux_loss_coef  # the loss reads it here
+    impl = cfg.experts_implementation
+    moe.set_experts_implementation(
+        hf_config, None if impl is ExpertsImplementation.auto else impl.value
+    )
     # Master weights are fp32 whatever dtype the directory's config names (SmolLM2's says
     # bfloat16, and from_config builds in it: every shard and AdamW's state were then bf16);
     # the compute dtype is precision.param_dtype's. transformers 4 calls the field torch_dtype.
@@ -107,6 +120,8 @@ def _hf_config(cfg: ModelConfig):
                 hidden_dropout_prob=0.0,
                 attention_probs_dropout_prob=0.0,
             )
+        case ModelArch.qwen3_moe | ModelArch.mixtral | ModelArch.olmoe:
+            return moe.moe_hf_config(cfg, common)
         case _:
             raise ValueError(f"unknown model.arch {cfg.arch}")
 

@@ -45,6 +45,7 @@ def _check_hardware(cfg: Config, topo: Topology) -> None:
             hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     if cfg.compile:
         hardware.check_compile(topo.device)
+    hardware.check_experts_implementation(topo.device, cfg.model.experts_implementation)
     slow = hardware.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
     if slow is not None:
         log.warning(

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab.engine import hardware
+from fsdp_lab.engine.moe import MoeStep, expert_counts
 
 
 @dataclass
@@ -24,9 +25,16 @@ class StepMetrics:
     peak_mem_bytes_per_rank: list[int]
     skipped: bool = False
     elapsed_s: float = 0.0  # wall time since the loop started, all overheads included
+    # Mixtures of experts (None for a dense model, and then left out of the record):
+    aux_loss: float | None = None  # the router's load-balancing loss, mean over micro-batches
+    expert_load_imbalance: float | None = None  # max over MoE layers of max_e / mean_e tokens
+    expert_load_per_layer: list[float] | None = None  # each MoE layer's max_e / mean_e
 
     def as_record(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None or k not in MOE_FIELDS}
+
+
+MOE_FIELDS = frozenset({"aux_loss", "expert_load_imbalance", "expert_load_per_layer"})
 
 
 @dataclass
@@ -41,6 +49,7 @@ class _PendingStep:
     skipped: torch.Tensor | None  # fp16: the scaler skipped the update
     span: tuple  # the step's start and end marks (hardware.StepClock)
     peak_mem_bytes: int  # this rank's allocator / RSS peak so far (a host-side read)
+    moe: MoeStep | None = None  # the routers' numbers (the same on every rank)
 
 
 class StepWindow:
@@ -71,6 +80,7 @@ class StepWindow:
         loss: torch.Tensor,
         grad_norm: torch.Tensor,
         skipped: torch.Tensor | None,
+        moe: MoeStep | None = None,
     ) -> None:
         self._pending.append(
             _PendingStep(
@@ -82,6 +92,7 @@ class StepWindow:
                 skipped=skipped,
                 span=(start, self.clock.mark()),
                 peak_mem_bytes=hardware.peak_memory_bytes(self.device),
+                moe=moe,
             )
         )
 
@@ -125,16 +136,20 @@ class StepWindow:
             if k
             else []
         )
-        host = torch.cat([table.flatten(), *same]).cpu()  # the one read of the window
+        # A mixture of experts' numbers are the global batch's on every rank already.
+        moe = [_moe_row(p.moe).to(where) for p in pending if p.moe is not None]
+        host = torch.cat([table.flatten(), *same, *moe]).cpu()  # the one read of the window
         now = time.perf_counter() - self._loop_start
         rows = host[: table.numel()].view(world, 2 * k + 1)
         norms = host[table.numel() : table.numel() + k].tolist()
-        skipped = host[table.numel() + k :].tolist()
+        skipped = host[table.numel() + k : table.numel() + 2 * k].tolist()
+        moe_rows = iter(host[table.numel() + 2 * k :].split([m.numel() for m in moe]))
         times = [self.clock.seconds(*p.span) for p in pending]
         out = []
         for i, p in enumerate(pending):
             peaks = [int(v) for v in rows[:, k + i].tolist()]
             later = sum(times[i + 1 :])  # the steps after it in the window
+            experts = _moe_fields(next(moe_rows), p.moe) if p.moe is not None else {}
             out.append(
                 StepMetrics(
                     step=p.step,
@@ -148,9 +163,27 @@ class StepWindow:
                     peak_mem_bytes_per_rank=peaks,
                     skipped=bool(skipped[i]),
                     elapsed_s=now - later,
+                    **experts,
                 )
             )
         return out, bool(rows[:, 2 * k].sum().item() > 0)
+
+
+def _moe_row(moe: MoeStep) -> torch.Tensor:
+    """[aux | tokens per expert, L x E] in float64, for the window's one host read."""
+    return torch.cat([moe.aux_loss.reshape(1), moe.tokens_per_expert.flatten()]).double()
+
+
+def _moe_fields(row: torch.Tensor, moe: MoeStep) -> dict:
+    """The record's MoE numbers: the aux loss and the load imbalance (max_e / mean_e tokens)
+    of each layer, the worst layer's as ``expert_load_imbalance``."""
+    counts = row[1:].view(moe.tokens_per_expert.shape)
+    per_layer = (counts.max(1).values / counts.mean(1).clamp(min=1e-12)).tolist()
+    return {
+        "aux_loss": float(row[0]),
+        "expert_load_imbalance": max(per_layer),
+        "expert_load_per_layer": per_layer,
+    }
 
 
 def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
@@ -160,7 +193,8 @@ def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
     Activation-checkpointing recompute is not counted (MFU, not hardware FLOPs utilisation).
     A frozen parameter (finetune=freeze, lora) costs 4 of the 6: forward and the gradient of
     its input, no weight gradient (counted also below the lowest trainable layer, where
-    backward does not reach: an upper bound there)."""
+    backward does not reach: an upper bound there). A mixture of experts counts its active
+    parameters: the router and top_k of each layer's E experts."""
     embeddings = {
         id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
     }
@@ -169,6 +203,8 @@ def flops_per_token(model: torch.nn.Module, hf_config, seq_len: int) -> int:
     if head is not None and id(head.weight) in embeddings:
         dense[id(head.weight)] = head.weight
     matmul = sum((6 if p.requires_grad else 4) * p.numel() for p in dense.values())
+    # A mixture of experts: a token runs top_k of each layer's E experts (and the router).
+    matmul -= 6 * expert_counts(model).inactive_params
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return matmul + 12 * hf_config.num_hidden_layers * heads * head_dim * seq_len

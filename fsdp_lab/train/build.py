@@ -19,6 +19,7 @@ from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import finetune, fsdp, hardware, precision
 from fsdp_lab.engine import model as model_lib
+from fsdp_lab.engine.moe import ExpertCounts, expert_counts
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
@@ -50,6 +51,7 @@ class ModelFacts:
     flops_per_token: int
     peak_flops: float | None
     load_rss: list  # each process's host peak RSS after the weights reached the shards
+    experts: ExpertCounts  # a mixture of experts' (zeros for a dense model)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class TrainState:
     eval_batches: int  # per evaluation; 0: no evaluation
 
 
+# Long: the state's pieces in the order each needs the ones before it.
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
     """Every rank builds the same state; only its shards and its rows of the data differ."""
     facts, meta_model = _model_on_meta(cfg, ctx)
@@ -80,6 +83,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         meta_model,
         task=facts.task,
         compiled=cfg.compile,
+        replicas=cfg.parallel.tensor,
         kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
@@ -174,6 +178,7 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
             cfg.hardware, ctx.kind, cfg.precision.param_dtype, tf32=cfg.precision.tf32
         ),
         load_rss=[],
+        experts=expert_counts(model),
     )
     return facts, model
 

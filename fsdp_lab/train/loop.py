@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp_lab.config import TrainerConfig
 from fsdp_lab.engine import hardware, tensor_parallel
+from fsdp_lab.engine.moe import MoeStep
 from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.observe.profile.recorder import WindowProfiler
@@ -51,6 +52,7 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor  # global norm over all ranks' shards, before clipping
     skipped: torch.Tensor | None  # fp16: the grad scaler found inf/nan and skipped the update
+    moe: MoeStep | None = None  # a mixture of experts' aux loss and expert load (global)
 
 
 def loss_scale(targets: int, dp: int, device: torch.device) -> torch.Tensor:
@@ -97,7 +99,7 @@ def train_step(
     for i, batch in enumerate(batches):
         if set_sync is not None:
             set_sync(i == num_micro - 1)
-        value = loss(model, batch) * scale
+        value = loss.train_value(model, batch, scale=scale, num_micro=num_micro)
         (scaler.scale(value) if scaler is not None else value).backward()
         total += value.detach().float()
     if scaler is not None:
@@ -117,7 +119,8 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     hardware.mark_step(device)  # XLA: the step's graph runs here
-    return StepResult(loss=total, grad_norm=norm, skipped=skipped)
+    moe = loss.router.take() if loss.router is not None else None
+    return StepResult(loss=total, grad_norm=norm, skipped=skipped, moe=moe)
 
 
 class Recorder(Protocol):
@@ -213,6 +216,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
             loss=result.loss,
             grad_norm=result.grad_norm,
             skipped=result.skipped,
+            moe=result.moe,
         )
         profiled = prof.step(done)  # the profile's window ended: on every rank
         evaluates = bool(state.eval_batches) and (done % t.eval_every == 0 or done == t.max_steps)

@@ -48,13 +48,16 @@ from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, Mod
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.data.loader import IGNORE_INDEX
 from fsdp_lab.train.linear_ce import linear_cross_entropy
+from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
 
 log = logging.getLogger(__name__)
 
 # Causal LMs whose forward is hidden = base(...); logits = lm_head(hidden) (a bias-free Linear);
 # loss = ForCausalLMLoss(logits, labels). Gemma 2/3 (soft-capping), Cohere (logit_scale) and
 # Granite (logits_scaling) are not: they keep loss=hf.
-FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+FUSED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral", "olmoe"}
+)
 CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 
@@ -261,6 +264,22 @@ class Loss:
 
     kind: LossKind  # resolved: hf, chunked, liger or cce
     causal: bool
+    router: RouterAux | None = None  # a mixture of experts' load-balancing loss
+
+    def train_value(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], *, scale, num_micro: int
+    ) -> torch.Tensor:
+        """A micro-batch's share of the step's objective: its summed token losses x ``scale``
+        (dp / the global targets), plus, for a mixture of experts, the router's global aux
+        loss x its coefficient / ``num_micro`` (the step's mean over micro-batches; the same on
+        every rank, so FSDP's average over dp keeps it once)."""
+        if self.router is None:
+            return self(model, batch) * scale
+        with self.router.recording():
+            value = self(model, batch) * scale
+        labels = batch["labels"]
+        mask = (shifted_targets(labels) if self.causal else labels) != IGNORE_INDEX
+        return value + self.router.loss(mask) / num_micro
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sum of the batch's token losses (fp32 scalar on the device): a fused loss's
@@ -296,9 +315,17 @@ class Loss:
 
 
 def build_loss(
-    cfg: LossConfig, model: nn.Module, *, kind: LossKind, task: ModelTask, compiled: bool
+    cfg: LossConfig,
+    model: nn.Module,
+    *,
+    kind: LossKind,
+    task: ModelTask,
+    compiled: bool,
+    replicas: int = 1,
 ) -> Loss:
-    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding."""
+    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding; a
+    mixture of experts' routers get the hooks of its aux loss (``replicas``: ranks that hold
+    the same rows, a TP group)."""
     if loss_of(kind).fused:
         apply_fused_loss(
             model,
@@ -306,4 +333,7 @@ def build_loss(
             chunk_size=tokens_per_chunk(cfg, model.config.vocab_size),
             compiled=compiled,
         )
-    return Loss(kind=kind, causal=task is ModelTask.causal_lm)
+    router = build_router_aux(model)
+    if router is not None:
+        router.replicas = replicas
+    return Loss(kind=kind, causal=task is ModelTask.causal_lm, router=router)

@@ -17,6 +17,7 @@ import transformers
 
 from fsdp_lab.config import Config, HardwareKind, LossKind, ProfileMode, to_container
 from fsdp_lab.engine import hardware
+from fsdp_lab.engine.moe import ExpertCounts
 from fsdp_lab.observe import metrics
 from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary, read_records
 from fsdp_lab.observe.profile.recorder import PROFILE_DIR
@@ -53,6 +54,8 @@ _SYSTEM_PARAMS = (
 )
 # Facts that exist only for some runs or from some point on: left out of run.json while unset.
 _OPTIONAL = (
+    "active_params",
+    "experts",
     "param_sharding",
     "job",
     "trackers",
@@ -100,6 +103,10 @@ class RunFacts:
     memory_before_train_bytes_per_rank: list | None = None
     state_bytes_per_rank: list | None = None  # measured after the first optimizer step
     profile: dict | None = None  # profile=trace|memory: the window's analysis, or its files
+    # A mixture of experts: the parameters a token uses (router, top_k of E experts), which
+    # flops_per_token counts, against total_params; and the experts' layout.
+    active_params: int | None = None
+    experts: dict | None = None  # moe_layers, num_experts, top_k, expert_params
 
     @classmethod
     def collect(cls, cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
@@ -151,11 +158,27 @@ class RunFacts:
             peak_flops=model.peak_flops,
             transformers=transformers.__version__,
             param_sharding=sharded.param_specs,
+            **_expert_facts(model.experts, model.total_params),
         )
 
     def as_dict(self) -> dict:
         facts = dataclasses.asdict(self)
         return {k: v for k, v in facts.items() if not (k in _OPTIONAL and v is None)}
+
+
+def _expert_facts(experts: ExpertCounts, total_params: int) -> dict:
+    """run.json's MoE facts (none for a dense model)."""
+    if not experts.num_experts:
+        return {}
+    return {
+        "active_params": total_params - experts.inactive_params,
+        "experts": {
+            "moe_layers": experts.num_layers,
+            "num_experts": experts.num_experts,
+            "top_k": experts.top_k,
+            "expert_params": experts.expert_params,
+        },
+    }
 
 
 class Reporter:

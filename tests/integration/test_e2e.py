@@ -143,6 +143,8 @@ def test_torchrun_joins_its_group_with_one_run_dir(tmp_path):
         (["model=local", "model.name_or_path=HuggingFaceTB/SmolLM2-135M"], "not a local directory"),
         (["model=llama_tiny", "model.pretrained=true"], "needs model.name_or_path"),
         (["model=bert_tiny", "model.task=causal_lm"], "model.task=causal_lm does not fit"),
+        (["model.num_experts=8"], "model.num_experts=8 but model.arch=llama is dense"),
+        (["model=mixtral_tiny", "model.experts_per_token=9"], "model.experts_per_token=9"),
     ],
 )
 def test_bad_input_fails_in_the_parent_with_one_line(run_dir, overrides, fragment):

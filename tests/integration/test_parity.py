@@ -109,6 +109,52 @@ def test_models_and_knobs_match_the_reference(run_dir, overrides):
     assert diff <= FP32_TOL, f"{overrides}: max |loss diff| {diff:.2e}"
 
 
+# Mixtures of experts: the step's objective includes the router's aux loss, the global
+# micro-batch's (all-reduced over ranks), which the reference computes with transformers' own
+# load_balancing_loss_func on the concatenated rows.
+MOE_RUN = ("trainer.eval_every=0",)
+
+
+@pytest.mark.parametrize(
+    "strategy,world",
+    [("full", 2), ("grad_op", 2), ("no_shard", 2), ("hybrid", 4), ("hybrid_zero2", 4)],
+)
+def test_moe_under_every_strategy_matches_one_unsharded_process(run_dir, strategy, world):
+    overrides = (f"sharding={strategy}", "model=qwen3_moe_tiny", "trainer.seq_len=32", *MOE_RUN)
+    diff, facts = run_and_compare(run_dir, world, *overrides)
+    assert diff <= FP32_TOL, f"{strategy}: max |loss diff| {diff:.2e}"
+    assert facts["active_params"] < facts["total_params"]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert all(r["aux_loss"] > 0 and r["expert_load_imbalance"] >= 1 for r in records)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=mixtral_tiny", "trainer.seq_len=32"),
+        # the aux loss: a mean over micro-batches
+        ("model=olmoe_tiny", "trainer.seq_len=32", "trainer.grad_accum_steps=2"),
+        # top-1 of 16 experts, 8 tokens a rank: most experts get no token on a rank, some none
+        # at all in the global batch (a layer's max/mean load > 1 with a mean of 1 token)
+        (
+            "model=qwen3_moe_tiny",
+            "model.num_experts=16",
+            "model.experts_per_token=1",
+            "trainer.micro_batch_size=1",
+            "trainer.seq_len=9",
+            "activation_checkpointing=full",
+        ),
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_moe_models_match_the_reference(run_dir, overrides):
+    diff, _ = run_and_compare(run_dir, 2, "sharding=full", *MOE_RUN, *overrides)
+    assert diff <= FP32_TOL, f"{overrides}: max |loss diff| {diff:.2e}"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if "model.experts_per_token=1" in overrides:
+        assert max(r["expert_load_imbalance"] for r in records) > 1
+
+
 def test_training_learns(shared_run):
     """Beyond parity: the default recipe actually trains (loss falls well below log(256)=5.55)."""
     losses = [r["loss"] for r in read_metrics(shared_run("long") / "metrics.jsonl")]

@@ -37,6 +37,13 @@ def tiny_config(model_type: str):
             return Qwen2Config(**common, tie_word_embeddings=True)
         case "qwen3":
             return Qwen3Config(**common, head_dim=16)
+        case "qwen3_moe" | "mixtral" | "olmoe":
+            from transformers import AutoConfig
+
+            # Its own loss leaves the router's aux out (output_router_logits is off).
+            return AutoConfig.for_model(
+                model_type, **common, num_local_experts=4, num_experts_per_tok=2
+            )
         case "gpt2":
             return GPT2Config(
                 vocab_size=300,
