@@ -18,6 +18,11 @@ FAMILIES = {
     "llama": "llama",
     "qwen2": "llama",
     "mistral": "llama",  # mistral: llama's code
+    # Mixtures of experts: Llama's attention (Qwen3-MoE and OLMoE normalise q and k) with a
+    # routed experts block in place of the MLP.
+    "mixtral": "llama",
+    "qwen3_moe": "llama",
+    "olmoe": "llama",
     "gpt2": "gpt2",
     "gpt_neox": "neox",
     "bert": "bert",
@@ -44,6 +49,10 @@ class LayerShape:
     attention_dropout: bool = False  # dropout on the attention probabilities
     hidden_dropouts: int = 0  # dropouts of the hidden size per layer (after attention, MLP)
     embedding_dropout: bool = False  # a dropout on the embeddings' output
+    experts: int = 0  # a mixture of experts: experts per layer (0: a dense MLP)
+    top_k: int = 0  # experts each token is routed to
+    expert_intermediate: int = 0  # an expert's width
+    qk_norm: str = ""  # RMSNorm on q and k: "head" (per head: Qwen3), "full" (OLMoE), "" none
 
 
 def _split(nbytes: int, ways: int) -> int:
@@ -65,7 +74,8 @@ def layer_bytes_per_token(
             # with sequence parallelism run on 1/tensor of the rows, and the linear layers after
             # them save the all-gathered input instead of the norm's scaled output. Measured
             # exactly on a fake group (tests/unit/tools/test_plan.py).
-            split = _split(b * (2 * s.q_dim + 2 * s.kv_dim + 4 * i) + lse, tensor)
+            mlp = b * 4 * i if not s.experts else _experts_bytes_per_token(s, b)
+            split = _split(b * (2 * s.q_dim + 2 * s.kv_dim) + mlp + lse, tensor) + _qk_norm(s, b)
             if sequence_parallel and tensor > 1:
                 norms = 2 * (_split(FP32 * h + FP32 + b * h, tensor) + b * h)
             else:
@@ -89,6 +99,28 @@ def layer_bytes_per_token(
             return b * (8 * h + 2 * i + 4) + lse
         case _:
             raise ValueError(f"unknown layer family {s.family}")
+
+
+def _experts_bytes_per_token(s: LayerShape, b: int) -> int:
+    """A routed experts block (transformers' grouped_mm kernel; eager and batched_mm keep more):
+    the router's fp32 probabilities and one more fp32 a token; per routed copy of a token its
+    input and output rows, the gate/up projection, SiLU and product, and 40 bytes of routing
+    (indices, weights). Measured with saved_tensors_hooks for Qwen3-MoE, Mixtral and OLMoE."""
+    return FP32 * (s.experts + 1) + s.top_k * (b * (2 * s.hidden + 4 * s.expert_intermediate) + 40)
+
+
+def _qk_norm(s: LayerShape, b: int) -> int:
+    """RMSNorm on q and k (Qwen3 per head, OLMoE over the whole projection): each keeps its
+    fp32 input and 1/rms, and its scaled output."""
+    match s.qk_norm:
+        case "head":
+            kv_heads = s.kv_dim // (s.q_dim // s.num_heads)
+            rms = s.num_heads + kv_heads
+        case "full":
+            rms = 2
+        case _:
+            return 0
+    return FP32 * (s.q_dim + s.kv_dim + rms) + b * (s.q_dim + s.kv_dim)
 
 
 def dropout_bytes_per_token(
@@ -176,7 +208,32 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
         # after attention and after the MLP, as GPT-2, NeoX and BERT place them
         hidden_dropouts=2 * _dropout_on(hf_config, HIDDEN_DROPOUTS),
         embedding_dropout=_dropout_on(hf_config, EMBEDDING_DROPOUTS),
+        **_experts_shape(hf_config, notes),
     ), notes
+
+
+QK_NORMS = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
+
+
+def _experts_shape(hf_config, notes: list[str]) -> dict:
+    """A mixture of experts' sizes (none for a dense model), and q/k normalisation."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(
+        hf_config, "num_local_experts", None
+    )
+    shape = {"qk_norm": QK_NORMS.get(hf_config.model_type, "")}
+    if not experts:
+        return shape
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(
+        hf_config, "decoder_sparse_step", 1
+    ) not in (None, 1):
+        notes.append("activations: every layer counted as a mixture of experts (some are dense)")
+    width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return {
+        **shape,
+        "experts": experts,
+        "top_k": hf_config.num_experts_per_tok,
+        "expert_intermediate": width,
+    }
 
 
 @dataclass(frozen=True)

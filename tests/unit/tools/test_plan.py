@@ -13,6 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_lab.config import (
+    MOE_ARCHS,
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     LossKind,
@@ -372,6 +373,9 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none", num_kv_he
         num_heads=8,
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=arch is not ModelArch.llama,
+        # MoE presets: 8 experts of width 96 (top-2), the dense presets none
+        num_experts=8 * (arch in MOE_ARCHS),
+        expert_intermediate_size=96,
     )
     hf = model_lib.build_hf_config(cfg)
     model = model_lib.build_full_model(hf, seed=0, task=task)
