@@ -427,8 +427,8 @@ def _check_expert(cfg: Config, topo: Topology) -> None:
         (cfg.parallel.tensor > 1, f"parallel.tensor={cfg.parallel.tensor}"),
         (topo.device is HardwareKind.tpu, "hardware=tpu"),
         (
-            s.strategy.name not in ("full", "grad_op"),
-            f"sharding={s.strategy.name} (verified: full, grad_op)",
+            s.strategy.name not in ("full", "grad_op", "hybrid", "hybrid_zero2"),
+            f"sharding={s.strategy.name} (verified: full, grad_op, hybrid, hybrid_zero2)",
         ),
         (
             isinstance(raf, int) and not isinstance(raf, bool),

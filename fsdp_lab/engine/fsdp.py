@@ -109,7 +109,7 @@ def apply_fsdp(
     backward brought them); reduced over its own mesh it holds the whole data-parallel batch's.
     The loss scale (train.loop: dp / targets) expects a division by the dp ranks, where FSDP
     would divide by the expert mesh's size: so the divisor is set to dp, with sum reductions and
-    a separate division (gloo has no PREMUL_SUM).
+    a separate division where ranks exchange gradients (gloo has no PREMUL_SUM).
     """
     kwargs = dict(mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
     for module in experts.modules if experts else []:
@@ -121,7 +121,10 @@ def apply_fsdp(
             **kwargs,
         )
         module.set_gradient_divide_factor(float(experts.dp))
-        module.set_force_sum_reduction_for_comms(True)
+        # Not on a 1-rank shard axis: torch 2.13 then divides twice (in its skipped
+        # reduce-scatter's copy, and again after it): measured, expert gradients half the
+        # unsharded model's at EP 2 on 2 ranks. It sends nothing there anyway.
+        module.set_force_sum_reduction_for_comms(experts.mesh.size(experts.mesh.ndim - 1) > 1)
     kwargs["mesh"] = mesh
     for index in reversed(range(len(units))):
         last = index == len(units) - 1
@@ -178,6 +181,21 @@ class Fsdp2Model(ShardedModel):
         )
 
 
+def apply_expert_parallel(
+    model: nn.Module, cfg: Config, topo: Topology, dp_mesh: DeviceMesh
+) -> ExpertUnits | None:
+    """parallel.expert > 1: the experts split over the expert mesh's ep axis; the units that
+    ``apply_fsdp`` shards on its other axes."""
+    if cfg.parallel.expert == 1:
+        return None
+    from fsdp_lab.engine import expert_parallel
+
+    expert_mesh = build_expert_mesh(cfg.sharding, topo, dp_mesh, expert=cfg.parallel.expert)
+    modules = expert_parallel.apply(model, expert_mesh)
+    fsdp_axes = tuple(a for a in expert_mesh.mesh_dim_names if a != EXPERT_AXIS)
+    return ExpertUnits(modules, expert_mesh[fsdp_axes], dp_mesh.size())
+
+
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
 ) -> Fsdp2Model:
@@ -196,16 +214,9 @@ def build_model(
         from fsdp_lab.engine import tensor_parallel
 
         tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
-    experts = None
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
-    if cfg.parallel.expert > 1:
-        from fsdp_lab.engine import expert_parallel
-
-        expert_mesh = build_expert_mesh(cfg.sharding, topo, dp_mesh, expert=cfg.parallel.expert)
-        modules = expert_parallel.apply(model, expert_mesh)
-        fsdp_axes = tuple(a for a in expert_mesh.mesh_dim_names if a != EXPERT_AXIS)
-        experts = ExpertUnits(modules, expert_mesh[fsdp_axes], dp_mesh.size())
+    experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
     units = wrap.select_units(model, cfg.wrap)
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
