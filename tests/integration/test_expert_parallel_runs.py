@@ -176,6 +176,39 @@ def test_ep2_by_fsdp2_on_4_ranks_loads_pretrained_weights_into_expert_shards(moe
     assert empty > 0
 
 
+@pytest.mark.parametrize("world,ep", [(4, 2), (4, 4)])  # efsdp 2 (strided dim 0), efsdp 1
+def test_pretrained_weights_reach_every_expert_shard_exactly(moe_dir, tmp_path, world, ep):
+    """Rank 0 reads the weights, every rank receives its experts' shards: after one step at
+    lr 1e-30 (no fp32 weight moves) the export is the source, bitwise."""
+    from conftest import check_ok, train
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = tmp_path / "pretrained"
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_dir)).save_pretrained(source)
+    run_dir = tmp_path / "run"
+    check_ok(
+        train(
+            run_dir,
+            *MOE_RUN[:-1],
+            "trainer.max_steps=1",
+            "optim.lr=1e-30",
+            "optim.warmup_steps=0",
+            f"model.name_or_path={source}",
+            "model.pretrained=true",
+            f"hardware.nproc_per_node={world}",
+            f"parallel.expert={ep}",
+            "checkpoint=none",
+            "checkpoint.export_hf=true",
+        )
+    )
+    want = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 @pytest.mark.parametrize(
     "world,experts,overrides,tol",
     [
