@@ -196,6 +196,12 @@ def apply_expert_parallel(
     return ExpertUnits(modules, expert_mesh[fsdp_axes], dp_mesh.size())
 
 
+def is_expert_unit(module: nn.Module, experts: ExpertUnits | None) -> bool:
+    """An experts module is a unit of its own on the expert mesh: a wrap policy that picks it
+    (wrap=size, or its class in wrap.classes) must leave it to ``apply_fsdp``'s experts."""
+    return experts is not None and any(module is m for m in experts.modules)
+
+
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
 ) -> Fsdp2Model:
@@ -217,7 +223,7 @@ def build_model(
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
-    units = wrap.select_units(model, cfg.wrap)
+    units = [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
