@@ -415,9 +415,9 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
 
 
 def _check_expert(cfg: Config, topo: Topology) -> None:
-    """parallel.expert: a divisor of the shard axis, with what expert parallelism was verified
-    with (fp32 and bf16, sharding=full and grad_op, sharded checkpoints, export); the model's
-    side (an MoE, an expert count the degree divides) is checked on its structure (prepare)."""
+    """parallel.expert: a divisor of the shard axis, refused with the settings it was not
+    verified with (docs/sharding-and-precision.md lists what was); the model's side (an MoE, an
+    expert count the degree divides) is checked on its structure (launch.prepare)."""
     expert, s = cfg.parallel.expert, cfg.sharding
     raf = s.reshard_after_forward
     _positive(expert, "parallel.expert")
