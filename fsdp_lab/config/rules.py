@@ -415,6 +415,7 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
             "context_parallel has no sharding strategy for CPU SDPA, so it cannot be verified "
             "here); set parallel.context=1"
         )
+    _check_expert(cfg, topo)
     tensor = p.tensor
     if tensor == 1:
         if p.sequence_parallel:
@@ -437,6 +438,47 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
         if refused:
             raise ConfigError(f"parallel.tensor={tensor} cannot combine with {what} yet")
     return tensor
+
+
+def _check_expert(cfg: Config, topo: Topology) -> None:
+    """parallel.expert: a divisor of the shard axis, refused with the settings it was not
+    verified with (docs/sharding-and-precision.md lists what was); the model's side (an MoE, an
+    expert count the degree divides) is checked on its structure (launch.prepare)."""
+    expert, s = cfg.parallel.expert, cfg.sharding
+    raf = s.reshard_after_forward
+    _positive(expert, "parallel.expert")
+    if expert == 1:
+        return
+    refusals = (
+        (cfg.parallel.tensor > 1, f"parallel.tensor={cfg.parallel.tensor}"),
+        (topo.device is HardwareKind.tpu, "hardware=tpu"),
+        (
+            s.strategy.name not in ("full", "grad_op", "hybrid", "hybrid_zero2"),
+            f"sharding={s.strategy.name} (verified: full, grad_op, hybrid, hybrid_zero2)",
+        ),
+        (
+            isinstance(raf, int) and not isinstance(raf, bool),
+            f"sharding.reshard_after_forward={raf} (an int)",
+        ),
+        (cfg.compile, "compile=true (the all-to-all's split sizes are data-dependent)"),
+        (cfg.offload.device is not OffloadDevice.none, f"offload={cfg.offload.device.name}"),
+        (
+            cfg.finetune.method is not FinetuneMethod.full,
+            f"finetune={cfg.finetune.method.name}",
+        ),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(
+                f"parallel.expert={expert} is not verified with {what}; set parallel.expert=1 "
+                "or drop that setting"
+            )
+    shard = dp_size(topo) // replicate_size(s, topo)
+    if shard % expert:
+        raise ConfigError(
+            f"parallel.expert={expert} does not divide the {shard} ranks of the shard axis; set "
+            "parallel.expert to a divisor of it (or hardware.nproc_per_node to a multiple)"
+        )
 
 
 def _check_token_data(cfg: Config) -> None:

@@ -234,7 +234,8 @@ class ShardingConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallelism beside FSDP, on the same device mesh: tensor parallelism (TP), innermost."""
+    """Parallelism beside FSDP, on the same device mesh: tensor parallelism (TP), innermost;
+    expert parallelism (EP), borrowed from the shard axis."""
 
     tensor: int = 1
     """TP degree: each layer's linear layers split over this many contiguous ranks (the model's
@@ -250,6 +251,11 @@ class ParallelConfig:
     (``layers.*.self_attn.q_proj``)."""
     context: int = 1
     """Context-parallel degree; only 1 (see rules)."""
+    expert: int = 1
+    """Expert-parallel (EP) degree for mixture-of-experts models: each MoE layer's experts are
+    split over this many contiguous ranks of the shard axis (E/expert whole experts each) and
+    tokens reach them by all-to-all; the remaining shard ranks shard each expert's parameters
+    with FSDP. Must divide the expert count and the shard axis. 1: no EP."""
 
 
 @dataclass

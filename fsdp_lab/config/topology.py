@@ -59,3 +59,14 @@ def mesh_axes(cfg: ShardingConfig, tensor: int = 1) -> tuple[str, ...]:
     """The axis names of ``mesh_shape``."""
     axes = strategy_of(cfg.strategy).mesh_axes
     return (*axes, TENSOR_AXIS) if tensor > 1 else axes
+
+
+EXPERT_SHARD_AXIS, EXPERT_AXIS = "efsdp", "ep"
+
+
+def expert_mesh_split(cfg: ShardingConfig, topo: Topology, expert: int) -> tuple[int, int]:
+    """(efsdp, ep): how expert parallelism splits the shard axis. EP borrows ``expert``
+    contiguous ranks of it (innermost, as torchtitan and transformers lay it out: an
+    all-to-all group is one node); the rest shard each expert's parameters with FSDP."""
+    shard = mesh_shape(cfg, topo)[-1]
+    return shard // expert, expert

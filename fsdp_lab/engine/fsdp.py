@@ -21,10 +21,18 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
 from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
 from fsdp_lab.config.strategies import TENSOR_AXIS, reshard_after_forward
-from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
+from fsdp_lab.config.topology import (
+    EXPERT_AXIS,
+    EXPERT_SHARD_AXIS,
+    Topology,
+    expert_mesh_split,
+    mesh_axes,
+    mesh_shape,
+)
 from fsdp_lab.engine import hardware
 from fsdp_lab.engine.sharded import ShardedModel
 
@@ -48,6 +56,37 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[tuple(n for n in names if n != TENSOR_AXIS)]
 
 
+def build_expert_mesh(
+    cfg: ShardingConfig, topo: Topology, dp_mesh: DeviceMesh, *, expert: int
+) -> DeviceMesh:
+    """Expert parallelism's view of the data-parallel ranks: the shard axis unflattened into
+    ``(efsdp, ep)``, ep innermost (``topology.expert_mesh_split``). The same ranks and process
+    groups as ``dp_mesh``'s, so the experts' FSDP unit nests inside the dense layer's."""
+    efsdp, ep = expert_mesh_split(cfg, topo, expert)
+    axis = len(dp_mesh.shape) - 1  # the shard axis: the last of the strategy's axes
+    return dp_mesh._unflatten(axis, (efsdp, ep), (EXPERT_SHARD_AXIS, EXPERT_AXIS))
+
+
+@dataclass(frozen=True)
+class ExpertUnits:
+    """Expert parallelism's FSDP units: each MoE layer's experts, whose parameters are already
+    DTensors on ``ep``, sharded further over the expert mesh's other axes."""
+
+    modules: list[nn.Module]
+    mesh: DeviceMesh  # the expert mesh without ep
+    dp: int  # the ranks the loss scale assumes every gradient is averaged over
+
+
+def expert_placement(module: nn.Module, shards: int):
+    """FSDP's dim for an experts unit's parameters (torchtitan's rule): whole experts (dim 0)
+    where the rank's experts divide evenly over ``shards``; else dim 1 (2I rows of gate_up,
+    H of down) where that divides, so no rank holds an empty padded shard; else dim 0, padded."""
+    local = module.num_experts
+    if local % shards == 0 or any(p.shape[1] % shards for p in module.parameters()):
+        return lambda param: Shard(0)
+    return lambda param: Shard(1)
+
+
 def apply_fsdp(
     model: nn.Module,
     units: list[nn.Module],
@@ -57,15 +96,36 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
     prefetch: PrefetchConfig,
+    experts: ExpertUnits | None = None,
 ) -> None:
-    """Shard each unit, then the root (which takes the parameters no unit claimed), then set
-    the explicit prefetching.
+    """Shard the experts (with expert parallelism), each unit, then the root (which takes the
+    parameters no unit claimed), then set the explicit prefetching.
 
     Units are sharded bottom-up so that nested units exclude their children's parameters. The
     last unit (in forward order) is not resharded after forward, as torchtitan does: backward
     starts with it, so resharding would only gather it again at once.
+
+    An experts unit's gradient already sums the tokens of its EP peers (the all-to-all's
+    backward brought them); reduced over its own mesh it holds the whole data-parallel batch's.
+    The loss scale (train.loop: dp / targets) expects a division by the dp ranks, where FSDP
+    would divide by the expert mesh's size: so the divisor is set to dp, with sum reductions and
+    a separate division where ranks exchange gradients (gloo has no PREMUL_SUM).
     """
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    kwargs = dict(mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    for module in experts.modules if experts else []:
+        fully_shard(
+            module,
+            mesh=experts.mesh,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=expert_placement(module, experts.mesh.size()),
+            **kwargs,
+        )
+        module.set_gradient_divide_factor(float(experts.dp))
+        # Not on a 1-rank shard axis: torch 2.13 then divides twice (in its skipped
+        # reduce-scatter's copy, and again after it): measured, expert gradients half the
+        # unsharded model's at EP 2 on 2 ranks. It sends nothing there anyway.
+        module.set_force_sum_reduction_for_comms(experts.mesh.size(experts.mesh.ndim - 1) > 1)
+    kwargs["mesh"] = mesh
     for index in reversed(range(len(units))):
         last = index == len(units) - 1
         fully_shard(
@@ -121,6 +181,27 @@ class Fsdp2Model(ShardedModel):
         )
 
 
+def apply_expert_parallel(
+    model: nn.Module, cfg: Config, topo: Topology, dp_mesh: DeviceMesh
+) -> ExpertUnits | None:
+    """parallel.expert > 1: the experts split over the expert mesh's ep axis; the units that
+    ``apply_fsdp`` shards on its other axes."""
+    if cfg.parallel.expert == 1:
+        return None
+    from fsdp_lab.engine import expert_parallel
+
+    expert_mesh = build_expert_mesh(cfg.sharding, topo, dp_mesh, expert=cfg.parallel.expert)
+    modules = expert_parallel.apply(model, expert_mesh)
+    fsdp_axes = tuple(a for a in expert_mesh.mesh_dim_names if a != EXPERT_AXIS)
+    return ExpertUnits(modules, expert_mesh[fsdp_axes], dp_mesh.size())
+
+
+def is_expert_unit(module: nn.Module, experts: ExpertUnits | None) -> bool:
+    """An experts module is a unit of its own on the expert mesh: a wrap policy that picks it
+    (wrap=size, or its class in wrap.classes) must leave it to ``apply_fsdp``'s experts."""
+    return experts is not None and any(module is m for m in experts.modules)
+
+
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
 ) -> Fsdp2Model:
@@ -134,11 +215,15 @@ def build_model(
     model, kind, tensor = meta_model, topo.device, cfg.parallel.tensor
     tied = model_lib.tied_groups(model)
     mesh = build_mesh(cfg.sharding, topo, device_type=device.type, tensor=tensor)
+    dp_mesh = data_parallel_mesh(mesh)
     if tensor > 1:  # TP first, then activation checkpointing, compile, fully_shard
         from fsdp_lab.engine import tensor_parallel
 
         tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
-    units = wrap.select_units(model, cfg.wrap)
+    # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
+    # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
+    experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
+    units = [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
@@ -147,13 +232,14 @@ def build_model(
     apply_fsdp(
         model,
         units,
-        mesh=data_parallel_mesh(mesh),
+        mesh=dp_mesh,
         reshard_after_forward=reshard_after_forward(cfg.sharding),
         mp_policy=precision.build_mp_policy(cfg.precision),
         offload_policy=build_offload_policy(
             cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)
         ),
         prefetch=cfg.sharding.prefetch,
+        experts=experts,
     )
     model_lib.check_tied(model, tied)
     fingerprint = model_lib.materialize(

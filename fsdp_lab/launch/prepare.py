@@ -109,6 +109,10 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         from fsdp_lab.engine import tensor_parallel
 
         tensor_parallel.check(meta_model, cfg.parallel)
+    if cfg.parallel.expert > 1:  # a dense model, or an expert count the degree cannot split
+        from fsdp_lab.engine import expert_parallel
+
+        expert_parallel.check(meta_model, cfg.parallel.expert)
     wrap.select_units(meta_model, cfg.wrap)
     return cfg, meta_model
 
