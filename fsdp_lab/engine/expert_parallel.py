@@ -27,19 +27,21 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.topology import EXPERT_AXIS
+from fsdp_lab.engine import moe
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding a MoE layer's experts as fused 3-D parameters (Qwen3-MoE, Mixtral,
-    OLMoE, ...: ``*Experts``), in forward order."""
-    return [m for m in model.modules() if hasattr(m, "num_experts") and _fused(m)]
-
-
-def _fused(module: nn.Module) -> bool:
-    params = [getattr(module, n, None) for n in EXPERT_PARAMS]
-    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params)
+    OLMoE, ...: ``*Experts``), in forward order: those of ``engine.moe``'s MoE blocks that the
+    exchange can drive (a ``num_experts`` the kernels read, a 3-D ``down_proj`` too)."""
+    return [
+        b.experts
+        for b in moe.moe_blocks(model)
+        if hasattr(b.experts, "num_experts")
+        and getattr(getattr(b.experts, "down_proj", None), "ndim", 0) == 3
+    ]
 
 
 def num_experts(model: nn.Module) -> int:
