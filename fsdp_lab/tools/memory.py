@@ -33,6 +33,11 @@ class ParamShape:
     dim0: int  # the size of the dim FSDP2 shards (Shard(0)); 1 for a 0-dim parameter
     group: int  # the FSDP unit that owns it, in wrap order; -1 for the root
     trainable: bool = True  # frozen (finetune): no gradient, no optimizer state
+    # An expert parameter ([E, ...], parallel.expert splits it): its dim-1 size, and those of
+    # its experts module's parameters, which decide the dim FSDP shards it on
+    # (engine.fsdp.expert_placement). 0 and (): not an expert parameter.
+    expert_dim1: int = 0
+    module_dim1s: tuple[int, ...] = ()
 
     @property
     def row(self) -> int:
@@ -61,15 +66,32 @@ def chunk_rows(dim0: int, num_chunks: int, index: int) -> int:
     return max(0, min(size, dim0 - index * size))
 
 
-def rank_state(params: list[ParamShape], *, shard_size: int, shard_rank: int) -> StateBytes:
-    """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks;
-    only trainable parameters have gradients and optimizer state."""
+def shard_elements(p: ParamShape, shard_size: int, shard_rank: int, ep: int = 1) -> tuple[int, int]:
+    """(this rank's elements of ``p``, chunk 0's: what FSDP2 pads every shard's storage to).
+    With expert parallelism (``ep`` > 1, innermost on the shard axis) an expert parameter's
+    experts are split over ep first, and FSDP shards the rank's E/ep of them over the other
+    shard_size/ep ranks: on dim 0 where they divide evenly, or where a dim-1 size does not
+    divide; else on dim 1 (engine.fsdp.expert_placement, torchtitan's rule)."""
+    if not p.expert_dim1 or ep == 1:
+        dim, ways, index, numel = p.dim0, shard_size, shard_rank, p.numel
+    else:
+        experts, ways, index = p.dim0 // ep, shard_size // ep, shard_rank // ep
+        numel = p.numel // ep
+        whole = experts % ways == 0 or any(d % ways for d in p.module_dim1s)
+        dim = experts if whole else p.expert_dim1  # Shard(1): each expert's rows split
+    row = numel // dim if dim else 0
+    return chunk_rows(dim, ways, index) * row, chunk_rows(dim, ways, 0) * row
+
+
+def rank_state(
+    params: list[ParamShape], *, shard_size: int, shard_rank: int, ep: int = 1
+) -> StateBytes:
+    """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks
+    (expert parameters: see ``shard_elements``); only trainable parameters have gradients and
+    optimizer state."""
     local = padded = local_t = padded_t = 0
     for p in params:
-        mine, first = (
-            chunk_rows(p.dim0, shard_size, shard_rank) * p.row,
-            chunk_rows(p.dim0, shard_size, 0) * p.row,
-        )
+        mine, first = shard_elements(p, shard_size, shard_rank, ep)
         local, padded = local + mine, padded + first
         if p.trainable:
             local_t, padded_t = local_t + mine, padded_t + first
@@ -83,11 +105,13 @@ def rank_state(params: list[ParamShape], *, shard_size: int, shard_rank: int) ->
     )
 
 
-def per_rank_state(params: list[ParamShape], mesh: tuple[int, ...]) -> list[StateBytes]:
+def per_rank_state(
+    params: list[ParamShape], mesh: tuple[int, ...], *, ep: int = 1
+) -> list[StateBytes]:
     """Every rank's state. Ranks are laid out replicate-major (rank = r * shard + s), so a
     rank's shard index is rank % shard size and replicas repeat the same figures."""
     shard = mesh[-1]
-    by_shard = [rank_state(params, shard_size=shard, shard_rank=s) for s in range(shard)]
+    by_shard = [rank_state(params, shard_size=shard, shard_rank=s, ep=ep) for s in range(shard)]
     world = 1
     for n in mesh:
         world *= n
@@ -117,15 +141,17 @@ def zero_paper(
 
 
 def group_numels(
-    params: list[ParamShape], shard_size: int, *, trainable_only: bool = False
+    params: list[ParamShape], shard_size: int, *, trainable_only: bool = False, ep: int = 1
 ) -> dict[int, int]:
     """Elements each FSDP unit all-gathers (its unsharded params, padded to shard_size chunks);
-    ``trainable_only``: those it reduce-scatters gradients of."""
+    ``trainable_only``: those it reduce-scatters gradients of. With expert parallelism a rank
+    gathers only its E/ep experts (their own unit, counted with the layer's)."""
     out: dict[int, int] = {}
     for p in params:
         if trainable_only and not p.trainable:
             continue
-        out[p.group] = out.get(p.group, 0) + chunk_rows(p.dim0, shard_size, 0) * shard_size * p.row
+        ways = shard_size // ep if p.expert_dim1 and ep > 1 else shard_size
+        out[p.group] = out.get(p.group, 0) + shard_elements(p, shard_size, 0, ep)[1] * ways
     return out
 
 

@@ -153,6 +153,18 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
+    """id(expert parameter) -> the dim-1 sizes of its experts module's parameters (the MoE
+    layers' fused experts, which parallel.expert splits)."""
+    from fsdp_lab.engine.moe import moe_blocks
+
+    out = {}
+    for block in moe_blocks(model):
+        dims = tuple(q.shape[1] for q in block.experts.parameters())
+        out.update({id(q): dims for q in block.experts.parameters()})
+    return out
+
+
 # Long: every fact the plan reads off the meta model, gathered in one pass.
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
@@ -193,12 +205,15 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         if split
         else []
     )
+    experts = _expert_dim1s(model)
     params = [
         memory.ParamShape(
             numel=split.get(id(p), (p.numel(), 0))[0],
             dim0=split.get(id(p), (0, p.shape[0] if p.ndim else 1))[1],
             group=owner.get(id(p), -1),
             trainable=p.requires_grad,
+            expert_dim1=p.shape[1] if id(p) in experts else 0,
+            module_dim1s=experts.get(id(p), ()),
         )
         for p in model.parameters()
     ]
@@ -273,7 +288,8 @@ def strategy_plan(
     reshard = reshard_after_forward(variant)
     p = cfg.precision
     b, rb = TORCH_DTYPES[p.param_dtype].itemsize, TORCH_DTYPES[p.reduce_dtype].itemsize
-    by_dp_rank = memory.per_rank_state(facts.params, dp_mesh)
+    ep = cfg.parallel.expert
+    by_dp_rank = memory.per_rank_state(facts.params, dp_mesh, ep=ep)
     per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]  # TP innermost
     t = cfg.trainer
     act = activation_memory.activations(
@@ -289,8 +305,8 @@ def strategy_plan(
         cpu_kernels=topo.device is HardwareKind.cpu,
     )
     trans = memory.transient(
-        memory.group_numels(facts.params, dp_mesh[-1]),
-        grad_groups=memory.group_numels(facts.params, dp_mesh[-1], trainable_only=True),
+        memory.group_numels(facts.params, dp_mesh[-1], ep=ep),
+        grad_groups=memory.group_numels(facts.params, dp_mesh[-1], trainable_only=True, ep=ep),
         reshard=reshard,
         param_bytes=b,
         reduce_bytes=rb,

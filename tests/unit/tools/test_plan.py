@@ -190,17 +190,23 @@ def sharded_rank(overrides: list[str]):
         compiled=False,
         kind=loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
     )
+    mesh = fsdp.build_mesh(cfg.sharding, topo, device_type="cpu")
+    experts = fsdp.apply_expert_parallel(model, cfg, topo, mesh)  # parallel.expert > 1
+    selected = wrap.select_units(model, cfg.wrap)
     units = activations.apply_activation_checkpointing(
-        model, wrap.select_units(model, cfg.wrap), cfg.activation_checkpointing
+        model,
+        [u for u in selected if not fsdp.is_expert_unit(u, experts)],
+        cfg.activation_checkpointing,
     )
     fsdp.apply_fsdp(
         model,
         units,
-        mesh=fsdp.build_mesh(cfg.sharding, topo, device_type="cpu"),
+        mesh=mesh,
         reshard_after_forward=strategies.reshard_after_forward(cfg.sharding),
         mp_policy=precision.build_mp_policy(cfg.precision),
         offload_policy=None,
         prefetch=cfg.sharding.prefetch,
+        experts=experts,
     )
     model.to_empty(device="cpu")
     buffers = dict(model_lib.build_full_model(hf, seed=0, task=cfg.model.task).named_buffers())
@@ -275,6 +281,32 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     assert len(grads) == sum(p.requires_grad for p in params)  # a frozen one has none
     assert storage_bytes(params) == expected.params + expected.padding - expected.grad_padding
     assert storage_bytes(grads) == expected.grads + expected.grad_padding
+
+
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        # EP 2 x FSDP 2: whole experts on both axes
+        (["model=qwen3_moe_tiny", "parallel.expert=2", "hardware.nproc_per_node=4"], 3),
+        # EP 2 on 16 ranks: 4 experts a rank over 8 FSDP ranks, split on dim 1 (no empty shard)
+        (["model=mixtral_tiny", "parallel.expert=2", "hardware.nproc_per_node=16"], 13),
+        # EP 4 x hybrid: replicate 2 x (efsdp 2, ep 4); 2 experts a rank over 2
+        (
+            [
+                "model=olmoe_tiny",
+                "parallel.expert=4",
+                "sharding=hybrid",
+                "sharding.replicate_size=2",
+                "hardware.nproc_per_node=16",
+            ],
+            6,
+        ),
+        # no EP: 8 experts padded over 3 ranks, as any parameter
+        (["model=qwen3_moe_tiny", "hardware.nproc_per_node=3"], 2),
+    ],
+)
+def test_expert_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
+    test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank)
 
 
 # Live tensor bytes (the profiler's count of every allocation) over two steps of the project's
