@@ -169,6 +169,9 @@ def _add_tune(sub, name: str) -> None:
     tun.add_argument("--micro-batches", help="sizes to try, e.g. 2,4,8 (powers of two)")
     tun.add_argument("--tensor", help="TP degrees to try, e.g. 1,2 (those the ranks allow)")
     tun.add_argument(
+        "--expert", help="EP degrees to try on a MoE model, e.g. 1,2 (those it divides)"
+    )
+    tun.add_argument(
         "--keep-global-batch",
         action="store_true",
         help="hold the overrides' sequences per optimizer step: each candidate's "
@@ -193,6 +196,7 @@ def _tune(args) -> int:
             args.micro_batches,
             args.tensor,
             keep_global_batch=args.keep_global_batch,
+            expert=args.expert,
         ),
     )
 

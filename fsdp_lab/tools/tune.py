@@ -5,7 +5,8 @@
 1. **Enumerate** sharding strategy x activation checkpointing (none, selective every 2, full) x
    offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
    up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing the ranks per
-   node, where the model's TP plan takes it). Model, data, sequence length, ranks and precision
+   node, where the model's TP plan takes it) x, for a mixture of experts, expert-parallel degree
+   (1, 2, 4, 8 dividing its experts and the shard axis). Model, data, sequence length, ranks and precision
    are the overrides'; an axis the overrides set (``sharding=full``) is held there. With
    ``--keep-global-batch`` each candidate's grad_accum_steps makes up the overrides' global
    batch (micro-batches that cannot are left out).
@@ -78,6 +79,7 @@ class Candidate:
     offload: bool
     micro_batch: int
     tensor: int = 1  # parallel.tensor
+    expert: int = 1  # parallel.expert
     grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
     plan_peak_bytes: int = 0  # the plan's tensors alone
@@ -94,6 +96,7 @@ class Candidate:
             f"offload={'cpu' if self.offload else 'none'}",
             f"trainer.micro_batch_size={self.micro_batch}",
             *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
+            *([f"parallel.expert={self.expert}"] if self.expert > 1 else []),
             *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
         ]
 
@@ -124,6 +127,7 @@ class Grid:
     micro_batches: list[int] | None = None
     tensor: list[int] | None = None
     keep_global_batch: bool = False
+    expert: list[int] | None = None  # --expert: EP degrees (MoE models; else 1 only)
 
     @classmethod
     def parse(
@@ -133,6 +137,7 @@ class Grid:
         micro: str | None,
         tensor: str | None = None,
         keep_global_batch: bool = False,
+        expert: str | None = None,
     ) -> Grid:
         def items(text: str | None, flag: str, allowed: list[str]) -> list[str] | None:
             if text is None:
@@ -161,6 +166,7 @@ class Grid:
             micro_batches=sizes(micro, "--micro-batches"),
             tensor=sizes(tensor, "--tensor"),
             keep_global_batch=keep_global_batch,
+            expert=sizes(expert, "--expert"),
         )
 
 
@@ -193,7 +199,10 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
     if _held(overrides, "parallel.tensor"):
         tensors = [cfg.parallel.tensor]
-    return strategies, acs, offloads, batches, tensors
+    experts = grid.expert or [1, 2, 4, 8]  # those the model and ranks refuse are dropped
+    if _held(overrides, "parallel.expert"):
+        experts = [cfg.parallel.expert]
+    return strategies, acs, offloads, batches, tensors, experts
 
 
 def enumerate_candidates(
@@ -205,22 +214,26 @@ def enumerate_candidates(
     cfg = plan.compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    strategies, acs, offloads, batches, tensors = _axes(cfg, topo, overrides, grid, max_micro_batch)
+    strategies, acs, offloads, batches, tensors, experts = _axes(
+        cfg, topo, overrides, grid, max_micro_batch
+    )
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
-    for ac, tp in itertools.product(acs, tensors):
+    for ac, tp, ep in itertools.product(acs, tensors, experts):
         base = dataclasses.replace(
             cfg,
             activation_checkpointing=ActivationCheckpointingConfig(
                 mode=ActivationCheckpointingMode[ac], every=cfg.activation_checkpointing.every
             ),
-            parallel=dataclasses.replace(cfg.parallel, tensor=tp),
+            parallel=dataclasses.replace(cfg.parallel, tensor=tp, expert=ep),
         )
         try:
             validate(base, topo)
             facts = plan.inspect_model(base, topo.device)
         except ConfigError:  # e.g. a TP degree the heads do not divide: not a candidate
             continue
+        if ep > 1 and (not facts.layer.experts or facts.layer.experts % ep):
+            continue  # a dense model, or experts the degree does not divide
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
@@ -247,6 +260,7 @@ def enumerate_candidates(
                     offload,
                     mb,
                     tensor=tp,
+                    expert=ep,
                     grad_accum=accum if rows is not None else None,
                     plan_peak_bytes=s.peak,
                 )
@@ -282,8 +296,14 @@ def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
     fsdp = 4 * traffic / (c.micro_batch * seq_len) if dp > 1 else 0
     layer = facts.layer
     tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
+    # EP: four all-to-alls of each token's top-k rows per MoE layer (dispatch and combine,
+    # forward and backward, fp32), and FSDP gathers 1/ep of the experts.
+    moe = 16 * layer.top_k * layer.hidden * layer.num_layers * (c.expert - 1) / c.expert
+    ep = moe / max(facts.total_params, 1)
+    experts = sum(p.numel for p in facts.params if p.expert_dim1) / max(facts.total_params, 1)
+    fsdp *= 1 - experts * (1 - 1 / c.expert)
     penalty = OFFLOAD_PENALTY if c.offload else 1.0
-    return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp)) * penalty
+    return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp + ep)) * penalty
 
 
 def probe_order(candidates: list[Candidate]) -> list[Candidate]:

@@ -130,3 +130,20 @@ def test_a_global_batch_no_micro_batch_makes_up_is_one_line(capsys):
         "fsdp-lab: error: --keep-global-batch: no micro-batch tried (16, 32) makes up the global "
         "batch of 8 sequences per step: 4 per data-parallel rank"
     ), line
+
+
+def test_a_mixture_of_experts_gets_the_expert_parallel_degrees_it_divides():
+    """8 experts on 4 CPU ranks: EP 1, 2, 4 (8 does not divide the shard axis); not with
+    no_shard (EP is refused there); a dense model keeps EP 1; an override holds it; the prior
+    counts EP's exchanges against the experts' smaller all-gathers."""
+    moe = ["model=qwen3_moe_tiny", "hardware=cpu", "hardware.nproc_per_node=4"]
+    cands, _, _ = tune.enumerate_candidates(moe, 2)
+    assert {c.expert for c in cands} == {1, 2, 4}
+    assert not any(c.expert > 1 and c.strategy is ShardingStrategy.no_shard for c in cands)
+    ep2 = next(c for c in cands if c.expert == 2)
+    assert "parallel.expert=2" in ep2.overrides()
+    assert {c.expert for c in tune.enumerate_candidates(moe[1:], 2)[0]} == {1}
+    held, _, _ = tune.enumerate_candidates([*moe, "parallel.expert=2"], 2)
+    assert {c.expert for c in held} == {2}
+    grid = tune.Grid.parse(None, None, None, None, expert="1,4")
+    assert {c.expert for c in tune.enumerate_candidates(moe, 2, grid)[0]} == {1, 4}
