@@ -49,6 +49,16 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
         (BIG_VOCAB, ["model=qwen2_tiny", "sharding=no_shard"]),
         # the model's own loss, tied: three V x H gradients in the embedding's backward (the peak)
         (BIG_VOCAB, ["model=bert_tiny", "sharding=grad_op"]),
+        # expert parallelism: EP 2 x FSDP 2, 8 experts of width 256 split on both axes
+        (
+            MEDIUM,
+            [
+                "model=qwen3_moe_tiny",
+                "model.expert_intermediate_size=256",
+                "parallel.expert=2",
+                "hardware.nproc_per_node=4",
+            ],
+        ),
     ],
     ids=[
         "full",
@@ -60,6 +70,7 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
         "llama-big-vocab",
         "qwen2-big-vocab-no_shard",
         "bert-big-vocab-grad_op",
+        "qwen3-moe-ep2xfsdp2",
     ],
 )
 def test_measured_runs_match_the_plan(run_dir, base, overrides):
