@@ -5,11 +5,11 @@
 1. **Enumerate** sharding strategy x activation checkpointing (none, selective every 2, full) x
    offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
    up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing the ranks per
-   node, where the model's TP plan takes it) x, for a mixture of experts, expert-parallel degree
-   (1, 2, 4, 8 dividing its experts and the shard axis). Model, data, sequence length, ranks and precision
-   are the overrides'; an axis the overrides set (``sharding=full``) is held there. With
-   ``--keep-global-batch`` each candidate's grad_accum_steps makes up the overrides' global
-   batch (micro-batches that cannot are left out).
+   node, where the model's TP plan takes it) x, for a mixture of experts, expert-parallel
+   degree (1, 2, 4, 8 dividing its experts and the shard axis). Model, data, sequence length,
+   ranks and precision are the overrides'; an axis the overrides set (``sharding=full``) is
+   held there. With ``--keep-global-batch`` each candidate's grad_accum_steps makes up the
+   overrides' global batch (micro-batches that cannot are left out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
 3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
