@@ -21,7 +21,10 @@ def _exchange_case(rank: int, routing: str, kernel: str) -> dict:
     """This rank's EP outputs and gradients against the unsharded module's, on every rank's
     tokens (each rank makes them all from one seed)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        Qwen3MoeExperts,
+        Qwen3MoeTopKRouter,
+    )
 
     from fsdp_lab.engine import expert_parallel
 
@@ -39,7 +42,8 @@ def _exchange_case(rank: int, routing: str, kernel: str) -> dict:
     else:  # uneven splits, some experts empty
         index = torch.stack([torch.randperm(4)[:K] * 2 for _ in range(world * tokens)])
     index = index.view(world, tokens, K)
-    model = torch.nn.Module()
+    model = torch.nn.Module()  # a MoE block as engine.moe finds one: a router and the experts
+    model.gate = Qwen3MoeTopKRouter(config)
     model.experts = Qwen3MoeExperts(config)
     model.experts.load_state_dict(full.state_dict())
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
