@@ -256,8 +256,9 @@ def test_ep_with_other_settings_matches_one_unsharded_process(
 
 def test_resume_across_ep_degrees_and_export(ep2_run, moe_dir, tmp_path):
     """EP 2's step-4 checkpoint resumed at EP 2 continues bitwise. Its step-2 checkpoint resumed
-    at EP 1, whose step-6 checkpoint is resumed at EP 2: DCP reshards the expert DTensors, and
-    the losses continue the EP 2 run's within 1e-6 (measured 4.8e-7: EP groups the experts' GEMM
+    at EP 1, whose step-6 checkpoint is resumed at EP 2, and its step-4 checkpoint on 1 rank
+    (the same global batch): DCP reshards the expert DTensors, and the losses continue the EP 2
+    run's within 1e-6 (measured 4.8e-7: EP groups the experts' GEMM
     rows differently). The export is the model's own Hugging Face layout, with the EP 1 run's
     logits."""
     from conftest import check_ok, run_python, train
@@ -280,6 +281,13 @@ def test_resume_across_ep_degrees_and_export(ep2_run, moe_dir, tmp_path):
     step6 = ep1 / "checkpoints" / ckpt.step_dir_name(6)
     check_ok(train(back, *EP2, moe, f"resume={step6}", "checkpoint=none"))
     assert max(abs(_losses(back)[s] - want[s]) for s in range(7, STEPS + 1)) <= 1e-6
+    # and to another world size: 1 rank, its micro-batch the 2 ranks' global batch
+    one = tmp_path / "one"
+    two = ("hardware.nproc_per_node=2", "trainer.micro_batch_size=1")
+    solo = tuple(o for o in base if o not in two)
+    solo += ("hardware.nproc_per_node=1", "trainer.micro_batch_size=2", "parallel.expert=1")
+    check_ok(train(one, *solo, moe, f"resume={step4}", "checkpoint=none"))
+    assert max(abs(_losses(one)[s] - want[s]) for s in range(5, STEPS + 1)) <= 1e-6
 
     out = tmp_path / "hf_ep1"
     check_ok(run_python(["-m", "fsdp_lab.tools.cli", "export", str(ep1), str(out)]))
