@@ -220,20 +220,10 @@ def enumerate_candidates(
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
     for ac, tp, ep in itertools.product(acs, tensors, experts):
-        base = dataclasses.replace(
-            cfg,
-            activation_checkpointing=ActivationCheckpointingConfig(
-                mode=ActivationCheckpointingMode[ac], every=cfg.activation_checkpointing.every
-            ),
-            parallel=dataclasses.replace(cfg.parallel, tensor=tp, expert=ep),
-        )
-        try:
-            validate(base, topo)
-            facts = plan.inspect_model(base, topo.device)
-        except ConfigError:  # e.g. a TP degree the heads do not divide: not a candidate
+        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep)
+        if model_axes is None:
             continue
-        if ep > 1 and (not facts.layer.experts or facts.layer.experts % ep):
-            continue  # a dense model, or experts the degree does not divide
+        base, facts = model_axes
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
@@ -269,6 +259,27 @@ def enumerate_candidates(
     if not out and indivisible:
         raise ConfigError(_indivisible(batches, rows, dp_size(topo)))
     return out, topo.device, topo.world_size
+
+
+def _model_axes(cfg, topo, *, ac: str, tensor: int, expert: int):
+    """(the config with these checkpointing, TP and EP settings, the plan's model facts), or
+    None where the rules or the model refuse them: a TP degree the heads do not divide, EP on
+    a dense model or with experts the degree does not divide."""
+    base = dataclasses.replace(
+        cfg,
+        activation_checkpointing=ActivationCheckpointingConfig(
+            mode=ActivationCheckpointingMode[ac], every=cfg.activation_checkpointing.every
+        ),
+        parallel=dataclasses.replace(cfg.parallel, tensor=tensor, expert=expert),
+    )
+    try:
+        validate(base, topo)
+        facts = plan.inspect_model(base, topo.device)
+    except ConfigError:
+        return None
+    if expert > 1 and (not facts.layer.experts or facts.layer.experts % expert):
+        return None
+    return base, facts
 
 
 def _indivisible(batches: list[int], rows: int, dp: int) -> str:
