@@ -28,6 +28,7 @@ KIND_COLORS = {
     "all_gather": "#1f77b4",
     "reduce_scatter": "#2ca02c",
     "all_reduce": "#9467bd",
+    "all_to_all": "#8c564b",
     "other": "#ff7f0e",
 }
 # Lanes as (bottom, height) in a rank's axes; the comm lane is split, gathers on top.

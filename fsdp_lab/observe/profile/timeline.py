@@ -113,16 +113,21 @@ def _steps(events: list[dict]) -> list[tuple[int, float, float]]:
     return sorted((int(_STEP.match(e["name"]).group(1)), *_span(e)) for e in chosen)
 
 
+# A collective's kind by the words in its operator's or kernel's name.
+_KINDS = {
+    "allgather": "all_gather",
+    "reducescatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "alltoall": "all_to_all",  # EP's token exchange (NCCL's SendRecv kernels: from the c10d call)
+}
+
+
 def collective_kind(name: str) -> str:
-    """all_gather, reduce_scatter, all_reduce or other, from an operator's or kernel's name
-    (c10d::_allgather_base_, gloo:all_reduce, ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL)."""
+    """all_gather, reduce_scatter, all_reduce, all_to_all or other, from an operator's or
+    kernel's name (c10d::_allgather_base_, gloo:all_to_all,
+    ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL)."""
     flat = name.lower().replace("_", "")
-    for kind in ("allgather", "reducescatter", "allreduce"):
-        if kind in flat:
-            return {"allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(
-                kind, "all_reduce"
-            )
-    return "other"
+    return next((kind for word, kind in _KINDS.items() if word in flat), "other")
 
 
 class _Enclosing:

@@ -14,7 +14,7 @@ from fsdp_lab.observe.profile.analysis import analyse, analyse_dir
 from fsdp_lab.observe.profile.intervals import clip, intersect, length, subtract, union
 from fsdp_lab.observe.profile.result import ProfileResult
 from fsdp_lab.observe.profile.summary import table
-from fsdp_lab.observe.profile.timeline import build_timeline, load_trace
+from fsdp_lab.observe.profile.timeline import build_timeline, collective_kind, load_trace
 
 MAIN, GLOO, STREAM7, STREAM21 = 100, 101, 7, 21
 
@@ -232,3 +232,20 @@ def test_a_reduce_scatter_launched_from_autograds_thread_keeps_its_unit_and_kind
     ((unit,),) = [s.units]
     assert (unit.unit, unit.kind, unit.count) == ("model.layers.1", "reduce_scatter", 1)
     assert s.exposed_comm_s == pytest.approx(40e-6) and s.step_s == pytest.approx(90e-6)
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("c10d::_allgather_base_", "all_gather"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all_gather"),
+        ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce_scatter"),
+        ("gloo:all_reduce", "all_reduce"),
+        ("gloo:all_to_all", "all_to_all"),  # expert parallelism's exchange
+        ("c10d::alltoall_base_", "all_to_all"),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "other"),
+    ],
+)
+def test_collectives_are_named_by_kind(name, kind):
+    assert collective_kind(name) == kind
