@@ -70,3 +70,13 @@ def expert_mesh_split(cfg: ShardingConfig, topo: Topology, expert: int) -> tuple
     all-to-all group is one node); the rest shard each expert's parameters with FSDP."""
     shard = mesh_shape(cfg, topo)[-1]
     return shard // expert, expert
+
+
+def expert_shard_dim(local_experts: int, dim1s: tuple[int, ...], shards: int) -> int:
+    """The dim FSDP shards a rank's experts on over ``shards`` ranks (torchtitan's rule): 0,
+    whole experts, where they divide evenly (or a dim-1 size of the experts' parameters does
+    not divide, so dim 1 cannot be split evenly either: dim 0 is padded); else 1, so that no
+    rank holds an empty padded shard. The engine applies it; the plan counts by it."""
+    if local_experts % shards == 0 or any(d % shards for d in dim1s):
+        return 0
+    return 1

@@ -30,6 +30,7 @@ from fsdp_lab.config.topology import (
     EXPERT_SHARD_AXIS,
     Topology,
     expert_mesh_split,
+    expert_shard_dim,
     mesh_axes,
     mesh_shape,
 )
@@ -81,10 +82,9 @@ def expert_placement(module: nn.Module, shards: int):
     """FSDP's dim for an experts unit's parameters (torchtitan's rule): whole experts (dim 0)
     where the rank's experts divide evenly over ``shards``; else dim 1 (2I rows of gate_up,
     H of down) where that divides, so no rank holds an empty padded shard; else dim 0, padded."""
-    local = module.num_experts
-    if local % shards == 0 or any(p.shape[1] % shards for p in module.parameters()):
-        return lambda param: Shard(0)
-    return lambda param: Shard(1)
+    dim1s = tuple(p.shape[1] for p in module.parameters())
+    dim = expert_shard_dim(module.num_experts, dim1s, shards)
+    return lambda param: Shard(dim)
 
 
 def apply_fsdp(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_lab.config.topology import expert_shard_dim
 from fsdp_lab.tools.activation_memory import FP32, LayerShape
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a 0-dim fp32 tensor (not fused/capturable)
@@ -35,7 +36,7 @@ class ParamShape:
     trainable: bool = True  # frozen (finetune): no gradient, no optimizer state
     # An expert parameter ([E, ...], parallel.expert splits it): its dim-1 size, and those of
     # its experts module's parameters, which decide the dim FSDP shards it on
-    # (engine.fsdp.expert_placement). 0 and (): not an expert parameter.
+    # (config.topology.expert_shard_dim). 0 and (): not an expert parameter.
     expert_dim1: int = 0
     module_dim1s: tuple[int, ...] = ()
 
@@ -70,14 +71,14 @@ def shard_elements(p: ParamShape, shard_size: int, shard_rank: int, ep: int = 1)
     """(this rank's elements of ``p``, chunk 0's: what FSDP2 pads every shard's storage to).
     With expert parallelism (``ep`` > 1, innermost on the shard axis) an expert parameter's
     experts are split over ep first, and FSDP shards the rank's E/ep of them over the other
-    shard_size/ep ranks: on dim 0 where they divide evenly, or where a dim-1 size does not
-    divide; else on dim 1 (engine.fsdp.expert_placement, torchtitan's rule)."""
+    shard_size/ep ranks, on the dim ``config.topology.expert_shard_dim`` says (as the engine
+    does)."""
     if not p.expert_dim1 or ep == 1:
         dim, ways, index, numel = p.dim0, shard_size, shard_rank, p.numel
     else:
         experts, ways, index = p.dim0 // ep, shard_size // ep, shard_rank // ep
         numel = p.numel // ep
-        whole = experts % ways == 0 or any(d % ways for d in p.module_dim1s)
+        whole = expert_shard_dim(experts, p.module_dim1s, ways) == 0
         dim = experts if whole else p.expert_dim1  # Shard(1): each expert's rows split
     row = numel // dim if dim else 0
     return chunk_rows(dim, ways, index) * row, chunk_rows(dim, ways, 0) * row

@@ -333,7 +333,5 @@ def build_loss(
             chunk_size=tokens_per_chunk(cfg, model.config.vocab_size),
             compiled=compiled,
         )
-    router = build_router_aux(model)
-    if router is not None:
-        router.replicas = replicas
+    router = build_router_aux(model, replicas=replicas)
     return Loss(kind=kind, causal=task is ModelTask.causal_lm, router=router)

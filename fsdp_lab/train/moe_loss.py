@@ -90,13 +90,20 @@ class _SumOverRanks(torch.autograd.Function):
 class RouterAux:
     """The routers' logits of a forward, the global aux loss from them, and the step's numbers.
 
-    ``coef``: the aux loss's weight in the objective (0: measured, not trained on)."""
+    ``coef``: the aux loss's weight in the objective (0: measured, not trained on);
+    ``replicas``: ranks that hold the same rows (a TP group)."""
 
     def __init__(
-        self, routers: list[nn.Module], *, num_experts: int, top_k: int, coef: float
+        self,
+        routers: list[nn.Module],
+        *,
+        num_experts: int,
+        top_k: int,
+        coef: float,
+        replicas: int = 1,
     ) -> None:
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
-        self.replicas = 1  # ranks that hold the same rows (set once the TP degree is known)
+        self.replicas = replicas
         self._recording = False
         self._logits: list[torch.Tensor] = []
         self._aux_sum: torch.Tensor | None = None
@@ -141,7 +148,7 @@ class RouterAux:
         return step
 
 
-def build_router_aux(model: nn.Module) -> RouterAux | None:
+def build_router_aux(model: nn.Module, *, replicas: int = 1) -> RouterAux | None:
     """The aux loss of a MoE model (None for a dense one), weighted by the config's
     ``router_aux_loss_coef`` (``model.router_aux_loss_coef`` set it, or the model's default)."""
     blocks = moe_blocks(model)
@@ -150,5 +157,9 @@ def build_router_aux(model: nn.Module) -> RouterAux | None:
     counts = expert_counts(model)
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
     return RouterAux(
-        [b.gate for b in blocks], num_experts=counts.num_experts, top_k=counts.top_k, coef=coef
+        [b.gate for b in blocks],
+        num_experts=counts.num_experts,
+        top_k=counts.top_k,
+        coef=coef,
+        replicas=replicas,
     )

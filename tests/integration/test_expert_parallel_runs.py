@@ -148,16 +148,22 @@ def test_ep2_on_2_ranks_matches_one_unsharded_process(ep2_run):
     assert facts["status"] == "completed"
 
 
+def _pretrained(moe_dir, path, *, seed: int):
+    """A pretrained-weights directory of the config in ``moe_dir``, weights drawn from ``seed``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_dir)).save_pretrained(path)
+    return path
+
+
 def test_ep2_by_fsdp2_on_4_ranks_loads_pretrained_weights_into_expert_shards(moe_dir, tmp_path):
     """EP 2 x efsdp 2 on 4 ranks, from pretrained weights (rank 0 reads them, every rank gets
     its experts' shards: the first step's loss and gradient norm would differ otherwise),
     with activation checkpointing (the exchange runs again in the recomputation)."""
     from conftest import check_ok, train
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = tmp_path / "pretrained"
-    torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_dir)).save_pretrained(source)
+    source = _pretrained(moe_dir, tmp_path / "pretrained", seed=3)
     run_dir = tmp_path / "run"
     check_ok(
         train(
@@ -181,11 +187,9 @@ def test_pretrained_weights_reach_every_expert_shard_exactly(moe_dir, tmp_path, 
     """Rank 0 reads the weights, every rank receives its experts' shards: after one step at
     lr 1e-30 (no fp32 weight moves) the export is the source, bitwise."""
     from conftest import check_ok, train
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    source = tmp_path / "pretrained"
-    torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_dir)).save_pretrained(source)
+    source = _pretrained(moe_dir, tmp_path / "pretrained", seed=5)
     run_dir = tmp_path / "run"
     check_ok(
         train(
