@@ -33,7 +33,13 @@ from fsdp_lab.observe.profile.result import (
     StepPicture,
     UnitComm,
 )
-from fsdp_lab.observe.profile.timeline import Collective, Timeline, build_timeline, load_trace
+from fsdp_lab.observe.profile.timeline import (
+    KERNEL_KIND_NAMES,
+    Collective,
+    Timeline,
+    build_timeline,
+    load_trace,
+)
 
 US = 1e-6  # traces count microseconds
 PICTURE_PIXELS = 2000  # compute gaps narrower than a step / this are closed in the picture
@@ -76,8 +82,9 @@ def _step(
         idle_data_s=length(data) * US,
         idle_optimizer_s=length(optimizer) * US,
         units=_units(mine, compute, lo, hi),
+        kernels=_kernels(tl.kernels, lo, hi),
     )
-    return breakdown, _picture(rank, step, lo, hi, compute, mine)
+    return breakdown, _picture(rank, step, lo, hi, compute, mine, tl.kernels)
 
 
 def _units(mine: list[Collective], compute: list[Interval], lo: float, hi: float) -> list[UnitComm]:
@@ -101,15 +108,44 @@ def _units(mine: list[Collective], compute: list[Interval], lo: float, hi: float
     return units
 
 
+def _kernels(kernels: list[tuple[float, float, str]], lo: float, hi: float) -> dict[str, float]:
+    """Each kernel kind's busy time in the step (the union of its kernels, clipped), the kinds
+    in timeline.KERNEL_KIND_NAMES' order; none on cpu."""
+    spans: dict[str, list[Interval]] = {}
+    for start, end, kind in kernels:
+        if end > lo and start < hi:
+            spans.setdefault(kind, []).append((max(start, lo), min(end, hi)))
+    return {kind: length(union(spans[kind])) * US for kind in KERNEL_KIND_NAMES if kind in spans}
+
+
 def _picture(
-    rank: int, step: int, lo: float, hi: float, compute: list[Interval], mine: list[Collective]
+    rank: int,
+    step: int,
+    lo: float,
+    hi: float,
+    compute: list[Interval],
+    mine: list[Collective],
+    kernels: list[tuple[float, float, str]],
 ) -> StepPicture:
-    """The step as the timeline picture draws it, seconds from its start."""
+    """The step as the timeline picture draws it, seconds from its start; on gpu the compute
+    spans carry their kernel kind (matmul, attention...), elsewhere the kind "compute"."""
 
     def rel(s: float, e: float, kind: str, unit: str = "") -> Span:
         return Span((s - lo) * US, (e - lo) * US, kind, unit)
 
-    drawn = close_gaps(compute, (hi - lo) / PICTURE_PIXELS)
+    pixel = (hi - lo) / PICTURE_PIXELS
+    if kernels:
+        by_kind: dict[str, list[Interval]] = {}
+        for s, e, kind in kernels:
+            if e > lo and s < hi:
+                by_kind.setdefault(kind, []).append((max(s, lo), min(e, hi)))
+        spans = [
+            rel(s, e, kind)
+            for kind in KERNEL_KIND_NAMES
+            for s, e in close_gaps(union(by_kind.get(kind, [])), pixel)
+        ]
+    else:
+        spans = [rel(s, e, "compute") for s, e in close_gaps(compute, pixel)]
     comm, exposed = [], []
     for c in mine:
         s, e = max(c.start, lo), min(c.end, hi)
@@ -119,7 +155,7 @@ def _picture(
         rank=rank,
         step=step,
         step_s=(hi - lo) * US,
-        compute=[rel(s, e, "compute") for s, e in drawn],
+        compute=spans,
         comm=comm,
         exposed=exposed,
     )

@@ -31,6 +31,16 @@ KIND_COLORS = {
     "all_to_all": "#8c564b",
     "other": "#ff7f0e",
 }
+# gpu: the compute lane coloured by kernel kind (timeline.kernel_kind); cpu: COMPUTE_COLOR.
+KERNEL_COLORS = {
+    "matmul": "#4c4c4c",
+    "attention": "#17becf",
+    "fused": "#bcbd22",
+    "optimizer": "#e377c2",
+    "loss": "#7f7f7f",
+    "copy": "#ffbb78",
+    "other": "#c7c7c7",
+}
 # Lanes as (bottom, height) in a rank's axes; the comm lane is split, gathers on top.
 COMPUTE_LANE, GATHER_LANE, REDUCE_LANE, EXPOSED_LANE = (
     (2.0, 0.8),
@@ -87,7 +97,10 @@ def build_timeline(pictures: list[StepPicture]) -> Figure:
     shown = f" (the {len(pictures)} slowest of {profiled} ranks)" * (profiled > len(pictures))
     fig.suptitle(_title(pictures) + shown, y=1 - 0.12 / height)
     kinds = [k for k in KIND_COLORS if any(_kind(s) == k for p in pictures for s in p.comm)]
-    handles = [Patch(color=COMPUTE_COLOR, label="compute")]
+    drawn = {s.kind for p in pictures for s in p.compute}
+    handles = [Patch(color=KERNEL_COLORS[k], label=k) for k in KERNEL_COLORS if k in drawn]
+    if not handles or "compute" in drawn:
+        handles.insert(0, Patch(color=COMPUTE_COLOR, label="compute"))
     handles += [Patch(color=KIND_COLORS[k], label=k.replace("_", "-")) for k in kinds]
     handles.append(Patch(color=EXPOSED_COLOR, label="exposed (comm not covered by compute)"))
     fig.legend(
@@ -105,9 +118,12 @@ def _draw_rank(ax, picture: StepPicture, names: dict[str, str], ms_per_in: float
     """One rank's lanes, its unit labels, and a title with its step time and exposed share."""
     # No edges: an edge widens each span by its line and hides the gaps between spans.
     bars = {"linewidth": 0}
-    ax.broken_barh(
-        _ranges(picture.compute), COMPUTE_LANE, color=COMPUTE_COLOR, gid="compute", **bars
-    )
+    for kind in ("compute", *KERNEL_COLORS):
+        spans = [s for s in picture.compute if s.kind == kind]
+        if spans or kind == "compute":
+            color = KERNEL_COLORS.get(kind, COMPUTE_COLOR)
+            gid = "compute" if kind == "compute" else f"compute:{kind}"
+            ax.broken_barh(_ranges(spans), COMPUTE_LANE, color=color, gid=gid, **bars)
     gathers = [s for s in picture.comm if _kind(s) == "all_gather"]
     reduces = [s for s in picture.comm if _kind(s) != "all_gather"]
     for spans, lane in ((gathers, GATHER_LANE), (reduces, REDUCE_LANE)):

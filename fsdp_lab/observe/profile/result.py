@@ -51,6 +51,10 @@ class StepBreakdown:
     idle_data_s: float  # of idle, while the host prepared the next batch
     idle_optimizer_s: float  # of idle, while the host ran the optimizer step
     units: list[UnitComm] = field(default_factory=list)
+    # gpu: the busy time of each kind of compute kernel (matmul, attention, fused, optimizer,
+    # loss, copy, other: timeline.kernel_kind), the union of its kernels in the step; the kinds
+    # together are compute_s where kernels of two kinds never run at once. Empty on cpu.
+    kernels: dict[str, float] = field(default_factory=dict)
 
     def share(self, name: str) -> float:
         """A time as a share of the step (0 for an empty step)."""
@@ -63,7 +67,8 @@ class Span:
 
     start_s: float
     end_s: float
-    kind: str  # compute | all_gather | reduce_scatter | all_reduce | all_to_all | other
+    kind: str  # compute (or a gpu kernel kind: matmul, attention...) | all_gather | reduce_scatter
+    # | all_reduce | all_to_all | other
     unit: str = ""  # a collective's FSDP unit
 
 
@@ -147,9 +152,14 @@ class ProfileResult:
 
 
 def summary_dict(b: StepBreakdown) -> dict:
-    """The times and their shares of the step (compute_share, exposed_comm_share...)."""
+    """The times and their shares of the step (compute_share, exposed_comm_share...), and on
+    gpu each kernel kind's time and share of compute (kernel_matmul_s, kernel_matmul_share):
+    flat numbers, as metrics.jsonl and the trackers take them."""
     out = {name: getattr(b, name) for name in TIMES}
     out.update({name[:-2] + "_share": b.share(name) for name in TIMES[1:]})
+    for kind, seconds in b.kernels.items():
+        out[f"kernel_{kind}_s"] = seconds
+        out[f"kernel_{kind}_share"] = seconds / b.compute_s if b.compute_s > 0 else 0.0
     return out
 
 
@@ -163,6 +173,10 @@ def mean_breakdown(steps: list[StepBreakdown]) -> StepBreakdown:
     order they first appear; a unit absent from a step counts 0 there."""
     n = max(len(steps), 1)
     times = {name: sum(getattr(s, name) for s in steps) / n for name in TIMES}
+    kernels: dict[str, float] = {}
+    for s in steps:
+        for kind, seconds in s.kernels.items():
+            kernels[kind] = kernels.get(kind, 0.0) + seconds / n
     units: dict[tuple[str, str], UnitComm] = {}
     for s in steps:
         for u in s.units:
@@ -170,4 +184,4 @@ def mean_breakdown(steps: list[StepBreakdown]) -> StepBreakdown:
             acc.count += u.count / n
             acc.time_s += u.time_s / n
             acc.exposed_s += u.exposed_s / n
-    return StepBreakdown(step=-1, **times, units=list(units.values()))
+    return StepBreakdown(step=-1, **times, units=list(units.values()), kernels=kernels)

@@ -11,9 +11,11 @@ from fsdp_lab.observe.profile.result import (
     UnitComm,
     summary_dict,
 )
+from fsdp_lab.observe.profile.timeline import KERNEL_KIND_NAMES
 
 TIMELINE_PNG = "timeline.png"
 _UNITS_SHOWN = 40  # beyond this the unit table keeps the most exposed
+_KINDS_IN_LINE = 4  # the log line's largest kernel kinds
 
 
 def metrics_record(result: ProfileResult, step: int) -> dict:
@@ -44,6 +46,9 @@ def summary_line(result: ProfileResult) -> str:
     worst = max(m.units, key=lambda u: u.exposed_s, default=None)
     if worst is not None and worst.exposed_s > 0:
         line += f"; most exposed: {worst.unit} {worst.kind} {_ms(worst.exposed_s)}"
+    if m.kernels and m.compute_s > 0:
+        top = sorted(m.kernels.items(), key=lambda kv: -kv[1])[:_KINDS_IN_LINE]
+        line += "; compute: " + ", ".join(f"{k} {v / m.compute_s:.0%}" for k, v in top)
     return line
 
 
@@ -72,7 +77,27 @@ def table(result: ProfileResult) -> str:
         ]
     else:
         lines.append("no collective in the window (a single rank, or nothing sharded)")
+    means = {r.rank: r.mean() for r in result.ranks}
+    kinds = [kind for kind in KERNEL_KIND_NAMES if any(kind in m.kernels for m in means.values())]
+    if kinds:
+        lines += [
+            "",
+            "compute by kernel kind, ms per step (share of the rank's compute):",
+            *_grid(
+                [["rank", *kinds]] + [[str(rank), *_kinds(m, kinds)] for rank, m in means.items()],
+                left=1,
+            ),
+        ]
     return "\n".join(lines)
+
+
+def _kinds(b: StepBreakdown, kinds: list[str]) -> list[str]:
+    cells = []
+    for kind in kinds:
+        seconds = b.kernels.get(kind, 0.0)
+        share = seconds / b.compute_s if b.compute_s > 0 else 0.0
+        cells.append(f"{seconds * 1000:.1f} ({share:.0%})")
+    return cells
 
 
 def _label(name: str) -> str:

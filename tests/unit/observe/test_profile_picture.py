@@ -106,3 +106,23 @@ def test_of_many_ranks_the_slowest_are_drawn_and_the_title_says_so():
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert all(any(t.startswith(f"rank {r},") for t in titles) for r in (3, 10, 17, 24, 31, 38))
     assert f"(the {MAX_RANKS} slowest of 40 ranks)" in fig._suptitle.get_text()
+
+
+def test_a_gpu_steps_compute_lane_is_coloured_by_kernel_kind():
+    from test_profile_analysis import H100_TRACE
+
+    from fsdp_lab.observe.profile.analysis import analyse_trace
+
+    step = analyse_trace(H100_TRACE).picture
+    kinds = {s.kind for s in step.compute}
+    assert {"matmul", "attention", "fused", "optimizer", "copy"} <= kinds
+    assert "compute" not in kinds
+    # The optimizer step is the step's serial tail, after backward: its last 7% (17 ms).
+    optimizer = [s for s in step.compute if s.kind == "optimizer"]
+    assert min(s.start_s for s in optimizer) > 0.9 * step.step_s
+    assert max(s.end_s for s in optimizer) > 0.99 * step.step_s
+    fig = build_timeline([step])
+    (ax,) = fig.axes
+    assert by_gid(ax.collections, "compute:matmul") and by_gid(ax.collections, "compute:optimizer")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:3] == ["matmul", "attention", "fused"] and "compute" not in labels
