@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab.config import (
+    Backend,
     ConfigError,
     Dtype,
     ExpertsImplementation,
@@ -107,11 +108,14 @@ def processes_per_node(kind: HardwareKind, nproc_per_node: int) -> int:
     return 1 if kind is HardwareKind.tpu else nproc_per_node
 
 
-def check_nproc(kind: HardwareKind, nproc_per_node: int) -> None:
-    if kind is HardwareKind.gpu and nproc_per_node > torch.cuda.device_count():
+def check_nproc(kind: HardwareKind, nproc_per_node: int, chosen: Backend = Backend.auto) -> None:
+    """One rank per GPU under NCCL (it refuses two on one device); gloo lets ranks share."""
+    gpus = torch.cuda.device_count() if kind is HardwareKind.gpu else 0
+    if kind is HardwareKind.gpu and nproc_per_node > gpus and chosen is not Backend.gloo:
         raise ConfigError(
-            f"hardware.nproc_per_node={nproc_per_node} but only {torch.cuda.device_count()} GPUs "
-            "are visible; lower hardware.nproc_per_node (one rank per GPU)"
+            f"hardware.nproc_per_node={nproc_per_node} but only {gpus} GPUs are visible; lower "
+            "hardware.nproc_per_node (one rank per GPU), or set hardware.backend=gloo to share "
+            "the GPUs among ranks (slow: for checking a sharded layout)"
         )
     if kind is HardwareKind.tpu and nproc_per_node != xla_local_devices():
         raise ConfigError(
@@ -164,10 +168,19 @@ def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
     )
 
 
-def backend(kind: HardwareKind) -> str:
-    """On GPU, NCCL for CUDA tensors plus gloo for CPU ones: with offload=cpu the gradient
-    shards (and so clip_grad_norm_'s all-reduce) live on the CPU, which NCCL cannot reduce."""
-    return "cuda:nccl,cpu:gloo" if kind is HardwareKind.gpu else "gloo"
+def backend(kind: HardwareKind, chosen: Backend = Backend.auto) -> str:
+    """torch's backend string. On GPU, NCCL for CUDA tensors plus gloo for CPU ones: with
+    offload=cpu the gradient shards (and so clip_grad_norm_'s all-reduce) live on the CPU, which
+    NCCL cannot reduce. ``hardware.backend=gloo`` puts CUDA tensors on gloo too (ranks sharing
+    a GPU); nccl anywhere but gpu is refused."""
+    if chosen is Backend.nccl and kind is not HardwareKind.gpu:
+        raise ConfigError(
+            f"hardware.backend=nccl needs hardware=gpu (this run is hardware={kind.value}); "
+            "remove hardware.backend (auto: gloo here)"
+        )
+    if kind is HardwareKind.gpu and chosen is not Backend.gloo:
+        return "cuda:nccl,cpu:gloo"
+    return "gloo"
 
 
 def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
@@ -271,10 +284,12 @@ def flight_records() -> list[bytes]:
     return ([c10d._dump_nccl_trace()] if nccl else []) + [c10d._dump_fr_trace()]
 
 
-def init_process_group(kind: HardwareKind, device: torch.device, timeout_s: int) -> None:
+def init_process_group(
+    kind: HardwareKind, device: torch.device, timeout_s: int, chosen: Backend = Backend.auto
+) -> None:
     """Join the group described by the launcher's RANK/WORLD_SIZE/MASTER_* variables."""
     dist.init_process_group(
-        backend=backend(kind),
+        backend=backend(kind, chosen),
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if kind is HardwareKind.gpu else None,
     )

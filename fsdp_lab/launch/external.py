@@ -57,7 +57,7 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     # The recorder's size is read as the group is made; its dump file, in join (the run dir
     # is rank 0's, known after the broadcast below).
     hardware.set_flight_recorder(cfg.hardware.flight_recorder, None)
-    hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+    hardware.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
     rank = dist.get_rank()
     payload: list = [None]
     if rank == 0:

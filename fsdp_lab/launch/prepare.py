@@ -38,7 +38,8 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
 def _check_hardware(cfg: Config, topo: Topology) -> None:
     from fsdp_lab.engine import hardware
 
-    hardware.check_nproc(topo.device, topo.nproc_per_node)
+    hardware.backend(topo.device, cfg.hardware.backend)  # nccl off gpu: refused here
+    hardware.check_nproc(topo.device, topo.nproc_per_node, cfg.hardware.backend)
     p = cfg.precision
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(p, name) is not None:

@@ -58,7 +58,8 @@ NOT_COUNTED = [
     "runs), matmul workspaces",
     "attention other than sdpa/flash: eager attention also saves the seq x seq scores (sdpa's "
     "math path, which attention dropout takes on CPU, is counted)",
-    "torch.compile (compile=true): compiled units save less than this eager estimate",
+    "torch.compile (compile=true): compiled units save less than this eager estimate (measured "
+    "on an H100: the 160M recipe peaked at 10.5 GiB, 0.76x this plan's 13.8)",
     "evaluation (no_grad forwards), checkpoint saving (DCP staging, async_save's host copy), the "
     "data loader, and small buffers (rotary inv_freq, position ids)",
 ]

@@ -132,7 +132,7 @@ class RunFacts:
             world_size=ctx.topo.world_size,
             num_nodes=ctx.topo.num_nodes,
             hardware=hardware.device_summary(ctx.kind),
-            backend=hardware.backend(ctx.kind),
+            backend=hardware.backend(ctx.kind, cfg.hardware.backend),
             threads_per_rank=ctx.threads,
             mesh_shape=sharded.mesh_shape,
             mesh_axes=sharded.mesh_axes,

@@ -109,7 +109,7 @@ def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
     flight.clear(log_dir, int(os.environ["RANK"]))
     hardware.set_flight_recorder(cfg.hardware.flight_recorder, flight.watchdog_prefix(log_dir))
     if not dist.is_initialized():
-        hardware.init_process_group(kind, device, cfg.hardware.timeout_s)
+        hardware.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
         heartbeat.start(dist.get_rank())
     if not validated:

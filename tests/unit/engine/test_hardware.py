@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
+from fsdp_lab.config import Backend, ConfigError, Dtype, HardwareConfig, HardwareKind
 from fsdp_lab.engine import hardware
 
 
@@ -41,6 +41,26 @@ def test_gpu_backend_pinning_and_rank_counts(fake_gpus):
     with pytest.raises(ConfigError, match="only 4 GPUs"):
         hardware.check_nproc(HardwareKind.gpu, 5)
     hardware.check_nproc(HardwareKind.cpu, 16)  # CPU ranks are processes, not devices
+
+
+def test_gloo_on_gpu_lets_ranks_share_a_gpu_and_nccl_needs_one(fake_gpus, monkeypatch):
+    fake_gpus(1)
+    with pytest.raises(ConfigError, match=r"hardware\.backend=gloo") as e:
+        hardware.check_nproc(HardwareKind.gpu, 2, Backend.nccl)
+    assert "\n" not in str(e.value)
+    hardware.check_nproc(HardwareKind.gpu, 2, Backend.gloo)  # both ranks on GPU 0
+    assert hardware.backend(HardwareKind.gpu, Backend.gloo) == "gloo"
+    assert hardware.backend(HardwareKind.gpu, Backend.nccl) == "cuda:nccl,cpu:gloo"
+    for kind in (HardwareKind.cpu, HardwareKind.tpu):
+        with pytest.raises(ConfigError, match=r"hardware\.backend=nccl needs hardware=gpu"):
+            hardware.backend(kind, Backend.nccl)
+        assert hardware.backend(kind, Backend.gloo) == "gloo"
+    # Ranks share round-robin: rank r on GPU r mod count.
+    monkeypatch.setattr(hardware.torch.cuda, "set_device", lambda index: None)
+    assert [hardware.rank_device(HardwareKind.gpu, r).index for r in range(3)] == [0, 0, 0]
+    fake_gpus(2)
+    monkeypatch.setattr(hardware.torch.cuda, "set_device", lambda index: None)
+    assert [hardware.rank_device(HardwareKind.gpu, r).index for r in range(3)] == [0, 1, 0]
 
 
 def test_bf16_needs_a_gpu_that_has_it(fake_gpus):
