@@ -75,6 +75,11 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"hardware.flight_recorder={h.flight_recorder} must be >= 0 (0: off)")
     if h.threads_per_rank is not None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
+    if h.malloc_mmap_threshold is not None and not 0 < h.malloc_mmap_threshold <= 32 * 2**20:
+        raise ConfigError(
+            f"hardware.malloc_mmap_threshold={h.malloc_mmap_threshold} must be 1 to 33554432 "
+            "bytes (32 MiB, glibc's limit), e.g. 131072; or null for glibc's own"
+        )
     if h.peak_tflops is not None:
         _positive(h.peak_tflops, "hardware.peak_tflops")
     _positive(cfg.parallel.tensor, "parallel.tensor")

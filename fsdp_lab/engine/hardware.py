@@ -7,6 +7,7 @@ hardware=tpu). A test holds the other modules to it (tests/unit/test_layers.py).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib.metadata
 import importlib.util
@@ -251,6 +252,25 @@ def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
     torch.set_num_threads(threads)
     return threads
+
+
+MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def set_host_allocator(cfg: HardwareConfig) -> int | None:
+    """Fix glibc's mmap threshold for this process (``hardware.malloc_mmap_threshold``), so
+    that a freed tensor's memory goes back to the system instead of staying in a fragmented
+    heap. The threshold set, or None: not asked for, or not glibc (macOS, musl), where the
+    process's own allocator stays."""
+    if cfg.malloc_mmap_threshold is None:
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, cfg.malloc_mmap_threshold) == 1
+    except (OSError, AttributeError):
+        return None
+    return cfg.malloc_mmap_threshold if ok else None
 
 
 # Older names torch still reads for the same settings: a user's value under either is kept.

@@ -23,16 +23,15 @@ The budget's basis is what train.py reports as peak memory per rank: on CPU the 
 high-water mark (VmHWM) of each rank process, interpreter and imports included (the baseline is
 measured here, in a fresh interpreter importing what a rank imports); on GPU the caching
 allocator's peak (the CUDA context is outside it: baseline 0). On CPU every probe, and the
-printed command, set ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed activation memory leaves the
-RSS (glibc's default keeps it: RSS then overstates live tensors up to 2x, and the plan could not
-predict it).
+printed command, set ``hardware.malloc_mmap_threshold=131072`` (unless the overrides set it) so
+that freed activation memory leaves the RSS (glibc's default keeps it: RSS then overstates live
+tensors up to 2x, and the plan could not predict it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import shlex
 import subprocess
 import sys
@@ -63,7 +62,7 @@ GIB, MIB = 2**30, 2**20
 # model (353-356 MiB) is ~60 MiB above the fresh interpreter the baseline measures (296 MiB).
 # 1.15 x plan + 96 MiB covers both; a probe that measures more raises the baseline for the rest.
 SAFETY, SLACK = 1.15, 96 * MIB
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+MALLOC_OVERRIDE = "hardware.malloc_mmap_threshold=131072"  # on CPU: RSS that the plan predicts
 AC_OPTIONS = ("none", "selective", "full")
 RECOMPUTE = {"none": 1.0, "selective": 1 + 1 / 6, "full": 4 / 3}  # of one fwd+bwd (3 units)
 # FLOPs per byte moved at which communication costs as much as compute, per device: a prior
@@ -348,13 +347,14 @@ def process_baseline_bytes(device: HardwareKind) -> int:
 
 
 def probe(
-    overrides: list[str], c: Candidate, run_dir: Path, *, steps: int, budget: int, env: dict
+    overrides: list[str], c: Candidate, run_dir: Path, *, steps: int, budget: int, host: list[str]
 ) -> None:
     """A few steps of the candidate on the real ranks: its measured peak per rank, tokens/s
     and a verdict (fits, over budget, OOM, failed)."""
     args = [
         *overrides,
         *c.overrides(),
+        *host,
         f"trainer.max_steps={steps}",
         "trainer.eval_every=0",
         "trainer.log_every=1",
@@ -368,7 +368,6 @@ def probe(
         [sys.executable, str(_train_py()), *args],
         capture_output=True,
         text=True,
-        env={**os.environ, **env},
         check=False,
     )
     facts = rundir.read_run_file(run_dir)
@@ -401,13 +400,12 @@ def _train_py() -> Path:
     return Path(__file__).resolve().parents[2] / "train.py"
 
 
-def command(overrides: list[str], c: Candidate, env: dict) -> str:
-    """The winner as one train.py command: the overrides (less the axes it sets) and its own."""
-    prefix = " ".join(f"{k}={v}" for k, v in env.items())
+def command(overrides: list[str], c: Candidate, host: list[str]) -> str:
+    """The winner as one train.py command: the overrides (less the axes it sets), its own, and
+    the host allocator's setting the probes ran with."""
     axes = {_key(o) for o in c.overrides()}
     kept = [o for o in overrides if _key(o) not in axes]
-    cmd = " ".join(["python", "train.py", *map(shlex.quote, [*kept, *c.overrides()])])
-    return f"{prefix} {cmd}" if prefix else cmd
+    return " ".join(["python", "train.py", *map(shlex.quote, [*kept, *c.overrides(), *host])])
 
 
 # Long: tune's four stages in order, each a few lines.
@@ -439,7 +437,8 @@ def tune(
             c.verdict = "dropped (plan)"
     if not fitting:
         raise ConfigError(_nothing_fits(candidates, budget, world, device, "planned"))
-    env = MALLOC_ENV if device is HardwareKind.cpu else {}
+    asked = any(_key(o) == _key(MALLOC_OVERRIDE) for o in overrides)
+    host = [MALLOC_OVERRIDE] if device is HardwareKind.cpu and not asked else []
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
         f"tune: {len(candidates)} candidates, {len(fitting)} fit {memory_gib:g} GiB per rank by "
@@ -453,7 +452,7 @@ def tune(
         if c.planned_bytes > budget:  # after a probe measured more than the plan's basis
             c.verdict = "dropped (plan + measured baseline)"
             continue
-        probe(overrides, c, out_dir / f"probe-{len(probed)}", steps=steps, budget=budget, env=env)
+        probe(overrides, c, out_dir / f"probe-{len(probed)}", steps=steps, budget=budget, host=host)
         probed.append(c)
         mib = _mib(c.measured_bytes)
         log(f"  probe {len(probed) - 1}: {c.name}: {c.verdict}, {mib} MiB, {_tps(c)}")
@@ -472,7 +471,7 @@ def tune(
     if not ok:
         raise ConfigError(_nothing_fits(probed or fitting, budget, world, device, "measured"))
     result.winner = max(ok, key=lambda c: c.tokens_per_s or 0.0)
-    result.command = command(overrides, result.winner, env)
+    result.command = command(overrides, result.winner, host)
     return result
 
 

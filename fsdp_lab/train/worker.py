@@ -106,6 +106,7 @@ def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
     threads = hardware.set_threads(
         cfg.hardware, hardware.processes_per_node(kind, topo.nproc_per_node)
     )
+    hardware.set_host_allocator(cfg.hardware)
     flight.clear(log_dir, int(os.environ["RANK"]))
     hardware.set_flight_recorder(cfg.hardware.flight_recorder, flight.watchdog_prefix(log_dir))
     if not dist.is_initialized():

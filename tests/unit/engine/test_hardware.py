@@ -236,3 +236,45 @@ def test_a_cpu_without_native_bf16_is_named_before_a_slow_run(monkeypatch):
         monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: True, raising=False)
         assert hardware.slow_cpu_dtype(HardwareKind.cpu, dtype) is None
     assert hardware.slow_cpu_dtype(HardwareKind.cpu, Dtype.fp32) is None
+
+
+HEAP_PROBE = """
+import sys, torch
+from fsdp_lab.config import HardwareConfig
+from fsdp_lab.engine import hardware
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+cfg = HardwareConfig(malloc_mmap_threshold=int(sys.argv[1]) or None)
+assert hardware.set_host_allocator(cfg) == cfg.malloc_mmap_threshold
+big = torch.ones(6 * 2**20)  # 24 MiB, mapped; freed, it raises glibc's threshold to 24 MiB
+del big
+base = rss()
+t = torch.ones(4 * 2**20)  # 16 MiB: from the heap under glibc's own threshold, mapped under ours
+del t
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's VmRSS")
+@pytest.mark.parametrize("threshold,returned", [(131072, True), (0, False)])
+def test_a_freed_tensor_goes_back_to_the_system_with_the_fixed_threshold(threshold, returned):
+    """glibc raises its mmap threshold to the largest block freed, so a later tensor comes from
+    the heap and stays resident after it is freed (0: null, glibc's own, the test's control)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_PROBE, str(threshold)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    kept = int(out.stdout.split()[-1])
+    if returned:
+        assert kept < 4 * 2**20, kept
+    else:
+        assert kept > 12 * 2**20, kept  # glibc kept the 16 MiB

@@ -62,13 +62,13 @@ def test_a_bad_grid_is_one_line(args, message):
 
 def test_the_command_replaces_the_axes_the_overrides_held():
     c = tune.Candidate(ShardingStrategy.no_shard, "full", False, 8)
-    cmd = tune.command(["sharding=full", "model.hidden_size=64", "trainer.seq_len=128"], c, {})
+    cmd = tune.command(["sharding=full", "model.hidden_size=64", "trainer.seq_len=128"], c, [])
     assert cmd == (
         "python train.py model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
         "activation_checkpointing=full offload=none trainer.micro_batch_size=8"
     )
-    env = tune.MALLOC_ENV
-    assert tune.command([], c, env).startswith("MALLOC_MMAP_THRESHOLD_=131072 python train.py ")
+    host = [tune.MALLOC_OVERRIDE]
+    assert tune.command([], c, host).endswith(" hardware.malloc_mmap_threshold=131072")
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_would_help(tmp_path):
