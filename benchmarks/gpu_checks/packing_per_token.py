@@ -6,43 +6,30 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-from fsdp_lab.config import LossConfig, LossKind, ModelTask
-from fsdp_lab.train import loss as loss_lib
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit" / "train")]
+
+from test_loss import tiny_config  # noqa: E402  (the loss tests' 2-layer models)
+from test_loss_sums import token_losses  # noqa: E402  (one forward per target)
+
+from fsdp_lab.config import LossConfig, LossKind, ModelTask  # noqa: E402
+from fsdp_lab.train import loss as loss_lib  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 IGNORE = loss_lib.IGNORE_INDEX
 LENGTHS = (37, 21, 70)  # three conversations in one row
 
 
-def per_token(model, loss, batch) -> list[float]:
-    out, labels = [], batch["labels"]
-    for t in range(1, labels.shape[1]):
-        if labels[0, t] == IGNORE:
-            continue
-        one = torch.full_like(labels, IGNORE)
-        one[0, t] = labels[0, t]
-        with torch.no_grad():
-            out.append(loss(model, {**batch, "labels": one}).float().item())
-    return out
-
-
 results = {}
 for dtype in (torch.float32, torch.bfloat16):
     for kind in (LossKind.hf, LossKind.chunked):
         torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            use_cache=False,
-        )
+        cfg = tiny_config("llama")
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         model = model.to(DEVICE, dtype).eval()
         loss = loss_lib.build_loss(
@@ -55,13 +42,13 @@ for dtype in (torch.float32, torch.bfloat16):
         labels = ids.clone()
         labels[0, torch.tensor([0, *LENGTHS[:-1]]).cumsum(0)] = IGNORE
         packed = dict(input_ids=ids, labels=labels, position_ids=positions, sequence_index=index)
-        got = per_token(model, loss, packed)
+        got = token_losses(model, loss, packed)
         alone, start = [], 0
         for n in LENGTHS:
             part = ids[:, start : start + n]
-            alone += per_token(model, loss, dict(input_ids=part, labels=part.clone()))
+            alone += token_losses(model, loss, dict(input_ids=part, labels=part.clone()))
             start += n
-        plain = per_token(model, loss, dict(input_ids=ids, labels=labels))
+        plain = token_losses(model, loss, dict(input_ids=ids, labels=labels))
         first = LENGTHS[0] - 1
         key = f"{str(dtype).removeprefix('torch.')}/{kind.value}"
         results[key] = {
