@@ -127,12 +127,6 @@ def _hf_config(cfg: ModelConfig):
 
 
 SYNTHETIC_VOCAB_SIZE = 256
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer) -> ModelConfig:
@@ -141,16 +135,6 @@ def resolve_vocab_size(cfg: ModelConfig, tokenizer) -> ModelConfig:
         return cfg
     size = len(tokenizer) if tokenizer is not None else SYNTHETIC_VOCAB_SIZE
     return dataclasses.replace(cfg, vocab_size=size)
-
-
-def check_weights(name_or_path: str) -> None:
-    """A local directory given with model.pretrained=true must hold weights."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and not any((path / f).is_file() for f in WEIGHT_FILES):
-        raise ConfigError(
-            f"model.pretrained=true but model.name_or_path={name_or_path} holds no weights "
-            f"({' or '.join(WEIGHT_FILES[::2])}); set model.pretrained=false for random init"
-        )
 
 
 def check_task(hf_config, task: ModelTask) -> None:

@@ -63,7 +63,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     vocabulary size, and the model's structure on meta."""
     from fsdp_lab.data import corpus as corpus_lib
     from fsdp_lab.engine import model as model_lib
-    from fsdp_lab.engine import wrap
+    from fsdp_lab.engine import weights, wrap
     from fsdp_lab.train import loss as loss_lib
     from fsdp_lab.train.optim import resolve_implementation
 
@@ -79,8 +79,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
-    if cfg.model.pretrained:
-        model_lib.check_weights(cfg.model.name_or_path)
+    shapes = weights.read_headers(cfg.model.name_or_path) if cfg.model.pretrained else None
     if tokenizer is not None and len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
@@ -105,6 +104,8 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
+    if shapes:
+        weights.check_shapes(shapes, meta_model, cfg.model.name_or_path)
     _check_finetune(cfg, meta_model, loss_kind)
     if cfg.parallel.tensor > 1:  # a model without a TP plan, or one the degree cannot split
         from fsdp_lab.engine import tensor_parallel

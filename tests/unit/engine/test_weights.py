@@ -1,0 +1,114 @@
+"""A pretrained directory's weight files, checked from their safetensors headers before any rank
+starts: a model saved as several files reads back with every shape; each bad input is one line
+naming the file and the fix."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fsdp_lab.config import ConfigError
+from fsdp_lab.engine import weights
+from fsdp_lab.engine.model import build_meta_model
+
+
+def config(**overrides) -> LlamaConfig:
+    sizes = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaConfig(**{**sizes, **overrides})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama saved as several safetensors files and an index, as large models are."""
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config()).save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+def copy_of(saved, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in saved.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def refused(path) -> str:
+    with pytest.raises(ConfigError) as e:
+        weights.read_headers(str(path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_model_in_several_files_reads_back_with_every_shape(saved):
+    files = sorted(p.name for p in saved.glob("*.safetensors"))
+    assert len(files) > 1 and (saved / weights.INDEX).is_file()
+    shapes = weights.read_headers(str(saved))
+    model = build_meta_model(config())
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == {k: own[k] for k in shapes} and set(shapes) <= set(own)
+    weights.check_shapes(shapes, model, str(saved))
+    assert weights.read_headers("HuggingFaceTB/SmolLM2-135M") is None  # a hub id: not ours
+
+
+def test_a_file_the_index_names_but_the_directory_lacks(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    gone = sorted(path.glob("*.safetensors"))[1]
+    gone.unlink()
+    message = refused(path)
+    assert gone.name in message and "names 1 file(s) the directory lacks" in message
+
+
+def test_a_file_cut_short_or_not_safetensors(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    first = sorted(path.glob("*.safetensors"))[0]
+    data = first.read_bytes()
+    first.write_bytes(data[:-100])
+    assert f"{first} is cut short: {len(data) - 100} bytes where its header" in refused(path)
+    first.write_bytes(b"\x00" * 64)
+    assert f"{first} is not a safetensors file" in refused(path)
+    first.write_bytes(data[:5])
+    assert "is not a safetensors file" in refused(path)
+    (path / weights.INDEX).write_text("[]")
+    assert "is not a safetensors index" in refused(path)
+
+
+def test_pickled_weights_are_refused_and_an_empty_directory_says_what_it_lacks(tmp_path):
+    assert "holds no weights" in refused(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not opened")
+    message = refused(tmp_path)
+    assert "pickled weights only" in message and "save_pretrained" in message
+
+
+def test_weights_of_another_size_than_config_json(saved):
+    shapes = weights.read_headers(str(saved))
+    other = build_meta_model(config(vocab_size=512))
+    with pytest.raises(ConfigError) as e:
+        weights.check_shapes(shapes, other, str(saved))
+    line = str(e.value)
+    assert "\n" not in line and "2 tensor(s) disagree with its config.json" in line
+    assert "model.embed_tokens.weight is [300, 64] in the file, [512, 64] in the model" in line
+
+
+def test_the_index_and_headers_are_all_that_is_read(saved, tmp_path):
+    """A 4 GB file would take as long as its header: the data is never read (here: the data
+    of a whole file replaced by a hole of the same size reads the same)."""
+    path = copy_of(saved, tmp_path)
+    first = sorted(path.glob("*.safetensors"))[0]
+    data = first.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    first.write_bytes(data[: 8 + length] + b"\x00" * (len(data) - 8 - length))
+    assert weights.read_headers(str(path)) == weights.read_headers(str(saved))
+    assert json.loads((path / weights.INDEX).read_text())["weight_map"]
