@@ -47,6 +47,7 @@ bench: setup
 	$(PY) benchmarks/bench_finetune.py
 	$(PY) benchmarks/bench_data.py
 	$(PY) benchmarks/bench_profile.py
+	$(PY) benchmarks/bench_host_memory.py
 
 # On a GPU machine (with its CUDA torch installed first): fsdp_lab beside HF Trainer and a
 # hand-written loop, 160M and 1.1B Llama. liger-kernel for loss=liger and Trainer's fast side.
