@@ -13,6 +13,7 @@ from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import (
+    MALLOC_MMAP_THRESHOLD_MAX,
     MOE_ARCHS,
     CheckpointConfig,
     Config,
@@ -75,9 +76,10 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"hardware.flight_recorder={h.flight_recorder} must be >= 0 (0: off)")
     if h.threads_per_rank is not None:
         _positive(h.threads_per_rank, "hardware.threads_per_rank")
-    if h.malloc_mmap_threshold is not None and not 0 < h.malloc_mmap_threshold <= 32 * 2**20:
+    limit = MALLOC_MMAP_THRESHOLD_MAX
+    if h.malloc_mmap_threshold is not None and not 0 < h.malloc_mmap_threshold <= limit:
         raise ConfigError(
-            f"hardware.malloc_mmap_threshold={h.malloc_mmap_threshold} must be 1 to 33554432 "
+            f"hardware.malloc_mmap_threshold={h.malloc_mmap_threshold} must be 1 to {limit} "
             "bytes (32 MiB, glibc's limit), e.g. 131072; or null for glibc's own"
         )
     if h.peak_tflops is not None:

@@ -60,6 +60,9 @@ class HardwareKind(enum.Enum):
     auto, cpu, gpu, tpu = "auto", "cpu", "gpu", "tpu"
 
 
+MALLOC_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit
+
+
 class Backend(enum.Enum):
     """The process group's backend (hardware.backend)."""
 

@@ -254,7 +254,6 @@ def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
     return threads
 
 
-MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 

@@ -65,6 +65,7 @@ def _step(
     tl: Timeline, step: int, lo: float, hi: float, rank: int
 ) -> tuple[StepBreakdown, StepPicture]:
     compute = clip(tl.compute, lo, hi)
+    kernels = _kernel_spans(tl.kernels, lo, hi)
     mine = [c for c in tl.comm if c.end > lo and c.start < hi]
     comm = union((max(c.start, lo), min(c.end, hi)) for c in mine)
     exposed = subtract(comm, compute)
@@ -82,9 +83,9 @@ def _step(
         idle_data_s=length(data) * US,
         idle_optimizer_s=length(optimizer) * US,
         units=_units(mine, compute, lo, hi),
-        kernels=_kernels(tl.kernels, lo, hi),
+        kernels={kind: length(spans) * US for kind, spans in kernels.items()},
     )
-    return breakdown, _picture(rank, step, lo, hi, compute, mine, tl.kernels)
+    return breakdown, _picture(rank, step, lo, hi, compute, mine, kernels)
 
 
 def _units(mine: list[Collective], compute: list[Interval], lo: float, hi: float) -> list[UnitComm]:
@@ -108,14 +109,16 @@ def _units(mine: list[Collective], compute: list[Interval], lo: float, hi: float
     return units
 
 
-def _kernels(kernels: list[tuple[float, float, str]], lo: float, hi: float) -> dict[str, float]:
-    """Each kernel kind's busy time in the step (the union of its kernels, clipped), the kinds
-    in timeline.KERNEL_KIND_NAMES' order; none on cpu."""
+def _kernel_spans(
+    kernels: list[tuple[float, float, str]], lo: float, hi: float
+) -> dict[str, list[Interval]]:
+    """Each kernel kind's busy intervals in the step (the union of its kernels, clipped), the
+    kinds in timeline.KERNEL_KIND_NAMES' order; none on cpu."""
     spans: dict[str, list[Interval]] = {}
     for start, end, kind in kernels:
         if end > lo and start < hi:
             spans.setdefault(kind, []).append((max(start, lo), min(end, hi)))
-    return {kind: length(union(spans[kind])) * US for kind in KERNEL_KIND_NAMES if kind in spans}
+    return {kind: union(spans[kind]) for kind in KERNEL_KIND_NAMES if kind in spans}
 
 
 def _picture(
@@ -125,7 +128,7 @@ def _picture(
     hi: float,
     compute: list[Interval],
     mine: list[Collective],
-    kernels: list[tuple[float, float, str]],
+    kernels: dict[str, list[Interval]],
 ) -> StepPicture:
     """The step as the timeline picture draws it, seconds from its start; on gpu the compute
     spans carry their kernel kind (matmul, attention...), elsewhere the kind "compute"."""
@@ -135,14 +138,10 @@ def _picture(
 
     pixel = (hi - lo) / PICTURE_PIXELS
     if kernels:
-        by_kind: dict[str, list[Interval]] = {}
-        for s, e, kind in kernels:
-            if e > lo and s < hi:
-                by_kind.setdefault(kind, []).append((max(s, lo), min(e, hi)))
         spans = [
             rel(s, e, kind)
-            for kind in KERNEL_KIND_NAMES
-            for s, e in close_gaps(union(by_kind.get(kind, [])), pixel)
+            for kind, intervals in kernels.items()
+            for s, e in close_gaps(intervals, pixel)
         ]
     else:
         spans = [rel(s, e, "compute") for s, e in close_gaps(compute, pixel)]

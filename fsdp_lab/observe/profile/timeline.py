@@ -140,11 +140,12 @@ def collective_kind(name: str) -> str:
 # print them: nvjet_sm90_tst_256x128_..., cudnn_generated_fort_native_sdpa_sm90_flash_bprop...,
 # triton_poi_fused_..., multi_tensor_apply_kernel<...FusedAdam...>).
 KERNEL_KINDS = (
+    # torch.compile's kernels first: a fused kernel holding a softmax or a loss is still fused.
+    ("fused", re.compile(r"^triton_")),  # norms, SwiGLU, RoPE, compiled loss chunks...
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn::fusion|attn")),
     ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|matmul|splitk|grouped_mm")),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|_foreach")),
     ("loss", re.compile(r"cross_entropy|nll_loss|log_softmax|softmax")),
-    ("fused", re.compile(r"^triton_")),  # torch.compile's kernels: norms, SwiGLU, RoPE...
     ("copy", re.compile(r"copy_kernel|chunk_cat|catarraybatched|split_with_sizes")),
 )
 KERNEL_KIND_NAMES = ("matmul", "attention", "fused", "optimizer", "loss", "copy", "other")
@@ -157,8 +158,6 @@ def kernel_kind(name: str, cat: str = "kernel") -> str:
     if cat in ("gpu_memcpy", "gpu_memset"):
         return "copy"
     low = name.lower()
-    if low.startswith("triton_"):
-        return "fused"
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
 
 
