@@ -19,7 +19,7 @@ from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind, Mode
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import IGNORE_INDEX, build_data
 from fsdp_lab.engine import finetune
-from fsdp_lab.engine.model import build_full_model, build_hf_config, load_pretrained
+from fsdp_lab.engine.model import build_full_model, build_hf_config, full_model, load_pretrained
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
@@ -28,11 +28,11 @@ def reference_run(cfg: Config, *, world_size: int) -> tuple[list[float], list[fl
     torch.set_num_threads(1)
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)
-    if cfg.model.pretrained:
+    if cfg.model.pretrained:  # transformers' own read, not the run's
         model = load_pretrained(cfg.model.name_or_path, cfg.model.task)
     else:
         model = build_full_model(hf_config, seed=cfg.seed, task=cfg.model.task)
-    model = _finetune(model, cfg)
+    model = _finetune(model, cfg, hf_config)
     model.train()
     optimizer = build_optimizer(
         model,
@@ -134,13 +134,19 @@ def moe_step(model: torch.nn.Module, ranks: list[list[dict]], targets: int, *, c
     return total
 
 
-def _finetune(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """LoRA as PEFT's users write it (``get_peft_model``, the adapters seeded as the run's rank
-    0 seeds them); freezing through the run's own patterns."""
+def _finetune(model: torch.nn.Module, cfg: Config, hf_config) -> torch.nn.Module:
+    """LoRA as PEFT's users write it (``get_peft_model``), its adapters given the values the
+    run's ranks draw (``engine.loading``); freezing through the run's own patterns."""
     if cfg.finetune.method is not FinetuneMethod.lora:
         finetune.apply(model, cfg.finetune)
         return model
     from peft import get_peft_model
 
-    torch.manual_seed(cfg.seed)
-    return get_peft_model(model, finetune.lora_config(cfg.finetune, model.config.model_type))
+    peft_model = get_peft_model(model, finetune.lora_config(cfg.finetune, model.config.model_type))
+    drawn = full_model(
+        hf_config, seed=cfg.seed, task=cfg.model.task, finetune_cfg=cfg.finetune
+    ).state_dict()
+    adapters = {k: v for k, v in drawn.items() if ".lora_" in k}
+    missing, unexpected = peft_model.base_model.model.load_state_dict(adapters, strict=False)
+    assert not unexpected and all(".lora_" not in k for k in missing), unexpected
+    return peft_model

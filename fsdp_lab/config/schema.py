@@ -100,6 +100,13 @@ class ModelArch(enum.Enum):
 MOE_ARCHS = frozenset({ModelArch.qwen3_moe, ModelArch.mixtral, ModelArch.olmoe})
 
 
+class WeightLoading(enum.Enum):
+    """How the initial weights reach the shards."""
+
+    per_rank = "per_rank"  # each rank reads (or draws) only its own shards
+    rank0 = "rank0"  # rank 0 builds the whole model in fp32 and broadcasts it
+
+
 class ExpertsImplementation(enum.Enum):
     """How an MoE layer runs its experts (transformers' ``_experts_implementation``)."""
 
@@ -360,8 +367,14 @@ class ModelConfig:
     """A local Hugging Face model directory (config.json, optionally safetensors and a
     tokenizer) or a hub id such as HuggingFaceTB/SmolLM2-135M (where the hub is reachable)."""
     pretrained: bool = False
-    """name_or_path only: load its weights (rank 0 reads them, every rank receives only its
-    shards). false: random init from its config, seeded."""
+    """name_or_path only: load its weights (each rank reads only its own shards from the
+    safetensors files). false: random init from its config, seeded."""
+    loading: WeightLoading = WeightLoading.per_rank
+    """per_rank: each rank reads from the safetensors files, or draws from the seed, only the
+    shards it holds (host RAM: its shards and one tensor). rank0: rank 0 builds the whole model
+    in fp32 (transformers' from_pretrained, or the seeded init) and broadcasts it: the same
+    weights, at the whole model's host RAM on rank 0. A checkpoint transformers converts in a
+    way that cannot be read per tensor, or a hub id, takes rank0's route with a warning."""
     task: ModelTask = ModelTask.causal_lm
     """causal_lm: next-token loss; masked_lm: loss on masked tokens (encoders such as BERT)."""
     vocab_size: Optional[int] = None

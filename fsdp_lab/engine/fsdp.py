@@ -170,6 +170,22 @@ class Fsdp2Model(ShardedModel):
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
         return hardware.gather_from_processes(state_bytes(self.model, optimizer))
 
+    def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Each tensor gathered whole from its shards (an all-gather over its mesh: every rank
+        holds it a moment, one tensor at a time); rank 0 keeps it, on the host."""
+        from fsdp_lab.engine import loading
+
+        if not hasattr(self, "_owned"):
+            self._owned = loading.owned_tensors(self.model)
+        rank0 = torch.distributed.get_rank() == 0
+        out = {}
+        for name in names:
+            whole = gather_whole(self._owned[name][2]).detach()
+            if rank0:
+                out[name] = whole.cpu()
+            del whole
+        return out if rank0 else None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -256,6 +272,26 @@ def build_model(
         device=device,
         frozen_fingerprint=fingerprint,
     )
+
+
+def gather_whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value, on every rank of its mesh; a plain tensor as it is. A shard
+    offloaded to the host joins the gather from the mesh's device (NCCL gathers no host
+    tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    if local.device.type != t.device_mesh.device_type:
+        t = DTensor.from_local(
+            local.to(t.device_mesh.device_type),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t.full_tensor()
 
 
 def local_numel(module: nn.Module) -> int:

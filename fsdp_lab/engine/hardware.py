@@ -359,11 +359,21 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    reset_host_peak()
+
+
+def reset_host_peak() -> None:
+    """Start a new host RSS high-water mark (Linux: VmHWM through /proc/self/clear_refs)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:  # not Linux, or not permitted: the peak stays the process's lifetime peak
         pass
+
+
+def host_peak_since_reset_bytes() -> int:
+    """The host RSS high-water mark since ``reset_host_peak`` (else the lifetime peak)."""
+    return _proc_status_bytes("VmHWM") or host_peak_rss_bytes()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -372,7 +382,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     too: torch_xla 2.9 reports no memory for the SPMD virtual device."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _proc_status_bytes("VmHWM") or host_peak_rss_bytes()
+    return host_peak_since_reset_bytes()
 
 
 def current_memory_bytes(device: torch.device) -> int:

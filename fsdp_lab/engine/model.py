@@ -203,20 +203,54 @@ def _from_config(hf_config, task: ModelTask) -> nn.Module:
 
 
 def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
-    """The model's structure with no storage: sharding decides where each piece lives."""
+    """The architecture's structure with no storage: sharding decides where each piece lives."""
     with torch.device("meta"):
         return _from_config(hf_config, task)
 
 
+def model_on_meta(hf_config, task: ModelTask, finetune_cfg=None) -> nn.Module:
+    """A run's model on meta: the architecture, then the finetune group's freezes or LoRA
+    adapters. Every rank, the launcher's checks, ``fsdp-lab plan`` and the exporters build it
+    here, so all see the same parameters by name."""
+    from fsdp_lab.engine import finetune
+
+    model = build_meta_model(hf_config, task)
+    if finetune_cfg is not None:
+        finetune.apply(model, finetune_cfg)
+    return model
+
+
+def full_model(
+    hf_config,
+    *,
+    seed: int,
+    task: ModelTask = ModelTask.causal_lm,
+    finetune_cfg=None,
+    pretrained: str | None = None,
+) -> nn.Module:
+    """The whole model in one process, on the host, filled exactly as the sharded ranks fill
+    their shards (``engine.loading``): the unsharded reference of a run, and the model an
+    export writes into."""
+    from fsdp_lab.engine import loading
+
+    model = model_on_meta(hf_config, task, finetune_cfg)
+    tied = tied_groups(model)
+    model.to_empty(device=torch.device("cpu"))
+    if tied:
+        model.tie_weights()  # to_empty gives each module a new parameter: tie them again
+        check_tied(model, tied)
+    loading.fill(model, loading.InitialWeights(seed=seed, pretrained=pretrained))
+    return model
+
+
 def build_full_model(hf_config, *, seed: int, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
-    """The whole model on CPU with seeded random init: rank 0's source and the test reference."""
-    torch.manual_seed(seed)
-    return _from_config(hf_config, task)
+    """The whole model on CPU with the seeded random init a sharded run starts from."""
+    return full_model(hf_config, seed=seed, task=task)
 
 
 def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
-    """The whole pretrained model on CPU in fp32 (master weights; compute dtypes come from the
-    precision policy). transformers reads the safetensors straight into the model's tensors."""
+    """The whole pretrained model on CPU in fp32, read by transformers: rank 0's source where
+    a checkpoint cannot be read per rank (``materialize``'s fallback)."""
     local = Path(name_or_path).expanduser()
     source = str(local) if local.exists() else name_or_path
     try:
@@ -260,28 +294,59 @@ def check_tied(model: nn.Module, expected: list[list[str]]) -> None:
 def materialize(
     model: nn.Module, *, device: torch.device, source, offload: bool = False
 ) -> str | None:
-    """Give the sharded meta model real storage on ``device`` and rank 0's initial weights.
-    With ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and
-    only the buffers, which FSDP does not move, go to ``device``.
+    """Give the sharded meta model real storage on ``device`` and its initial weights. With
+    ``offload`` the parameter shards live on the host (CPUOffloadPolicy requires it) and only
+    the buffers, which FSDP does not move, go to ``device``.
 
-    ``source()`` builds the full model on CPU; only rank 0 calls it. Every other rank receives
-    its shards one tensor at a time (``broadcast_from_rank0``), so it never holds a full copy.
+    ``source`` is a ``loading.InitialWeights``. Per rank (model.loading=per_rank), each rank
+    fills its own shards, read from the safetensors files or drawn from the seed: no process
+    holds the whole model. Else, or where a checkpoint cannot be read per rank (a hub id, a
+    conversion that cannot be planned per tensor: with a warning), its ``whole()`` builds the
+    model on rank 0 and it reaches every rank's shards tensor by tensor
+    (``broadcast_from_rank0``). ``source`` may also be such a builder itself (tests).
 
-    Non-persistent buffers (rotary ``inv_freq``) are not in a state dict, so they are copied from
-    rank 0's CPU model too: after ``to_empty`` they hold garbage (loss silently off by ~4e-4).
-
-    Returns, on every rank, the fingerprint of the frozen parameters rank 0 read (None: none
-    is frozen): what a checkpoint that leaves the base out records and a resume compares.
+    Returns, on every rank, the fingerprint of the frozen base (None: none is frozen): what a
+    checkpoint that leaves the base out records and a resume compares.
     """
-    from fsdp_lab.engine.finetune import frozen_fingerprint
+    from fsdp_lab.engine import loading
 
-    rank = dist.get_rank()
     model.to_empty(device=torch.device("cpu") if offload else device)
     if offload and device.type != "cpu":
         for module in model.modules():
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
+    if not isinstance(source, loading.InitialWeights):
+        return _from_rank0(model, source)
+    if source.per_rank:
+        try:
+            fingerprint = loading.fill(model, source)
+            loading.check_filled(model)
+            return fingerprint
+        except loading.NotPerRank as e:
+            if dist.get_rank() == 0:
+                log.warning(
+                    "%s cannot be read per rank (%s): rank 0 reads the whole model and "
+                    "broadcasts it, holding about %.1f GB of host memory",
+                    source.pretrained,
+                    e,
+                    fp32_bytes(model) / 1e9,
+                )
+    whole_fingerprint = _from_rank0(model, source.whole)
+    if source.pretrained is not None and not source.from_files():
+        return whole_fingerprint  # a hub id's: of rank 0's whole model
+    return loading.frozen_fingerprint(model, source)  # the same on either route
+
+
+def fp32_bytes(model: nn.Module) -> int:
+    """The whole model's bytes in fp32 (its global shapes, whatever it is sharded into)."""
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def _from_rank0(model: nn.Module, source) -> str | None:
+    from fsdp_lab.engine.finetune import frozen_fingerprint
+
+    rank = dist.get_rank()
     full_sd: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     fingerprint = None
@@ -304,6 +369,7 @@ def materialize(
     with torch.no_grad():
         for name, value in payload[0].items():
             own[name].copy_(value.to(own[name].device))
-    for name, param in model.named_parameters():
-        assert not param.is_meta, f"{name} was not materialised"
+    from fsdp_lab.engine import loading
+
+    loading.check_filled(model)
     return payload[1]

@@ -65,3 +65,11 @@ class ShardedModel(ABC):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole weights on the host of rank 0 (others: {}); every rank calls it."""
+
+    def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """The whole tensors ``names`` (clean names) on the host of rank 0 (others: None); every
+        rank calls it with the same names. An export's read, one group at a time. This default
+        gathers the whole state once (an engine without per-tensor gathers: XLA's)."""
+        if not hasattr(self, "_whole"):
+            self._whole = self.full_state_dict()
+        return {n: self._whole[n] for n in names} if self._whole else None

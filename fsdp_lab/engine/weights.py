@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-
-from torch import nn
 
 from fsdp_lab.config import ConfigError
 
@@ -25,6 +24,66 @@ _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 _SHOWN = 3  # keys named in an error
 
 
+@dataclass(frozen=True)
+class FileTensor:
+    """Where one tensor lies: its file, dtype (safetensors' name), shape and byte range."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute offsets into the file
+    end: int
+
+
+class WeightFiles:
+    """A local model directory's safetensors tensors, read one at a time: whole, or only a
+    region (``safe_open(...).get_slice``, an mmap'd byte range). Each read opens and closes its
+    file, so the pages it touched leave this process's memory with it."""
+
+    def __init__(self, name_or_path: str) -> None:
+        self.path = Path(name_or_path).expanduser()
+        if not self.path.is_dir():
+            raise ConfigError(
+                f"model.name_or_path={name_or_path} is not a local directory; per-rank loading "
+                "reads the safetensors files of one"
+            )
+        self.tensors: dict[str, FileTensor] = {}
+        for file in _weight_files(self.path, f"model.name_or_path={name_or_path}"):
+            self.tensors.update(_entries(file))
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: t.shape for k, t in self.tensors.items()}
+
+    def read(self, key: str, region: tuple[slice, ...] | None = None):
+        """The tensor ``key`` in its file's dtype, or only ``region`` of it."""
+        from safetensors import safe_open
+
+        with safe_open(self.tensors[key].file, framework="pt") as f:
+            if region is None or not region:
+                return f.get_tensor(key)
+            return f.get_slice(key)[region]
+
+    def digest(self, key: str, *, chunk: int) -> str:
+        """xxh3-128 of the tensor's dtype, shape and bytes as stored, read ``chunk`` at a time."""
+        import xxhash
+
+        t = self.tensors[key]
+        digest = xxhash.xxh3_128(f"{t.dtype}|{list(t.shape)}|".encode())
+        with t.file.open("rb") as f:
+            f.seek(t.begin)
+            left = t.end - t.begin
+            while left > 0:
+                data = f.read(min(chunk, left))
+                if not data:
+                    raise ConfigError(f"{t.file} is cut short; copy the checkpoint again")
+                digest.update(data)
+                left -= len(data)
+        return digest.hexdigest()
+
+
 def read_headers(name_or_path: str) -> dict[str, tuple[int, ...]] | None:
     """Every tensor's shape in a local model directory's safetensors files (None: not a local
     directory, a hub id that transformers resolves). Raises ``ConfigError``, one line naming
@@ -33,7 +92,13 @@ def read_headers(name_or_path: str) -> dict[str, tuple[int, ...]] | None:
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         return None
-    setting = f"model.name_or_path={name_or_path}"
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(path, f"model.name_or_path={name_or_path}"):
+        shapes.update({k: t.shape for k, t in _entries(file).items()})
+    return shapes
+
+
+def _weight_files(path: Path, setting: str) -> list[Path]:
     if (path / INDEX).is_file():
         files = _indexed_files(path / INDEX, setting)
     elif (path / SINGLE).is_file():
@@ -49,27 +114,7 @@ def read_headers(name_or_path: str) -> dict[str, tuple[int, ...]] | None:
             f"model.pretrained=true but {setting} holds no weights ({SINGLE} or {INDEX}); set "
             "model.pretrained=false for random init"
         )
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        shapes.update(_header(file))
-    return shapes
-
-
-def check_shapes(shapes: dict[str, tuple[int, ...]], model: nn.Module, name_or_path: str) -> None:
-    """Each checkpoint tensor the model has under the same name has the model's shape (a
-    config.json that disagrees with its weights: another size, another vocabulary). Names the
-    model does not have are left to transformers, which renames and merges some as it loads
-    (Mixtral's per-expert tensors into one)."""
-    own = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    wrong = [(k, s, own[k]) for k, s in shapes.items() if k in own and own[k] != s]
-    if wrong:
-        shown = "; ".join(
-            f"{k} is {list(s)} in the file, {list(m)} in the model" for k, s, m in wrong[:_SHOWN]
-        )
-        raise ConfigError(
-            f"model.name_or_path={name_or_path}: {len(wrong)} tensor(s) disagree with its "
-            f"config.json ({shown}); the weights and config.json come from different models"
-        )
+    return files
 
 
 def _indexed_files(index: Path, setting: str) -> list[Path]:
@@ -88,8 +133,8 @@ def _indexed_files(index: Path, setting: str) -> list[Path]:
     return [index.parent / n for n in names]
 
 
-def _header(file: Path) -> dict[str, tuple[int, ...]]:
-    """The file's tensors and shapes, after checking that the file holds all its data."""
+def _entries(file: Path) -> dict[str, FileTensor]:
+    """The file's tensors, after checking that the file holds all its data."""
     size = file.stat().st_size
     try:
         with file.open("rb") as f:
@@ -99,7 +144,17 @@ def _header(file: Path) -> dict[str, tuple[int, ...]]:
             header = json.loads(f.read(length))
         entries = {k: v for k, v in header.items() if k != "__metadata__"}
         end = max((v["data_offsets"][1] for v in entries.values()), default=0)
-        shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in entries.items()}
+        start = 8 + length
+        tensors = {
+            k: FileTensor(
+                file,
+                str(v["dtype"]),
+                tuple(int(d) for d in v["shape"]),
+                start + int(v["data_offsets"][0]),
+                start + int(v["data_offsets"][1]),
+            )
+            for k, v in entries.items()
+        }
     except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
         raise ConfigError(
             f"{file} is not a safetensors file ({_first(str(e))}); copy the checkpoint again"
@@ -109,7 +164,7 @@ def _header(file: Path) -> dict[str, tuple[int, ...]]:
             f"{file} is cut short: {size} bytes where its header describes {8 + length + end}; "
             "copy the checkpoint again"
         )
-    return shapes
+    return tensors
 
 
 def _first(text: str, limit: int = 300) -> str:

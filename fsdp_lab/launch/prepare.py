@@ -4,6 +4,7 @@ on the run dir. Under torchrun or srun rank 0 runs ``prepare_run`` (``launch.ext
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -103,9 +104,9 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
             )
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
-    meta_model = model_lib.build_meta_model(hf_config, cfg.model.task)
-    if shapes:
-        weights.check_shapes(shapes, meta_model, cfg.model.name_or_path)
+    meta_model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    if shapes is not None:  # every tensor's sources, and their shapes, from the headers
+        _check_weights(meta_model, cfg.model.name_or_path)
     _check_finetune(cfg, meta_model, loss_kind)
     if cfg.parallel.tensor > 1:  # a model without a TP plan, or one the degree cannot split
         from fsdp_lab.engine import tensor_parallel
@@ -119,13 +120,21 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     return cfg, meta_model
 
 
+def _check_weights(meta_model: torch.nn.Module, path: str) -> None:
+    """The checkpoint's tensors against the model's, from the headers: one line naming the
+    first few keys for a tensor either side lacks or a shape that differs."""
+    from fsdp_lab.engine import conversion, weights
+
+    with contextlib.suppress(conversion.NotPerRank):  # rank 0 reads it whole, and says so
+        conversion.plan_loading(meta_model, weights.WeightFiles(path), path)
+
+
 def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None:
     """The finetune group on the model's structure: patterns that match nothing, nothing left
     to train, and LoRA on the output head under a loss that reads the head's weight alone."""
     from fsdp_lab.config import FinetuneMethod
     from fsdp_lab.engine import finetune
 
-    finetune.apply(meta_model, cfg.finetune)
     method = cfg.finetune.method
     if method is FinetuneMethod.full:
         return

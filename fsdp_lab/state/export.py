@@ -1,7 +1,14 @@
 """Write a Hugging Face model directory (config.json, safetensors) from trained weights.
 
-Used at the end of training (``checkpoint.export_hf=true``) and by ``fsdp-lab export``, which
-reads a checkpoint in one plain process, without the ranks that wrote it.
+Streamed: the weights go out one group at a time (a tensor; one MoE layer's fused experts),
+converted back to the checkpoint's own key format as ``save_pretrained`` writes it
+(``engine.conversion.plan_saving``: a Mixtral's experts one tensor per expert again), straight
+into safetensors files whose headers were laid out first from the shapes. No process holds more
+than its shards and one group: at the end of a run (``checkpoint.export_hf=true``) every rank
+takes part in gathering each tensor and rank 0 writes it; ``fsdp-lab export`` reads each group
+from the checkpoint in one plain process. A LoRA run exports PEFT's adapter directory (the
+adapters alone), or with ``merge`` the whole model, each adapted layer merged by PEFT's own
+``merge`` as it passes.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ import dataclasses
 import json
 import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,78 +31,298 @@ from fsdp_lab.config import (
     ModelTask,
     to_typed,
 )
-from fsdp_lab.engine import finetune
+from fsdp_lab.engine import conversion, finetune, loading, weights
 from fsdp_lab.engine.model import (
     align_special_tokens,
-    build_full_model,
     build_hf_config,
     build_meta_model,
-    load_pretrained,
+    model_on_meta,
+    tied_groups,
 )
 from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.state import formats
 
+# A collective where the weights are sharded: every rank calls it with the same keys, in the same
+# order; the writer gets the full tensors on the host, every other rank None.
+Fetch = Callable[[list[str]], "dict[str, torch.Tensor] | None"]
 
-def export_hf(
-    model_sd: dict[str, torch.Tensor],
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def parse_size(size: str | int) -> int:
+    """``max_shard_size`` as transformers writes it ("2GB", "500MB", "200KB") in bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, factor in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+class StreamedSafetensors:
+    """Safetensors files written tensor by tensor, in an order known up front: each file's
+    header (every tensor's dtype, shape and byte range) is written when its first tensor
+    arrives, then each tensor's bytes as it comes. Files of at most ``max_bytes`` (a tensor
+    larger than that gets a file of its own), named as ``save_pretrained`` names them, with
+    its index where there are several."""
+
+    def __init__(
+        self, directory: Path, layout: list[tuple[str, torch.dtype, tuple]], max_bytes: int
+    ):
+        self.directory = directory
+        files: list[list[tuple[str, torch.dtype, tuple, int]]] = [[]]
+        size = 0
+        for key, dtype, shape in layout:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            if files[-1] and size + nbytes > max_bytes:
+                files.append([])
+                size = 0
+            files[-1].append((key, dtype, shape, nbytes))
+            size += nbytes
+        n = len(files)
+        names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.files = list(zip(names, files, strict=True))
+        self.where = {e[0]: i for i, (_, entries) in enumerate(self.files) for e in entries}
+        self.expected = [e[0] for _, entries in self.files for e in entries]
+        self.total = sum(e[3] for _, entries in self.files for e in entries)
+        self._next = 0
+        self._open: tuple[int, object] | None = None
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if key != self.expected[self._next]:
+            raise RuntimeError(f"export: {key} arrived where {self.expected[self._next]} was due")
+        index = self.where[key]
+        if self._open is None or self._open[0] != index:
+            self._close()
+            self._open = (index, self._start(index))
+        f = self._open[1]
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
+        self._next += 1
+
+    def finish(self) -> None:
+        self._close()
+        if self._next != len(self.expected):
+            raise RuntimeError(f"export: {len(self.expected) - self._next} tensors never arrived")
+        if len(self.files) > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {key: self.files[i][0] for key, i in self.where.items()},
+            }
+            (self.directory / "model.safetensors.index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
+
+    def _start(self, index: int):
+        name, entries = self.files[index]
+        header: dict = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for key, dtype, shape, nbytes in entries:
+            header[key] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [at, at + nbytes],
+            }
+            at += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes
+        f = (self.directory / name).open("wb")
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        return f
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """Where and how an export writes: ``out_dir`` new or empty, or with ``replace`` a run's own
+    earlier export (swapped out once the new one is whole); LoRA adapters merged into the base
+    or PEFT's adapter directory; files of at most ``max_shard_size``; the run's tokenizer."""
+
+    out_dir: Path
+    merge: bool = False
+    max_shard_size: str | int = "2GB"
+    replace: bool = False
+    tokenizer: object = None
+
+
+def export_model(
+    model: torch.nn.Module,
+    fetch: Fetch,
+    target: ExportTarget,
+    cfg: Config,
     hf_config,
-    out_dir: Path,
     *,
-    max_shard_size: str = "2GB",
-    replace: bool = False,
-    task: ModelTask = ModelTask.causal_lm,
-    tokenizer=None,
-    preset: bool = False,
+    writer: bool,
 ) -> Path:
-    """Save ``model_sd`` as a from_pretrained-able directory; complete or invisible.
-
-    The weights are assigned into a meta-built model (no second copy), and tied parameters are
-    re-tied, so save_pretrained writes a tied head once, as transformers expects. The run's
-    tokenizer, if it has one, is saved beside the weights, so the directory is all that
-    ``from_pretrained`` and ``generate`` need. An existing
-    non-empty ``out_dir`` is an error unless ``replace`` (a run re-exporting its own hf/), and
-    then it is swapped out only once the new export is whole.
-    """
-    out_dir = _new_out_dir(out_dir, replace)
-    if preset and tokenizer is not None:
-        align_special_tokens(hf_config, tokenizer)
-    model = build_meta_model(hf_config, task)
-    _assign(model, model_sd, hf_config)
-    model.config.use_cache = True  # trained without a KV cache; generation wants one
+    """Export the weights of ``model`` (a run's model, sharded or whole: its names say which
+    tensors there are) read through ``fetch``: a LoRA run's adapters as PEFT's adapter
+    directory, unless ``target.merge``; every other run's, or a merged one, as a whole model.
+    Complete or invisible. Every process calls it (``fetch`` may be a collective); only the
+    ``writer`` writes."""
+    out_dir = Path(target.out_dir)
+    if writer:
+        _new_out_dir(out_dir, target.replace)
+    if cfg.model.arch is not None and target.tokenizer is not None:
+        align_special_tokens(hf_config, target.tokenizer)
+    names = loading.owned_tensors(model)
+    lora = cfg.finetune.method is FinetuneMethod.lora
+    if lora and not target.merge:
+        values = fetch(sorted(n for n in names if ".lora_" in n))
+        if writer:
+            peft_model = _peft_model(values, hf_config, cfg)
+            _save_adapter(peft_model, out_dir, replace=target.replace, tokenizer=target.tokenizer)
+        return out_dir
+    read = _merging(fetch, names, cfg, hf_config) if lora else fetch
+    plain = build_meta_model(hf_config, cfg.model.task)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    _swap_into_place(tmp, out_dir)
+    _stream_weights(plain, names, read, tmp if writer else None, parse_size(target.max_shard_size))
+    if writer:
+        config = plain.config
+        config.use_cache = True  # trained without a KV cache; generation wants one
+        config.architectures = [type(plain).__name__]
+        config.save_pretrained(tmp)
+        if plain.can_generate():
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(tmp)
+        _swap_into_place(tmp, out_dir)
     return out_dir
 
 
-def export_run(
-    model_sd: dict[str, torch.Tensor],
-    hf_config,
-    out_dir: Path,
-    cfg: Config,
-    *,
-    merge: bool = False,
-    **kwargs,
-) -> Path:
-    """A run's trained weights as a Hugging Face directory: a LoRA run's as a PEFT adapter
-    directory (``PeftModel.from_pretrained(base, out_dir)``; with peft installed
-    ``from_pretrained(out_dir)`` too), or with ``merge`` as a whole model with the adapters
-    merged into the base; every other run's as a whole model (``export_hf``)."""
-    if cfg.finetune.method is FinetuneMethod.lora:
-        peft_model = _peft_model(model_sd, hf_config, cfg)
-        if not merge:
-            return _save_adapter(peft_model, out_dir, **kwargs)
-        merged = peft_model.merge_and_unload()
-        model_sd = merged.state_dict()
-    return export_hf(model_sd, hf_config, out_dir, task=cfg.model.task, **kwargs)
+def _stream_weights(plain, names: dict, read: Fetch, tmp: Path | None, max_bytes: int) -> None:
+    """Every base tensor, one group at a time, through ``read`` into safetensors files under
+    ``tmp`` (the writer's; None on the other ranks, which only take part in the reads)."""
+    base_keys = {loading.checkpoint_key(n): n for n in names if ".lora_" not in n}
+    groups = conversion.plan_saving(plain, list(base_keys))
+    files = None
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        layout = _layout(groups, {k: names[n][2] for k, n in base_keys.items()})
+        files = StreamedSafetensors(tmp, layout, max_bytes)
+    failure: OSError | None = None
+    for model_keys, save in groups:
+        values = read([base_keys[k] for k in model_keys])
+        if files is None or failure is not None:
+            continue  # every rank still takes part in each gather
+        try:
+            for key, tensor in save({k: values[base_keys[k]] for k in model_keys}).items():
+                files.write(key, tensor)
+        except OSError as e:  # a full disk: the other ranks finish their part first
+            failure = e
+        del values
+    if files is None:
+        return
+    if failure is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"export: writing {tmp.name[:-4]} failed ({failure}); nothing was replaced"
+        )
+    files.finish()
 
 
-def _peft_model(model_sd: dict[str, torch.Tensor], hf_config, cfg: Config):
-    """A PeftModel holding ``model_sd`` (our names: PEFT's without ``base_model.model.``),
-    built on meta and given the tensors, not a copy of them."""
+def _layout(groups, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple]]:
+    """Every file tensor's key, dtype and shape, in the order the groups write them: each
+    group's conversion run on meta tensors of the model's shapes."""
+    out = []
+    for model_keys, save in groups:
+        metas = {
+            k: torch.empty(tensors[k].shape, dtype=tensors[k].dtype, device="meta")
+            for k in model_keys
+        }
+        out.extend((key, t.dtype, tuple(t.shape)) for key, t in save(metas).items())
+    return out
+
+
+def _merging(fetch: Fetch, names: dict, cfg: Config, hf_config) -> Fetch:
+    """``fetch`` of a LoRA run's model that gives each adapted layer's weight with its adapters
+    merged in, under the base layer's name: PEFT's own ``merge``, on that one layer of a PEFT
+    model built on meta and lent the layer's tensors."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = _peft_model({}, hf_config, cfg)
+    prefix = "base_model.model."
+    layers = {
+        n.removeprefix(prefix): m
+        for n, m in peft_model.named_modules()
+        if isinstance(m, LoraLayer) and n.startswith(prefix)
+    }
+    parts = {}  # base weight's name -> (its layer, the names of the layer's adapter tensors)
+    for name, layer in layers.items():
+        base = f"{name}{loading.LORA_BASE}.weight"
+        if base in names:
+            parts[base] = (layer, sorted(n for n in names if n.startswith(name + ".lora_")))
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor] | None:
+        extra = [n for k in keys if k in parts for n in parts[k][1]]
+        values = fetch(list(keys) + extra)
+        if values is None:
+            return None
+        for k in keys:
+            if k in parts:
+                layer, adapter_names = parts[k]
+                values[k] = _merge_layer(layer, values[k], {n: values[n] for n in adapter_names})
+        return values
+
+    return read
+
+
+def _merge_layer(layer, weight: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+    """PEFT's merge of one LoRA layer, its tensors lent for the call (then meta again)."""
+    lent = [(layer.base_layer, "weight", weight)]
+    for name, value in adapters.items():
+        module_path, attr = name.rsplit(".", 1)
+        part = module_path.split(".lora_", 1)[1]  # "A.default"
+        kind, adapter = part.split(".", 1)
+        lent.append((getattr(layer, f"lora_{kind}")[adapter], attr, value))
+    saved = [(m, a, m._parameters[a]) for m, a, _ in lent]
+    try:
+        for module, attr, value in lent:
+            module._parameters[attr] = torch.nn.Parameter(value.clone(), requires_grad=False)
+        with torch.no_grad():
+            layer.merge(adapter_names=[finetune.ADAPTER])
+        return layer.base_layer.weight.detach()
+    finally:
+        layer.merged_adapters.clear()
+        for module, attr, value in saved:
+            module._parameters[attr] = value
+
+
+def _peft_model(adapters: dict[str, torch.Tensor], hf_config, cfg: Config):
+    """A PeftModel on meta holding ``adapters`` (our names: PEFT's without
+    ``base_model.model.``), given the tensors, not copies; every adapter is required unless
+    none is given (the structure alone)."""
     from peft import get_peft_model
 
     base = build_meta_model(hf_config, cfg.model.task)
@@ -103,25 +332,17 @@ def _peft_model(model_sd: dict[str, torch.Tensor], hf_config, cfg: Config):
     if cfg.model.task is ModelTask.causal_lm:
         lora.task_type = "CAUSAL_LM"  # so AutoModelForCausalLM.from_pretrained takes the dir
     peft_model = get_peft_model(base, lora, adapter_name=finetune.ADAPTER)
-    _assign(peft_model, model_sd, hf_config, prefix="base_model.model.", base=base)
+    if adapters:
+        prefix = "base_model.model."
+        sd = {prefix + k: v for k, v in adapters.items()}
+        missing, unexpected = peft_model.load_state_dict(sd, strict=False, assign=True)
+        missing = [k for k in missing if ".lora_" in k]
+        if missing or unexpected:
+            raise ConfigError(
+                f"export: the adapters do not fit {type(base).__name__} with LoRA "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
     return peft_model
-
-
-def _assign(model, model_sd: dict, hf_config, *, prefix: str = "", base=None) -> None:
-    """Give ``model`` the tensors of ``model_sd`` (not copies; keys under ``prefix`` in it),
-    every weight but a tied one required; tied parameters re-tied on ``base`` (the HF model)."""
-    base = model if base is None else base
-    sd = {prefix + k: v for k, v in model_sd.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    tied = {prefix + k for k in _tied_keys(base)}
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ConfigError(
-            f"export: the weights do not fit {type(base).__name__}{' with LoRA' if prefix else ''} "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    if getattr(hf_config, "tie_word_embeddings", False):
-        base.tie_weights()
 
 
 def _new_out_dir(out_dir: Path, replace: bool) -> Path:
@@ -156,19 +377,15 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _tied_keys(model) -> set[str]:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return set(tied)  # a dict (transformers 5) or a list: its keys either way
-
-
-def load_checkpoint_weights(
+def open_checkpoint(
     path: Path, verify: CheckpointVerify = CheckpointVerify.checksum, *, base: Path | None = None
-) -> tuple[dict[str, torch.Tensor], object, Config]:
-    """(full model state dict, transformers config, run config) of a checkpoint, in this one
-    process; the checkpoint is verified as ``verify`` says and read through safe_load's guards
-    (a run dir or checkpoint root: its latest checkpoint). ``base``: where the frozen base of a
-    fine-tune's checkpoint is here, if not where its run read it (another machine); the run
-    config returned then names it."""
+) -> tuple[torch.nn.Module, Fetch, object, Config]:
+    """(the run's model on meta, ``fetch`` of its tensors, transformers config, run config) of
+    a checkpoint, read in this one process a group at a time; the checkpoint is verified as
+    ``verify`` says and read through safe_load's guards (a run dir or checkpoint root: its
+    latest checkpoint). A fine-tune's checkpoint without its frozen base reads the base from
+    where its run read it, or from ``base`` (another machine; the run config returned then
+    names it), checked against the fingerprint the run recorded."""
     path = ckpt.resolve_resume(str(path), Path(path), verify)
     trainer = json.loads((path / ckpt.TRAINER_FILE).read_text())
     cfg = to_typed(trainer["config"])
@@ -183,28 +400,64 @@ def load_checkpoint_weights(
             "which is not here; pass --base DIR (a directory of the same base weights)"
         )
     hf_config = build_hf_config(cfg.model)
-    model, held = _model_for(path, record, cfg, hf_config)
-    formats.format_of(path).read_model(path, model, held=held)
-    return model.state_dict(), hf_config, cfg
+    model = model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    held, frozen = set(loading.owned_tensors(model)), None
+    if not record["saved"]:
+        held = set(finetune.trainable_names(model))
+        frozen = _base_reader(path, record, model, cfg.seed, source)
+    fetch = _checkpoint_fetch(model, formats.format_of(path).tensor_reader(path), held, frozen)
+    return model, fetch, hf_config, cfg
 
 
-def _model_for(path: Path, record: dict, cfg: Config, hf_config):
-    """A CPU model with the checkpoint's parameters (its finetune applied), and what of it the
-    checkpoint holds. A fine-tune's checkpoint without its frozen base gets the base read
-    from where the run read it, checked against the fingerprint the run recorded."""
-    if record["saved"]:  # every weight comes from the checkpoint: any init gives the shapes
-        model = build_full_model(hf_config, seed=0, task=cfg.model.task)
-        finetune.apply(model, cfg.finetune)
-        return model, ckpt.FrozenBase()
-    source = cfg.model.name_or_path  # the run's, or --base (load_checkpoint_weights checked it)
-    model = load_pretrained(source, cfg.model.task)
-    finetune.apply(model, cfg.finetune, seed=cfg.seed)
-    fingerprint = finetune.frozen_fingerprint(model)
+def _base_reader(path: Path, record: dict, model, seed: int, source: str):
+    """(files, load plan) of the frozen base a fine-tune's checkpoint leaves out, once its
+    files' fingerprint is the one the run recorded."""
+    spec = loading.InitialWeights(seed=seed, pretrained=source)
+    fingerprint = loading.frozen_fingerprint(model, spec)
     if fingerprint != record["fingerprint"]:
         raise ckpt.CheckpointError(
             f"checkpoint {path} holds only the trainable parameters of a fine-tune, and the "
-            f"weights in {source} differ from its base (fingerprint {fingerprint[:12]}, not "
-            f"{record['fingerprint'][:12]}); pass --base DIR with the base it was trained on"
+            f"weights in {source} differ from its base (fingerprint {str(fingerprint)[:12]}, "
+            f"not {str(record['fingerprint'])[:12]}); pass --base DIR with the base it was "
+            "trained on"
         )
-    names = frozenset(finetune.trainable_names(model))
-    return model, ckpt.FrozenBase(trainable=names, fingerprint=fingerprint, source=source)
+    files = weights.WeightFiles(source)
+    return files, conversion.plan_loading(model, files, source)
+
+
+def _checkpoint_fetch(model, fill, held: set[str], base) -> Fetch:
+    """``fetch`` of a checkpoint in one process: the tensors it holds through its format's
+    reader (``fill``), the others (a frozen base) from the base's files."""
+    names = loading.owned_tensors(model)
+
+    def fetch(keys: list[str]) -> dict[str, torch.Tensor]:
+        out = {
+            k: torch.empty(names[k][2].shape, dtype=names[k][2].dtype) for k in keys if k in held
+        }
+        if out:
+            fill(out)
+        for k in keys:
+            if k not in held:
+                files, plan = base
+                src = plan.sources[k]
+                read = [files.read(key) for key in src.keys]
+                value = read[0] if src.convert is None else src.convert(read)
+                out[k] = value.to(names[k][2].dtype)
+        return out
+
+    return fetch
+
+
+def load_checkpoint_weights(
+    path: Path, verify: CheckpointVerify = CheckpointVerify.checksum, *, base: Path | None = None
+) -> tuple[dict[str, torch.Tensor], object, Config]:
+    """(full model state dict, transformers config, run config) of a checkpoint, whole in this
+    one process: for comparisons of small models (an export streams: ``export_checkpoint``)."""
+    model, fetch, hf_config, cfg = open_checkpoint(path, verify, base=base)
+    names = loading.owned_tensors(model)
+    values = fetch(list(names))
+    sd = {key: values[key] for key in model.state_dict() if key in values}
+    for group in tied_groups(model):  # a tied tensor under each of its names
+        value = next(values[n] for n in group if n in values)
+        sd.update(dict.fromkeys(group, value))
+    return sd, hf_config, cfg

@@ -88,7 +88,7 @@ class SaveGuard(Protocol):
 
 class StateFormat(ABC):
     """One format's writer and reader of the model and optimizer state. Every rank calls
-    ``save`` and ``load``; ``saved_shapes`` and ``read_model`` run in one process."""
+    ``save`` and ``load``; ``saved_shapes`` and ``tensor_reader`` run in one process."""
 
     @abstractmethod
     def save(
@@ -107,8 +107,9 @@ class StateFormat(ABC):
         """Parameter name -> shape as stored, read without loading any weights."""
 
     @abstractmethod
-    def read_model(self, path: Path, model: torch.nn.Module, *, held: FrozenBase) -> None:
-        """The saved weights into a whole model on the host, in this process alone (export)."""
+    def tensor_reader(self, path: Path) -> Callable[[dict[str, torch.Tensor]], None]:
+        """``fill(tensors)``: the saved values of some model tensors (by name) copied into
+        them, in this process alone: an export reads one group at a time."""
 
     def rank_files(self, tmp: Path, rank: int) -> list[str]:
         """The files of the state that rank ``rank`` wrote (it checksums them); rank 0
@@ -152,17 +153,18 @@ class DcpSharded(StateFormat):
             if k.startswith("model.") and hasattr(v, "size")
         }
 
-    def read_model(self, path: Path, model: torch.nn.Module, *, held: FrozenBase) -> None:
-        # DCP loads in place into the model's tensors, of the right shapes.
-        state = {"model": held.keep(model.state_dict())}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                state,
-                storage_reader=safe_load.Reader(path),
-                planner=safe_load.LoadPlanner(path),
-                no_dist=True,
-            )
+    def tensor_reader(self, path: Path) -> Callable[[dict[str, torch.Tensor]], None]:
+        def fill(tensors: dict[str, torch.Tensor]) -> None:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(
+                    {"model": tensors},
+                    storage_reader=safe_load.Reader(path),
+                    planner=safe_load.LoadPlanner(path),
+                    no_dist=True,
+                )
+
+        return fill
 
     def rank_files(self, tmp: Path, rank: int) -> list[str]:
         return sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
@@ -222,9 +224,14 @@ class FullState(StateFormat):
         sd = safe_load.load_plain(path / "model.pt", mmap=True)
         return {k: tuple(v.shape) for k, v in sd.items()}
 
-    def read_model(self, path: Path, model: torch.nn.Module, *, held: FrozenBase) -> None:
-        sd = held.keep(safe_load.load_plain(path / "model.pt"))
-        model.load_state_dict(sd, strict=held.trainable is None)
+    def tensor_reader(self, path: Path) -> Callable[[dict[str, torch.Tensor]], None]:
+        saved = safe_load.load_plain(path / "model.pt", mmap=True)  # pages read as touched
+
+        def fill(tensors: dict[str, torch.Tensor]) -> None:
+            for name, t in tensors.items():
+                t.copy_(saved[name])
+
+        return fill
 
 
 FORMATS: dict[CheckpointFormat, StateFormat] = {

@@ -68,10 +68,11 @@ def _add_export(sub, name: str) -> None:
 
 
 def _export(args) -> int:
+    """A checkpoint as a Hugging Face directory, streamed a tensor group at a time."""
     from fsdp_lab.data.corpus import load_tokenizer
-    from fsdp_lab.state.export import export_run, load_checkpoint_weights
+    from fsdp_lab.state.export import ExportTarget, export_model, open_checkpoint
 
-    sd, hf_config, cfg = load_checkpoint_weights(
+    model, fetch, hf_config, cfg = open_checkpoint(
         args.checkpoint, CheckpointVerify[args.verify], base=args.base
     )
     try:
@@ -79,16 +80,10 @@ def _export(args) -> int:
     except ConfigError as e:  # the run's tokenizer dir moved: weights still export
         print(f"fsdp-lab: warning: exporting without a tokenizer: {e}", file=sys.stderr)
         tokenizer = None
-    out = export_run(
-        sd,
-        hf_config,
-        args.out_dir,
-        cfg,
-        merge=args.merge,
-        max_shard_size=args.max_shard_size,
-        tokenizer=tokenizer,
-        preset=cfg.model.arch is not None,
+    target = ExportTarget(
+        args.out_dir, merge=args.merge, max_shard_size=args.max_shard_size, tokenizer=tokenizer
     )
+    out = export_model(model, fetch, target, cfg, hf_config, writer=True)
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 

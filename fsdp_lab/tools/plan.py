@@ -37,6 +37,7 @@ from fsdp_lab.tools.plan_result import (
     Batch,
     Checkpointing,
     Dtypes,
+    HostPlan,
     LossPlan,
     Plan,
     StrategyPlan,
@@ -131,6 +132,7 @@ class ModelShape:
     vocab_source: str
     loss: str  # the resolved loss.kind
     loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
+    largest_converted: int = 0  # elements of the largest tensor transformers builds from several
     notes: list[str] = field(default_factory=list)
 
 
@@ -188,8 +190,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     hf_config = model_lib.build_hf_config(model_cfg)
     model_lib.check_task(hf_config, cfg.model.task)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
-    model = model_lib.build_meta_model(hf_config, cfg.model.task)
-    finetune.apply(model, cfg.finetune)  # frozen parameters: no grads, no optimizer state
+    model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
     loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     owner: dict[int, int] = {}
@@ -256,7 +257,46 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         vocab_source=vocab_source,
         loss=loss.name,
         loss_chunk=loss_lib.tokens_per_chunk(cfg.loss, layer.vocab) if loss_row.fused else None,
+        largest_converted=_largest_converted(model),
         notes=notes + tp_note,
+    )
+
+
+def _largest_converted(model) -> int:
+    """Elements of the largest model tensor its checkpoint holds in other tensors (a Mixtral's
+    fused experts, one file tensor per expert): read whole on every rank, then sliced."""
+    from fsdp_lab.engine import conversion
+
+    plain = conversion.plain_meta(model)
+    sd = plain.state_dict()
+    largest = 0
+    for keys, save in conversion.plan_saving(plain, sd):
+        if list(save({k: sd[k] for k in keys})) != keys:
+            largest = max(largest, *(sd[k].numel() for k in keys))
+    return largest
+
+
+def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPlan) -> HostPlan:
+    """Host RAM per rank to load, export and hold the state (``HostPlan``), of the chosen
+    strategy's rank 0 (never smaller than another's)."""
+    fp32 = 4
+    on_host = topo.device is HardwareKind.cpu or cfg.offload.device is OffloadDevice.cpu
+    r = chosen.rank0
+    shards = r.params + r.padding // 2 if on_host else 0
+    shard_ways = max(1, chosen.mesh[-1] if cfg.parallel.tensor == 1 else chosen.mesh[-2])
+    largest = max((q.numel for q in facts.params), default=0)
+    slice_ = -(-largest // shard_ways)
+    read = 2 * fp32 * max(slice_, facts.largest_converted)  # as stored, then in fp32
+    whole = facts.total_params * fp32
+    gathered_on_host = topo.device is HardwareKind.cpu  # on a GPU the gather lands on it
+    return HostPlan(
+        loading=cfg.model.loading.name,
+        load=shards + read,
+        load_rank0=whole + fp32 * largest + shards,
+        export_writer=shards + 2 * fp32 * largest,
+        export_other=shards + (2 * fp32 * largest if gathered_on_host else 0),
+        state=r.total if on_host else 0,
+        nproc_per_node=topo.nproc_per_node,
     )
 
 
@@ -353,30 +393,34 @@ def strategy_plan(
     )
 
 
-def build_plan(overrides: list[str]) -> Plan:
-    """Every figure of the plan (bytes per rank)."""
+def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape) -> dict:
+    """Saved activations per micro-batch without and with full activation checkpointing."""
     from fsdp_lab.engine.hardware import TORCH_DTYPES
 
-    cfg = compose(overrides)
-    topo, notes = topology(cfg)
-    validate(cfg, topo)
-    facts = inspect_model(cfg, topo.device)
-    t, p, layer = cfg.trainer, cfg.precision, facts.layer
-    b = TORCH_DTYPES[p.param_dtype].itemsize
-    acts = {
+    t = cfg.trainer
+    return {
         name: activation_memory.activations(
-            layer,
+            facts.layer,
             batch=t.micro_batch_size,
             seq_len=t.seq_len,
-            b=b,
+            b=TORCH_DTYPES[cfg.precision.param_dtype].itemsize,
             num_checkpointed=n,
             loss_chunk=facts.loss_chunk,
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
             cpu_kernels=topo.device is HardwareKind.cpu,
         ).saved
-        for name, n in (("none", 0), ("full", layer.num_layers))
+        for name, n in (("none", 0), ("full", facts.layer.num_layers))
     }
+
+
+def build_plan(overrides: list[str]) -> Plan:
+    """Every figure of the plan (bytes per rank)."""
+    cfg = compose(overrides)
+    topo, notes = topology(cfg)
+    validate(cfg, topo)
+    facts = inspect_model(cfg, topo.device)
+    t, p, layer = cfg.trainer, cfg.precision, facts.layer
     strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
     mode = cfg.activation_checkpointing.mode
     return Plan(
@@ -405,13 +449,14 @@ def build_plan(overrides: list[str]) -> Plan:
             if mode is ActivationCheckpointingMode.selective
             else None,
         ),
-        activations_by_checkpointing=acts,
+        activations_by_checkpointing=_activations_by_checkpointing(cfg, topo, facts),
         offload=cfg.offload.device.name,
         compile=cfg.compile,
         chosen=cfg.sharding.strategy.name,
         strategies=strategies,
         assumptions=notes + facts.notes,
         not_counted=NOT_COUNTED,
+        host=host_plan(cfg, topo, facts, strategies[cfg.sharding.strategy.name]),
     )
 
 

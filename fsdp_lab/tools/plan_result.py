@@ -115,6 +115,33 @@ class LossPlan:
 
 
 @dataclass(frozen=True)
+class HostPlan:
+    """Host RAM per rank, in bytes, of the chosen strategy, the process's own memory left out:
+    to load (model.loading's route; rank 0's whole-model route beside it), to export
+    (checkpoint.export_hf: rank 0 writes, the others take part in each gather), and to hold
+    the model state where it lives on the host (hardware=cpu, or offload=cpu)."""
+
+    loading: str  # model.loading
+    load: int  # a rank per rank: its shards on the host (if they live there) + the read buffer
+    load_rank0: int  # rank 0 on model.loading=rank0: the whole model in fp32, then its shards
+    export_writer: int  # rank 0 while exporting: one tensor group whole, twice (gathered, written)
+    export_other: int  # another rank: one tensor whole where the gather lands on the host
+    state: int  # params + grads + optimizer state on the host (0 where they are on a device)
+    nproc_per_node: int
+
+    @property
+    def load_peak(self) -> int:
+        return self.load if self.loading == "per_rank" else self.load_rank0
+
+    @property
+    def per_node(self) -> int:
+        """A node's ranks together at their largest: rank 0's route and state, and the rest."""
+        first = max(self.load_peak, self.export_writer, self.state)
+        other = max(self.load, self.export_other, self.state)
+        return first + (self.nproc_per_node - 1) * other
+
+
+@dataclass(frozen=True)
 class Plan:
     """A run's plan: its ranks and model, and every strategy's figures side by side."""
 
@@ -140,6 +167,7 @@ class Plan:
     strategies: dict[str, StrategyPlan | Unavailable]  # every strategy, by name
     assumptions: list[str]
     not_counted: list[str]
+    host: HostPlan | None = None
 
     @property
     def chosen_plan(self) -> StrategyPlan:
@@ -161,6 +189,12 @@ class Plan:
             **dataclasses.asdict(self.dtypes),
         }
         plain["strategies"] = {k: s.to_json() for k, s in self.strategies.items()}
+        if self.host is not None:
+            plain["host"] = {
+                **dataclasses.asdict(self.host),
+                "load_peak": self.host.load_peak,
+                "per_node": self.host.per_node,
+            }
         return plain
 
 
@@ -232,6 +266,8 @@ def format_plan(plan: Plan) -> str:
             + " ".join(f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
             + f"   {_size(z.state.total, unit):>7} (stage {z.stage}, N={z.dp_size})"
         )
+    if plan.host is not None:
+        lines += ["", *_host_lines(plan.host, unit, unit_name)]
     notes = [
         "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
         "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
@@ -261,3 +297,27 @@ def format_plan(plan: Plan) -> str:
 
 def _mesh(shape: tuple[int, ...]) -> str:
     return "(" + ",".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _host_lines(h: HostPlan, unit: int, unit_name: str) -> list[str]:
+    """The host RAM lines (the process's own memory besides)."""
+
+    def size(n: int) -> str:
+        return f"{_size(n, unit)} {unit_name}"
+
+    route = (
+        f"load {size(h.load)} (its shards and one tensor's read; model.loading=rank0: rank 0 "
+        f"{size(h.load_rank0)}, the whole model in fp32)"
+        if h.loading == "per_rank"
+        else f"load {size(h.load_rank0)} on rank 0 (model.loading=rank0: the whole model in "
+        f"fp32), {size(h.load)} a rank on per_rank"
+    )
+    rows = [
+        route,
+        f"export {size(h.export_writer)} on rank 0 (one tensor group whole), "
+        f"{size(h.export_other)} on the others; model state on the host {size(h.state)}",
+        f"per node ({h.nproc_per_node} ranks): {size(h.per_node)}",
+    ]
+    return ["host RAM per rank, besides the process's own"] + [
+        textwrap.fill(r, 100, initial_indent="  ", subsequent_indent="    ") for r in rows
+    ]

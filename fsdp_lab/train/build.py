@@ -13,11 +13,19 @@ from pathlib import Path
 
 import torch
 
-from fsdp_lab.config import Config, DataKind, HardwareKind, ModelTask, OptimImpl, to_container
+from fsdp_lab.config import (
+    Config,
+    DataKind,
+    HardwareKind,
+    ModelTask,
+    OptimImpl,
+    WeightLoading,
+    to_container,
+)
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
-from fsdp_lab.engine import finetune, fsdp, hardware, precision
+from fsdp_lab.engine import finetune, fsdp, hardware, loading, precision
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.moe import ExpertCounts, expert_counts
 from fsdp_lab.engine.sharded import ShardedModel
@@ -164,8 +172,7 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
     """The model's structure on meta: no memory is spent before sharding decides the layout."""
     task = cfg.model.task
     hf_config = model_lib.build_hf_config(cfg.model)
-    model = model_lib.build_meta_model(hf_config, task)
-    finetune.apply(model, cfg.finetune)  # freezes, or adds the LoRA adapters, on meta
+    model = model_lib.model_on_meta(hf_config, task, cfg.finetune)
     trainable, total = finetune.counts(model)
     facts = ModelFacts(
         hf_config=hf_config,
@@ -188,23 +195,32 @@ def _shard_and_fill(
 ) -> ShardedModel:
     """The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and compiles
     them, shards them on the strategy's mesh with the dtype and offload policies, and fills the
-    shards: rank 0 builds the full model (seeded random init, or the pretrained weights) and it
-    reaches every rank's shards. No rank holds the full model on FSDP2."""
-    task = cfg.model.task
+    shards: on FSDP2 each rank its own (``engine.loading``), so no process holds the whole
+    model; torch_xla's engine places a whole host model."""
+    task, path = cfg.model.task, cfg.model.name_or_path if cfg.model.pretrained else None
 
-    def source():
-        if cfg.model.pretrained:
-            full = model_lib.load_pretrained(cfg.model.name_or_path, task)
-        else:
-            full = model_lib.build_full_model(hf_config, seed=cfg.seed, task=task)
-        finetune.apply(full, cfg.finetune, seed=cfg.seed)  # the same parameters as on meta
+    def whole():  # the model on rank 0: model.loading=rank0, and checkpoints per rank can't read
+        if path is None:  # the seeded init: the same bits as per rank
+            return model_lib.full_model(
+                hf_config, seed=cfg.seed, task=task, finetune_cfg=cfg.finetune
+            )
+        full = model_lib.load_pretrained(path, task)  # transformers' own read
+        finetune.apply(full, cfg.finetune)  # the same parameters as on meta
+        adapters = {n for n, _ in full.named_parameters() if ".lora_" in n}
+        loading.init_groups(full, cfg.seed, wanted=adapters.__contains__, hf_init=False)
         return full
 
     if ctx.kind is HardwareKind.tpu:
-        from fsdp_lab.engine import xla as engine
-    else:
-        engine = fsdp
-    return engine.build_model(cfg, ctx.topo, ctx.device, meta_model=meta_model, source=source)
+        from fsdp_lab.engine import xla
+
+        return xla.build_model(cfg, ctx.topo, ctx.device, meta_model=meta_model, source=whole)
+    source = loading.InitialWeights(
+        seed=cfg.seed,
+        pretrained=path,
+        whole=whole,
+        per_rank=cfg.model.loading is WeightLoading.per_rank,
+    )
+    return fsdp.build_model(cfg, ctx.topo, ctx.device, meta_model=meta_model, source=source)
 
 
 def _resume(cfg: Config, state: TrainState) -> None:

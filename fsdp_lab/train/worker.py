@@ -200,7 +200,11 @@ def finish(r: RankRun, result: FitResult) -> None:
         state.checkpointer.save(end, tokens_seen(state, end), blocking=True)
     state.checkpointer.wait()
     if not result.preempted and cfg.checkpoint.export_hf:
+        hardware.reset_host_peak()
         _export(r)
+        export_rss = hardware.gather_from_processes(hardware.host_peak_since_reset_bytes())
+        if r.reporter is not None:
+            r.reporter.facts.export_peak_rss_bytes_per_rank = export_rss
     if r.reporter is not None:
         r.reporter.close(
             end, preempted=result.preempted, total_time_s=time.perf_counter() - r.started
@@ -212,21 +216,21 @@ def finish(r: RankRun, result: FitResult) -> None:
 
 
 def _export(r: RankRun) -> None:
-    """Gather the full weights to rank 0's CPU (every rank takes part) and write them there."""
-    from fsdp_lab.state.export import export_run
+    """Stream the weights out, one tensor group at a time: every rank takes part in gathering
+    each, rank 0 writes it (``state.export``): no process holds the whole model."""
+    from fsdp_lab.state.export import ExportTarget, export_model
 
-    sd = r.state.sharded.full_state_dict()
     out_dir = r.run_dir / HF_EXPORT_DIR
+    sharded = r.state.sharded
+    export_model(
+        sharded.model,
+        sharded.full_tensors,
+        ExportTarget(out_dir, replace=True, tokenizer=r.state.tokenizer),  # the run's own
+        r.cfg,
+        r.state.model.hf_config,
+        writer=r.ctx.rank == 0,
+    )
     if r.ctx.rank == 0:
-        export_run(
-            sd,
-            r.state.model.hf_config,
-            out_dir,
-            r.cfg,
-            replace=True,  # this run's own export
-            tokenizer=r.state.tokenizer,
-            preset=r.cfg.model.arch is not None,
-        )
         what = "LoRA adapter (PEFT)" if r.cfg.finetune.method is FinetuneMethod.lora else "model"
         log.info("exported Hugging Face %s: %s", what, out_dir)
     dist.barrier()

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.engine import weights
+from fsdp_lab.engine import conversion, weights
 from fsdp_lab.engine.model import build_meta_model
 
 
@@ -59,7 +59,8 @@ def test_a_model_in_several_files_reads_back_with_every_shape(saved):
     model = build_meta_model(config())
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == {k: own[k] for k in shapes} and set(shapes) <= set(own)
-    weights.check_shapes(shapes, model, str(saved))
+    plan = conversion.plan_loading(model, weights.WeightFiles(str(saved)), str(saved))
+    assert set(plan.sources) == set(own) and all(s.convert is None for s in plan.sources.values())
     assert weights.read_headers("HuggingFaceTB/SmolLM2-135M") is None  # a hub id: not ours
 
 
@@ -92,13 +93,16 @@ def test_pickled_weights_are_refused_and_an_empty_directory_says_what_it_lacks(t
     assert "pickled weights only" in message and "save_pretrained" in message
 
 
-def test_weights_of_another_size_than_config_json(saved):
-    shapes = weights.read_headers(str(saved))
-    other = build_meta_model(config(vocab_size=512))
+def planned(model, path) -> str:
     with pytest.raises(ConfigError) as e:
-        weights.check_shapes(shapes, other, str(saved))
-    line = str(e.value)
-    assert "\n" not in line and "2 tensor(s) disagree with its config.json" in line
+        conversion.plan_loading(model, weights.WeightFiles(str(path)), str(path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_weights_of_another_size_than_config_json(saved):
+    line = planned(build_meta_model(config(vocab_size=512)), saved)
+    assert "2 tensor(s) disagree with its config.json" in line
     assert "model.embed_tokens.weight is [300, 64] in the file, [512, 64] in the model" in line
 
 
@@ -112,3 +116,66 @@ def test_the_index_and_headers_are_all_that_is_read(saved, tmp_path):
     first.write_bytes(data[: 8 + length] + b"\x00" * (len(data) - 8 - length))
     assert weights.read_headers(str(path)) == weights.read_headers(str(saved))
     assert json.loads((path / weights.INDEX).read_text())["weight_map"]
+
+
+def test_a_tensor_the_checkpoint_lacks_or_the_model_has_no_place_for(saved, tmp_path):
+    """Names the first few keys either way; the fix is the matching config.json."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_of(saved, tmp_path)
+    first = sorted(path.glob("*.safetensors"))[0]
+    held = load_file(first)
+    gone = sorted(held)[0]
+    save_file({k: v for k, v in held.items() if k != gone}, first, metadata={"format": "pt"})
+    index = json.loads((path / weights.INDEX).read_text())
+    del index["weight_map"][gone]
+    (path / weights.INDEX).write_text(json.dumps(index))
+    line = planned(build_meta_model(config()), path)
+    assert f"the checkpoint lacks 1 of the model's tensors ({gone})" in line
+    save_file({**held, "model.extra.weight": torch.zeros(2)}, first, metadata={"format": "pt"})
+    index["weight_map"].update({gone: first.name, "model.extra.weight": first.name})
+    (path / weights.INDEX).write_text(json.dumps(index))
+    line = planned(build_meta_model(config()), path)
+    assert "1 tensor(s) of the checkpoint have no place in LlamaForCausalLM" in line
+    assert "(model.extra.weight)" in line
+
+
+def test_transformers_conversions_are_planned_from_the_headers(tmp_path):
+    """A Mixtral as save_pretrained writes it (one tensor per expert) plans each fused experts
+    tensor from its experts, in transformers' order, and back; GPT-2's own checkpoints (no
+    'transformer.' prefix, attention masks stored) read too."""
+    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=12,
+    )
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "mixtral")
+    model = build_meta_model(cfg)
+    plan = conversion.plan_loading(model, weights.WeightFiles(str(tmp_path / "mixtral")), "m")
+    fused = plan.sources["model.layers.0.mlp.experts.gate_up_proj"]
+    experts = [k.split(".experts.")[1] for k in fused.keys]
+    assert experts == [f"{e}.w1.weight" for e in range(12)] + [f"{e}.w3.weight" for e in range(12)]
+    assert plan.sources["model.layers.0.mlp.gate.weight"].keys == [
+        "model.layers.0.block_sparse_moe.gate.weight"
+    ]
+    groups = conversion.plan_saving(model, model.state_dict())
+    written = {k for _, save in groups for k in save(dict(model.state_dict()))}
+    assert written == set(weights.read_headers(str(tmp_path / "mixtral")))
+    # GPT-2 as OpenAI published it: keys of the base model, masks the model does not hold.
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32)
+    sd = {k.removeprefix("transformer."): v for k, v in GPT2LMHeadModel(gpt2).state_dict().items()}
+    sd = {k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}
+    sd["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    (tmp_path / "gpt2").mkdir()
+    from safetensors.torch import save_file
+
+    save_file(sd, tmp_path / "gpt2" / weights.SINGLE, metadata={"format": "pt"})
+    model = build_meta_model(gpt2)
+    plan = conversion.plan_loading(model, weights.WeightFiles(str(tmp_path / "gpt2")), "g")
+    assert plan.sources["transformer.h.0.attn.c_attn.weight"].keys == ["h.0.attn.c_attn.weight"]
