@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host_memory.py                     # 72M Qwen2, 2 ranks, 20 steps
     python benchmarks/bench_host_memory.py --steps 50 --freeze  # a frozen base, as issue 36 tried
+    python benchmarks/bench_host_memory.py --steps 50 --lora    # LoRA on that base
     python benchmarks/bench_host_memory.py --jemalloc /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
 
 Each side trains the same model (a Qwen2 with tied embeddings: hidden 768, 8 layers, vocabulary
@@ -43,6 +44,7 @@ MODEL = [
     "hardware=cpu",
 ]
 FREEZE = ["finetune=freeze", "finetune.freeze_blocks=8", "finetune.freeze=[model.embed_tokens]"]
+LORA = ["finetune=lora", "finetune.r=16"]
 
 
 def run(tmp: Path, side: str, overrides: list[str], a) -> dict:
@@ -101,9 +103,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--freeze", action="store_true", help="freeze every block and the embeddings")
+    p.add_argument("--lora", action="store_true", help="LoRA (r=16) on a frozen base")
     p.add_argument("--jemalloc", help="a libjemalloc.so to preload as a third side")
     a = p.parse_args()
-    overrides = MODEL + (FREEZE if a.freeze else [])
+    overrides = MODEL + (FREEZE if a.freeze else []) + (LORA if a.lora else [])
     sides = ["glibc's own", "fixed 131072"] + (["jemalloc"] if a.jemalloc else [])
     planned, shard = plan_peak(overrides)
     results: dict[str, list[dict]] = {s: [] for s in sides}

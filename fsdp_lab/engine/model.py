@@ -1,9 +1,12 @@
 """Build a Hugging Face model on the meta device and materialise its (sharded) weights.
 
-Initial weights are made once, on rank 0, as a plain CPU model (seeded random init, or the
-pretrained weights read from safetensors) and reach every rank's shards by broadcast: no other
-rank ever holds the full model. So the same seed gives bitwise the same initial model whatever
-the world size or sharding strategy, and an unsharded reference run can start from it too.
+``model_on_meta`` is the one recipe of a run's model (the architecture, then the finetune
+group's freezes or adapters) that every rank, the launcher's checks, ``fsdp-lab plan`` and the
+exporters build. ``materialize`` gives a sharded model its storage and initial weights, each
+rank filling only its own shards (``engine.loading``), or on ``model.loading=rank0`` rank 0
+building the whole model and broadcasting it; either way the same seed or checkpoint gives
+bitwise the same model at any world size or strategy, and ``full_model`` the same model whole
+in one process (the unsharded reference of the tests).
 """
 
 from __future__ import annotations

@@ -124,6 +124,10 @@ class StreamedSafetensors:
         f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
         self._next += 1
 
+    def write_all(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, tensor in tensors.items():
+            self.write(key, tensor)
+
     def finish(self) -> None:
         self._close()
         if self._next != len(self.expected):
@@ -233,15 +237,13 @@ def _stream_weights(plain, names: dict, read: Fetch, tmp: Path | None, max_bytes
         files = StreamedSafetensors(tmp, layout, max_bytes)
     failure: OSError | None = None
     for model_keys, save in groups:
-        values = read([base_keys[k] for k in model_keys])
-        if files is None or failure is not None:
-            continue  # every rank still takes part in each gather
-        try:
-            for key, tensor in save({k: values[base_keys[k]] for k in model_keys}).items():
-                files.write(key, tensor)
-        except OSError as e:  # a full disk: the other ranks finish their part first
-            failure = e
-        del values
+        values = read([base_keys[k] for k in model_keys])  # every rank takes part in each read
+        if files is not None and failure is None:
+            try:  # (the written tensors die with the call: none outlives its group)
+                files.write_all(save({k: values[base_keys[k]] for k in model_keys}))
+            except OSError as e:  # a full disk: the other ranks finish their part first
+                failure = e
+        del values  # before the next group's read: one group at a time
     if files is None:
         return
     if failure is not None:

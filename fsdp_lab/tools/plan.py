@@ -285,8 +285,13 @@ def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPl
     shards = r.params + r.padding // 2 if on_host else 0
     shard_ways = max(1, chosen.mesh[-1] if cfg.parallel.tensor == 1 else chosen.mesh[-2])
     largest = max((q.numel for q in facts.params), default=0)
-    slice_ = -(-largest // shard_ways)
-    read = 2 * fp32 * max(slice_, facts.largest_converted)  # as stored, then in fp32
+    if cfg.model.pretrained:  # one tensor's slice (a converted one whole), as stored and in fp32
+        read = 2 * fp32 * max(-(-largest // shard_ways), facts.largest_converted)
+    else:  # a random init draws one unit's tensors whole (a block, or the root's)
+        units: dict[int, int] = {}
+        for q in facts.params:
+            units[q.group] = units.get(q.group, 0) + q.numel
+        read = fp32 * max(units.values(), default=0)
     whole = facts.total_params * fp32
     gathered_on_host = topo.device is HardwareKind.cpu  # on a GPU the gather lands on it
     return HostPlan(

@@ -122,7 +122,8 @@ class HostPlan:
     the model state where it lives on the host (hardware=cpu, or offload=cpu)."""
 
     loading: str  # model.loading
-    load: int  # a rank per rank: its shards on the host (if they live there) + the read buffer
+    load: int  # per rank: its shards on the host (if they live there) + one tensor's read (a
+    # pretrained model) or one unit's draw (a random init)
     load_rank0: int  # rank 0 on model.loading=rank0: the whole model in fp32, then its shards
     export_writer: int  # rank 0 while exporting: one tensor group whole, twice (gathered, written)
     export_other: int  # another rank: one tensor whole where the gather lands on the host
@@ -306,7 +307,8 @@ def _host_lines(h: HostPlan, unit: int, unit_name: str) -> list[str]:
         return f"{_size(n, unit)} {unit_name}"
 
     route = (
-        f"load {size(h.load)} (its shards and one tensor's read; model.loading=rank0: rank 0 "
+        f"load {size(h.load)} (its shards and one tensor's read or one unit's draw; "
+        f"model.loading=rank0: rank 0 "
         f"{size(h.load_rank0)}, the whole model in fp32)"
         if h.loading == "per_rank"
         else f"load {size(h.load_rank0)} on rank 0 (model.loading=rank0: the whole model in "

@@ -57,6 +57,7 @@ _OPTIONAL = (
     "active_params",
     "experts",
     "param_sharding",
+    "export_start_rss_bytes_per_rank",
     "export_peak_rss_bytes_per_rank",
     "job",
     "trackers",
@@ -99,7 +100,8 @@ class RunFacts:
     peak_flops: float | None
     transformers: str
     param_sharding: dict[str, str] | None = None  # XLA's sharding annotation per parameter
-    export_peak_rss_bytes_per_rank: list | None = None  # checkpoint.export_hf: host peak each
+    export_start_rss_bytes_per_rank: list | None = None  # checkpoint.export_hf: host RSS before
+    export_peak_rss_bytes_per_rank: list | None = None  # and its peak while exporting
     job: dict | None = None  # the launcher's: overrides, group choices, sweep dir and number
     trackers: dict | None = None  # each started tracker's run: ids, dirs (see logger=...)
     memory_before_train_bytes_per_rank: list | None = None

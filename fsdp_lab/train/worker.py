@@ -201,10 +201,12 @@ def finish(r: RankRun, result: FitResult) -> None:
     state.checkpointer.wait()
     if not result.preempted and cfg.checkpoint.export_hf:
         hardware.reset_host_peak()
+        start = hardware.current_memory_bytes(torch.device("cpu"))  # the host's RSS now
         _export(r)
-        export_rss = hardware.gather_from_processes(hardware.host_peak_since_reset_bytes())
+        rss = hardware.gather_from_processes((start, hardware.host_peak_since_reset_bytes()))
         if r.reporter is not None:
-            r.reporter.facts.export_peak_rss_bytes_per_rank = export_rss
+            r.reporter.facts.export_start_rss_bytes_per_rank = [a for a, _ in rss]
+            r.reporter.facts.export_peak_rss_bytes_per_rank = [b for _, b in rss]
     if r.reporter is not None:
         r.reporter.close(
             end, preempted=result.preempted, total_time_s=time.perf_counter() - r.started

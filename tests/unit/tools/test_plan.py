@@ -621,3 +621,33 @@ def test_tpu_is_not_planned(capsys):
     assert cli.main(["plan", "hardware=tpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fsdp-lab: error:") and "hardware=gpu" in err and "\n" not in err
+
+
+def test_host_ram_to_load_and_export_per_rank_and_node(tmp_path):
+    """The seeds' 70B on 8 GPUs: rank 0's whole-model route is the model in fp32 (280 GB);
+    per rank it is a tensor's slice, and a random init one decoder layer drawn whole."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ).save_pretrained(tmp_path)
+    gpus = ["model=local", f"model.name_or_path={tmp_path}", "hardware=gpu"]
+    got = plan.build_plan([*gpus, "hardware.nproc_per_node=8"])
+    h, total = got.host, got.num_params
+    assert h.load_rank0 >= 4 * total and 4 * total / h.load > 500  # 258 GiB against 0.24
+    assert h.state == 0 and h.export_other == 0  # on the GPUs; rank 0 writes one tensor
+    assert h.export_writer == 2 * 4 * 32000 * 8192
+    assert h.per_node == h.export_writer + 7 * h.load
+    drawn = plan.build_plan([*gpus, "hardware.nproc_per_node=8", "model.pretrained=false"]).host
+    layer = 4 * 8192 * (8192 * 2 + 1024 * 2 + 3 * 28672) + 2 * 4 * 8192  # its norms too
+    assert drawn.load == layer
+    offloaded = plan.build_plan([*gpus, "hardware.nproc_per_node=8", "offload=cpu"])
+    assert offloaded.host.state == offloaded.chosen_plan.rank0.total
+    text = plan.format_plan(got)
+    assert "host RAM per rank" in text and "per node (8 ranks)" in text
+    assert got.to_json()["host"]["load_peak"] == h.load
