@@ -1,4 +1,4 @@
-"""A CPU rank's host memory under glibc's own mmap threshold and a fixed one, side by side.
+"""A CPU rank's host memory under glibc's own heap, trimmed each step, and a fixed mmap threshold.
 
     python benchmarks/bench_host_memory.py                     # 72M Qwen2, 2 ranks, 20 steps
     python benchmarks/bench_host_memory.py --steps 50 --freeze  # a frozen base, as issue 36 tried
@@ -6,8 +6,10 @@
     python benchmarks/bench_host_memory.py --jemalloc /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
 
 Each side trains the same model (a Qwen2 with tied embeddings: hidden 768, 8 layers, vocabulary
-32000, seq 64, micro-batch 1) on 2 CPU ranks: `hardware.malloc_mmap_threshold` null (glibc's
-own, the default) and 131072, optionally jemalloc preloaded, in alternating rounds. Per side:
+32000, seq 64, micro-batch 1) on 2 CPU ranks: glibc's own heap untouched
+(`hardware.malloc_trim=false`), its free pages given back after each step
+(`hardware.malloc_trim=true`, the default), and `hardware.malloc_mmap_threshold=131072`,
+optionally jemalloc preloaded, in alternating rounds. Per side:
 the peak RSS per rank (max over ranks) at a quarter of the run and at its end (does it settle?),
 the median step time after the first two, and `fsdp-lab plan`'s peak plus the process's own
 memory (RSS before the first step less its parameter shards) for comparison. Ratios are to
@@ -53,6 +55,7 @@ def run(tmp: Path, side: str, overrides: list[str], a) -> dict:
     if side == "jemalloc":
         env["LD_PRELOAD"] = a.jemalloc
     threshold = "131072" if side == "fixed 131072" else "null"
+    trim = "true" if side == "trim each step" else "false"
     subprocess.run(
         [
             sys.executable,
@@ -60,6 +63,7 @@ def run(tmp: Path, side: str, overrides: list[str], a) -> dict:
             f"hydra.run.dir={run_dir}",
             *overrides,
             f"hardware.malloc_mmap_threshold={threshold}",
+            f"hardware.malloc_trim={trim}",
             f"trainer.max_steps={a.steps}",
             "trainer.log_every=1",
             "trainer.eval_every=0",
@@ -107,7 +111,7 @@ def main() -> None:
     p.add_argument("--jemalloc", help="a libjemalloc.so to preload as a third side")
     a = p.parse_args()
     overrides = MODEL + (FREEZE if a.freeze else []) + (LORA if a.lora else [])
-    sides = ["glibc's own", "fixed 131072"] + (["jemalloc"] if a.jemalloc else [])
+    sides = ["glibc's own", "trim each step", "fixed 131072"] + (["jemalloc"] if a.jemalloc else [])
     planned, shard = plan_peak(overrides)
     results: dict[str, list[dict]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +124,8 @@ def main() -> None:
     # The process's own memory: its RSS before the first step less the parameter shards in it.
     before = statistics.median(x["before"] for s in sides for x in results[s]) - shard
     print(
-        f"2 CPU ranks, {'frozen base' if a.freeze else 'every parameter trains'}, "
+        f"2 CPU ranks, {'LoRA, ' if a.lora else ''}"
+        f"{'frozen base' if a.freeze or a.lora else 'every parameter trains'}, "
         f"{a.steps} steps, {a.rounds} rounds; plan {planned / MB:.0f} MB + process "
         f"{before / MB:.0f} MB = {(planned + before) / MB:.0f} MB\n"
     )

@@ -272,6 +272,25 @@ def set_host_allocator(cfg: HardwareConfig) -> int | None:
     return cfg.malloc_mmap_threshold if ok else None
 
 
+def trim_host_heap() -> bool:
+    """Give glibc's free heap pages back to the system (``malloc_trim(0)``: every arena, the
+    pages inside the heap too). False where there is no glibc (macOS, musl)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 (raises AttributeError without glibc)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC is False:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
+
+
+_LIBC = None  # glibc once found (or False: none)
+
+
 # Older names torch still reads for the same settings: a user's value under either is kept.
 _FR_ENV = {
     "TORCH_FR_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE",),

@@ -147,6 +147,7 @@ class LoopSetup:
     stop_requested: Callable[[], bool] = lambda: False  # a preemption signal (preempt.StopFlag)
     heartbeat: Heartbeat | None = None  # told of each step as it completes
     profiler: WindowProfiler | None = None  # profile=trace|memory: told of each step
+    trim_host_heap: bool = False  # hardware.malloc_trim on a CPU rank: after each step
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
                 loss=state.loss,
             )
             state.scheduler.step()
+            if setup.trim_host_heap:  # freed tensors' pages back to the system, every step
+                hardware.trim_host_heap()
             if setup.heartbeat is not None:
                 setup.heartbeat.step_done(done)
             trained = targets  # this step's, before the next step's batches replace them

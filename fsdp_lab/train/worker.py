@@ -150,6 +150,7 @@ def fit(r: RankRun) -> FitResult:
         reporter=r.reporter,
         stop_requested=r.stop,
         heartbeat=heartbeat.current(),
+        trim_host_heap=cfg.hardware.malloc_trim and ctx.kind is HardwareKind.cpu,
         profiler=WindowProfiler.start(
             cfg.profile,
             rank=ctx.rank,
