@@ -47,7 +47,7 @@ class ShardedModel(ABC):
     checkpointed: list[int]  # the units whose activations are recomputed, read off the model
     checkpoint_io: ShardedStateIO | None = None  # sharded checkpoints' io; None: DTensors
     param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
-    frozen_fingerprint: str | None = None  # of the frozen parameters rank 0 read (finetune)
+    frozen_fingerprint: str | None = None  # of the frozen base (loading.frozen_fingerprint)
 
     @abstractmethod
     def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

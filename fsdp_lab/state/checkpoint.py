@@ -366,7 +366,7 @@ class Checkpointer:
 
     def _held(self, path: Path, trainer: dict) -> FrozenBase:
         """What of the model ``path`` holds. One without the frozen base resumes only onto the
-        same base: its fingerprint must be the one this run's rank 0 read (every rank has both,
+        same base: its fingerprint must be the one this run's base has (every rank has both,
         so every rank refuses together)."""
         record = frozen_base_record(trainer)
         if record["saved"]:

@@ -42,7 +42,7 @@ class FrozenBase:
     """How much of the model a checkpoint holds. A fine-tune of a pretrained model
     (finetune=freeze or lora with model.pretrained=true) saves only its trainable parameters:
     the frozen base is read again from ``source`` at resume, and must then have
-    ``fingerprint`` (``finetune.frozen_fingerprint``), or the resume is refused. Every other
+    ``fingerprint`` (``loading.frozen_fingerprint``), or the resume is refused. Every other
     run saves the whole model (a random-init base cannot be read again from anywhere)."""
 
     trainable: frozenset[str] | None = None  # the names saved; None: the whole model

@@ -64,10 +64,11 @@ def test_smollm2_fine_tunes_on_shakespeare_and_exports(full_run):
     facts = json.loads((run / "run.json").read_text())
     assert facts["total_params"] == 134_515_008 and facts["pretrained"] is True
     assert facts["data"]["tokenizer"] != "ByT5Tokenizer"  # the model's own tokenizer
-    # RAM-efficient loading: rank 0 held the full fp32 model, rank 1 only ever its shards.
+    # Each rank read only its shards: rank 0 holds no more than rank 1 (measured 655.2 and
+    # 655.4 MB; it held the whole 538 MB fp32 model more before per-rank reads).
     rss = facts["load_peak_rss_bytes_per_rank"]
     full_fp32 = facts["total_params"] * 4
-    assert rss[1] + full_fp32 // 2 < rss[0], rss
+    assert abs(rss[0] - rss[1]) < full_fp32 // 8, rss
 
     model = AutoModelForCausalLM.from_pretrained(run / "hf")
     tok = AutoTokenizer.from_pretrained(run / "hf")
