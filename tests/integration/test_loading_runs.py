@@ -79,8 +79,9 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
 CASES = {  # name -> (arch, ranks, overrides)
     "llama-full-4": ("llama", 4, ("sharding=full",)),
     "gpt2-tied-hybrid-4": ("gpt2", 4, ("sharding=hybrid",)),
-    "mixtral-experts-ep2": ("mixtral", 2, ("parallel.expert=2",)),
-    "llama-tp2": ("llama", 2, ("parallel.tensor=2",)),
+    # EP 2 x FSDP 2 and TP 2 x FSDP 2: the experts' and TP's shards split again by FSDP
+    "mixtral-experts-ep2-4": ("mixtral", 4, ("parallel.expert=2",)),
+    "llama-tp2-dp2": ("llama", 4, ("parallel.tensor=2",)),
     "llama-lora-offload-2": ("llama", 2, ("finetune=lora", "finetune.r=4", "offload=cpu")),
 }
 
