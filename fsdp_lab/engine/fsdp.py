@@ -180,7 +180,7 @@ class Fsdp2Model(ShardedModel):
         rank0 = torch.distributed.get_rank() == 0
         out = {}
         for name in names:
-            whole = gather_whole(self._owned[name][2]).detach()
+            whole = loading.gather_whole(self._owned[name][2]).detach()
             if rank0:
                 out[name] = whole.cpu()
             del whole
@@ -272,26 +272,6 @@ def build_model(
         device=device,
         frozen_fingerprint=fingerprint,
     )
-
-
-def gather_whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value, on every rank of its mesh; a plain tensor as it is. A shard
-    offloaded to the host joins the gather from the mesh's device (NCCL gathers no host
-    tensors)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t
-    local = t.to_local()
-    if local.device.type != t.device_mesh.device_type:
-        t = DTensor.from_local(
-            local.to(t.device_mesh.device_type),
-            t.device_mesh,
-            t.placements,
-            shape=t.shape,
-            stride=t.stride(),
-        )
-    return t.full_tensor()
 
 
 def local_numel(module: nn.Module) -> int:

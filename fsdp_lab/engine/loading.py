@@ -285,6 +285,46 @@ def frozen_fingerprint(model: nn.Module, weights_spec: InitialWeights) -> str | 
     return files_fingerprint(model, weights_spec.pretrained, frozen)
 
 
+def gather_whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value, on every rank of its mesh; a plain tensor as it is. A shard
+    offloaded to the host joins the gather from the mesh's device (NCCL gathers no host
+    tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    if local.device.type != t.device_mesh.device_type:
+        t = DTensor.from_local(
+            local.to(t.device_mesh.device_type),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t.full_tensor()
+
+
+FINGERPRINT_KINDS = ("files:", "random:")  # what frozen_fingerprint writes; else: before 11-27
+
+
+def legacy_fingerprint(model: nn.Module, read: Callable[[str, torch.Tensor], torch.Tensor]) -> str:
+    """The fingerprint checkpoints recorded before per-rank loading (2026-11-27): xxh3-128 over
+    the frozen parameters' names, dtypes, shapes and fp32 bytes in name order, as
+    ``finetune.frozen_fingerprint`` takes it of a whole model; here one tensor at a time,
+    ``read(name, tensor)`` giving each whole (a gather on every rank, or a read from the files).
+    So a fine-tune checkpointed before resumes and exports as it did."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    frozen = sorted((clean_name(n), p) for n, p in model.named_parameters() if not p.requires_grad)
+    for name, p in frozen:
+        t = read(name, p).detach().to("cpu", torch.float32).contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def files_fingerprint(model: nn.Module, name_or_path: str, frozen: list[str]) -> str:
     import xxhash
 
@@ -334,7 +374,9 @@ __all__ = [
     "checkpoint_key",
     "fill",
     "frozen_fingerprint",
+    "gather_whole",
     "init_groups",
+    "legacy_fingerprint",
     "local_region",
     "owned_tensors",
     "recompute_buffers",

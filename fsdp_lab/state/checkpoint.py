@@ -68,6 +68,7 @@ __all__ = [
     "complete_checkpoints",
     "frozen_base_record",
     "latest_checkpoint",
+    "legacy_fingerprint",
     "resolve_resume",
     "saved_shapes",
     "step_dir_name",
@@ -371,6 +372,12 @@ class Checkpointer:
         record = frozen_base_record(trainer)
         if record["saved"]:
             return FrozenBase()
+        if legacy_fingerprint(record["fingerprint"]):  # recorded before per-rank loading
+            from fsdp_lab.engine import loading
+
+            own = loading.legacy_fingerprint(self.model, lambda _, p: loading.gather_whole(p))
+            if own == record["fingerprint"]:
+                return self.frozen
         if record["fingerprint"] != self.frozen.fingerprint:
             raise CheckpointError(
                 f"checkpoint {path} holds only the trainable parameters of a fine-tune of "
@@ -380,6 +387,13 @@ class Checkpointer:
                 f"model.name_or_path={record['source']} (the same weights) or resume=never"
             )
         return self.frozen
+
+
+def legacy_fingerprint(fingerprint) -> bool:
+    """A fingerprint of the whole model's frozen tensors (fsdp_lab before 2026-11-27)."""
+    from fsdp_lab.engine.loading import FINGERPRINT_KINDS
+
+    return isinstance(fingerprint, str) and not fingerprint.startswith(FINGERPRINT_KINDS)
 
 
 class _SaveFailed(Exception):

@@ -414,8 +414,19 @@ def open_checkpoint(
 def _base_reader(path: Path, record: dict, model, seed: int, source: str):
     """(files, load plan) of the frozen base a fine-tune's checkpoint leaves out, once its
     files' fingerprint is the one the run recorded."""
-    spec = loading.InitialWeights(seed=seed, pretrained=source)
-    fingerprint = loading.frozen_fingerprint(model, spec)
+    files = weights.WeightFiles(source)
+    plan = conversion.plan_loading(model, files, source)
+    if ckpt.legacy_fingerprint(record["fingerprint"]):  # recorded before per-rank loading
+
+        def read(name: str, _) -> torch.Tensor:
+            src = plan.sources[name]
+            values = [files.read(k) for k in src.keys]
+            return values[0] if src.convert is None else src.convert(values)
+
+        fingerprint = loading.legacy_fingerprint(model, read)
+    else:
+        spec = loading.InitialWeights(seed=seed, pretrained=source)
+        fingerprint = loading.frozen_fingerprint(model, spec)
     if fingerprint != record["fingerprint"]:
         raise ckpt.CheckpointError(
             f"checkpoint {path} holds only the trainable parameters of a fine-tune, and the "
@@ -423,8 +434,7 @@ def _base_reader(path: Path, record: dict, model, seed: int, source: str):
             f"not {str(record['fingerprint'])[:12]}); pass --base DIR with the base it was "
             "trained on"
         )
-    files = weights.WeightFiles(source)
-    return files, conversion.plan_loading(model, files, source)
+    return files, plan
 
 
 def _checkpoint_fetch(model, fill, held: set[str], base) -> Fetch:

@@ -99,3 +99,25 @@ def test_streamed_files_are_safetensors_in_save_pretrained_layout(tmp_path):
     with pytest.raises(RuntimeError, match="big arrived where a was due"):
         again.write("big", values["big"])
     assert parse_size("2GB") == 2 * 10**9 and parse_size("200KB") == 200_000
+
+
+def test_a_fine_tune_checkpointed_before_per_rank_loading_is_still_recognised(saved):
+    """Checkpoints of 2026-11-26 and before record the whole model's fingerprint
+    (finetune.frozen_fingerprint); it is computed again one tensor at a time, from the files."""
+    from fsdp_lab.config import FinetuneConfig, FinetuneMethod
+    from fsdp_lab.engine import finetune
+    from fsdp_lab.state import checkpoint as ckpt
+    from fsdp_lab.state.export import _base_reader
+
+    lora = FinetuneConfig(method=FinetuneMethod.lora, r=4)
+    old = LlamaForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    finetune.apply(old, lora)
+    recorded = finetune.frozen_fingerprint(old)  # what such a checkpoint holds
+    assert ckpt.legacy_fingerprint(recorded) and not ckpt.legacy_fingerprint("files:0")
+    hf = model_lib.build_hf_config(ModelConfig(name_or_path=str(saved)))
+    whole = model_lib.full_model(hf, seed=0, finetune_cfg=lora, pretrained=str(saved))
+    assert loading.legacy_fingerprint(whole, lambda _, p: p) == recorded
+    meta = model_lib.model_on_meta(hf, ModelTask.causal_lm, lora)
+    _base_reader(saved, {"fingerprint": recorded}, meta, 0, str(saved))  # accepted
+    with pytest.raises(ckpt.CheckpointError, match="differ from its base"):
+        _base_reader(saved, {"fingerprint": "0" * 32}, meta, 0, str(saved))
