@@ -243,14 +243,21 @@ def _draw(order, owner, seed: int, group: str, *, hf_init: bool, adapter: str) -
 # -- pretrained weights, read per rank -----------------------------------------------------------
 
 
-def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int) -> None:
-    """Fill every parameter and persistent buffer of ``model`` the checkpoint holds with this
-    rank's part of it; LoRA adapters (which it does not hold) are drawn as ``init_groups``
-    does."""
+def _planned(model: nn.Module, name_or_path: str, planned=None):
+    """(the directory's files, its load plan for ``model``), or ``planned`` where given."""
+    if planned is not None:
+        return planned
     from fsdp_lab.engine import conversion, weights
 
     files = weights.WeightFiles(name_or_path)
-    plan = conversion.plan_loading(model, files, name_or_path)
+    return files, conversion.plan_loading(model, files, name_or_path)
+
+
+def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=None) -> None:
+    """Fill every parameter and persistent buffer of ``model`` the checkpoint holds with this
+    rank's part of it; LoRA adapters (which it does not hold) are drawn as ``init_groups``
+    does."""
+    files, plan = _planned(model, name_or_path, planned)
     owned = owned_tensors(model)
     for name, (_, _, t) in owned.items():
         source = plan.sources.get(name)
@@ -268,7 +275,7 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int) -> None:
         init_groups(model, seed, wanted=lambda n: n not in plan.sources, hf_init=False)
 
 
-def frozen_fingerprint(model: nn.Module, weights_spec: InitialWeights) -> str | None:
+def frozen_fingerprint(model: nn.Module, weights_spec: InitialWeights, planned=None) -> str | None:
     """What a fine-tune's checkpoint records of its frozen base (None: nothing is frozen). Of a
     pretrained base: a digest of the file tensors the frozen parameters are read from, each
     hashed by one rank, so the same at any world size. Of a random one: of the seed and names
@@ -282,7 +289,7 @@ def frozen_fingerprint(model: nn.Module, weights_spec: InitialWeights) -> str | 
         return "random:" + xxhash.xxh3_128_hexdigest(
             f"{weights_spec.seed}|{'|'.join(frozen)}".encode()
         )
-    return files_fingerprint(model, weights_spec.pretrained, frozen)
+    return files_fingerprint(model, weights_spec.pretrained, frozen, planned)
 
 
 def gather_whole(t: torch.Tensor) -> torch.Tensor:
@@ -325,13 +332,10 @@ def legacy_fingerprint(model: nn.Module, read: Callable[[str, torch.Tensor], tor
     return digest.hexdigest()
 
 
-def files_fingerprint(model: nn.Module, name_or_path: str, frozen: list[str]) -> str:
+def files_fingerprint(model: nn.Module, name_or_path: str, frozen: list[str], planned=None) -> str:
     import xxhash
 
-    from fsdp_lab.engine import conversion, weights
-
-    files = weights.WeightFiles(name_or_path)
-    plan = conversion.plan_loading(model, files, name_or_path)
+    files, plan = _planned(model, name_or_path, planned)
     keys = sorted({k for name in frozen if name in plan.sources for k in plan.sources[name].keys})
     rank, world = _rank_world()
     mine = {k: files.digest(k, chunk=_HASH_CHUNK) for k in keys[rank::world]}
@@ -347,18 +351,17 @@ def files_fingerprint(model: nn.Module, name_or_path: str, frozen: list[str]) ->
 def fill(model: nn.Module, spec: InitialWeights) -> str | None:
     """Give every tensor of ``model`` (after ``to_empty``) its initial value, this rank's part
     only; returns the frozen base's fingerprint (the same on every rank)."""
-    if spec.pretrained is not None:
+    planned = None
+    if spec.pretrained is not None:  # planned first: NotPerRank before anything is read
         if not spec.from_files():
             raise NotPerRank("not a local directory: download it to read it per rank")
-        from fsdp_lab.engine import conversion, weights
-
-        conversion.plan_loading(model, weights.WeightFiles(spec.pretrained), spec.pretrained)
+        planned = _planned(model, spec.pretrained)
     recompute_buffers(model)
-    if spec.pretrained is not None:
-        read_pretrained(model, spec.pretrained, seed=spec.seed)
+    if planned is not None:
+        read_pretrained(model, spec.pretrained, seed=spec.seed, planned=planned)
     else:
         init_groups(model, spec.seed)
-    return frozen_fingerprint(model, spec)
+    return frozen_fingerprint(model, spec, planned)
 
 
 def check_filled(model: nn.Module) -> None:
