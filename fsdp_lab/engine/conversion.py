@@ -61,6 +61,15 @@ class Source:
     keys: list[str]
     convert: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
 
+    def read(self, files, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The model tensor from ``files`` (``weights.WeightFiles``), in the file's dtype, or
+        only ``region`` of it: a plain one reads just those bytes; a converted one is built
+        whole from its sources, then sliced."""
+        if self.convert is None:
+            return files.read(self.keys[0], region)
+        whole = self.convert([files.read(k) for k in self.keys])
+        return whole if region is None else whole[region]
+
 
 @dataclass
 class LoadPlan:
@@ -87,7 +96,7 @@ def plan_loading(model: nn.Module, files, name_or_path: str) -> LoadPlan:
         for k in group if found is not None else []:
             by_key.setdefault(k, found)
     owned = owned_tensors(model)
-    wanted = {name: checkpoint_key(name) for name in owned if not _is_adapter(name)}
+    wanted = {name: checkpoint_key(name) for name in owned if not is_adapter(name)}
     missing = sorted(key for key in wanted.values() if key not in by_key)
     if missing:
         raise ConfigError(
@@ -117,7 +126,8 @@ def plan_loading(model: nn.Module, files, name_or_path: str) -> LoadPlan:
     return plan
 
 
-def _is_adapter(name: str) -> bool:
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's tensor (``q_proj.lora_A.default.weight``): no checkpoint holds it."""
     return ".lora_" in name
 
 
@@ -142,7 +152,7 @@ def plain_meta(model: nn.Module) -> nn.Module:
 
 def _is_wrapped(model: nn.Module) -> bool:
     return any(
-        ".lora_" in n or "_checkpoint_wrapped_module" in n for n, _ in model.named_parameters()
+        is_adapter(n) or "_checkpoint_wrapped_module" in n for n, _ in model.named_parameters()
     )
 
 
@@ -200,22 +210,26 @@ def _sources(plain: nn.Module, shapes: dict) -> tuple[dict[str, Source], list[st
 
 def _converting(converter, first: str, sources: dict[str, list[str]], plain: nn.Module):
     """``convert(tensors)``: the converter's operations on the file tensors, given in the order
-    of ``sources``' lists (transformers' own ``WeightConverter.convert`` on a copy)."""
-    from copy import deepcopy
-
-    counts = [(pattern, len(keys)) for pattern, keys in sources.items()]
+    of ``sources``' lists."""
 
     def convert(tensors: list[torch.Tensor]) -> torch.Tensor:
-        step = deepcopy(converter)
-        at = 0
-        for pattern, n in counts:
-            step.collected_tensors[pattern] = list(tensors[at : at + n])
-            at += n
-        out = step.convert(first, model=plain, config=plain.config)
-        value = out[first]
-        return value[0] if isinstance(value, list) else value
+        return _run(converter, first, sources, tensors, plain)[first]
 
     return convert
+
+
+def _run(converter, first: str, sources: dict[str, list], tensors, plain) -> dict:
+    """transformers' own ``WeightConverter.convert`` on a copy of ``converter`` given
+    ``tensors`` (in the order of ``sources``' lists): its outputs by key, each one tensor."""
+    from copy import deepcopy
+
+    step = deepcopy(converter)
+    at = 0
+    for pattern, keys in sources.items():
+        step.collected_tensors[pattern] = list(tensors[at : at + len(keys)])
+        at += len(keys)
+    out = step.convert(first, model=plain, config=plain.config)
+    return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
 
 def plan_saving(plain: nn.Module, keys) -> list[tuple[list[str], Callable]]:
@@ -259,26 +273,14 @@ def plan_saving(plain: nn.Module, keys) -> list[tuple[list[str], Callable]]:
 
 
 def _saving(converter, first: str, sources: dict, plain: nn.Module, renamings):
-    from copy import deepcopy
-
     from transformers.core_model_loading import apply_renamings
 
     model_keys = [k for ks in sources.values() for k in ks]
     if converter is None:
         return lambda values: {first: values[model_keys[0]].contiguous()}
-    counts = [(pattern, len(keys)) for pattern, keys in sources.items()]
 
     def save(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        step = deepcopy(converter)
-        tensors = [values[k] for k in model_keys]
-        at = 0
-        for pattern, n in counts:
-            step.collected_tensors[pattern] = tensors[at : at + n]
-            at += n
-        out = step.convert(first, model=plain, config=plain.config)
-        return {
-            apply_renamings(k, renamings): (v[0] if isinstance(v, list) else v).contiguous()
-            for k, v in out.items()
-        }
+        out = _run(converter, first, sources, [values[k] for k in model_keys], plain)
+        return {apply_renamings(k, renamings): v.contiguous() for k, v in out.items()}
 
     return save

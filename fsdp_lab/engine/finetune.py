@@ -166,18 +166,26 @@ def trainable_names(model: nn.Module) -> set[str]:
     return {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def frozen_fingerprint(model: nn.Module) -> str | None:
-    """An xxh3-128 digest of the frozen parameters' names, dtypes, shapes and bytes (None: none
-    is frozen). Computed on rank 0's full model, where the base is whole: a checkpoint that
-    does not hold the base records it, and a resume compares it with the base it reloaded."""
+def frozen_fingerprint(model: nn.Module, read=None) -> str | None:
+    """An xxh3-128 digest of the frozen parameters' names, dtypes, shapes and fp32 bytes in name
+    order (None: none is frozen): what a checkpoint recorded of its base before per-rank loading
+    (2026-11-27; since, ``loading.frozen_fingerprint`` of the files), and what rank 0's route
+    records of a hub id's base. Of a whole model, or one tensor at a time where ``read(name,
+    param)`` gives each whole (a gather on every rank, or a read from the files), so a fine-tune
+    checkpointed before resumes and exports as it did."""
     import xxhash
 
-    frozen = sorted((n, p) for n, p in model.named_parameters() if not p.requires_grad)
+    from fsdp_lab.engine.activations import clean_name
+
+    frozen = sorted(
+        ((clean_name(n), p) for n, p in model.named_parameters() if not p.requires_grad),
+        key=lambda item: item[0],
+    )
     if not frozen:
         return None
     digest = xxhash.xxh3_128()
     for name, p in frozen:
-        t = p.detach().contiguous()
+        t = (p if read is None else read(name, p)).detach().to("cpu", torch.float32).contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()

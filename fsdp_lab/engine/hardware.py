@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import logging
@@ -264,31 +265,31 @@ def set_host_allocator(cfg: HardwareConfig) -> int | None:
     process's own allocator stays."""
     if cfg.malloc_mmap_threshold is None:
         return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, cfg.malloc_mmap_threshold) == 1
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None or libc.mallopt(_M_MMAP_THRESHOLD, cfg.malloc_mmap_threshold) != 1:
         return None
-    return cfg.malloc_mmap_threshold if ok else None
+    return cfg.malloc_mmap_threshold
 
 
 def trim_host_heap() -> bool:
     """Give glibc's free heap pages back to the system (``malloc_trim(0)``: every arena, the
     pages inside the heap too). False where there is no glibc (macOS, musl)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018 (raises AttributeError without glibc)
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC is False:
+    libc = _glibc()
+    if libc is None:
         return False
-    _LIBC.malloc_trim(0)
+    libc.malloc_trim(0)
     return True
 
 
-_LIBC = None  # glibc once found (or False: none)
+@functools.cache
+def _glibc():
+    """glibc, loaded once; None where the C library is another (macOS, musl)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (AttributeError: not glibc)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 # Older names torch still reads for the same settings: a user's value under either is kept.

@@ -263,15 +263,8 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=N
         source = plan.sources.get(name)
         if source is None:
             continue
-        region = local_region(t)
-        if source.convert is None:
-            value = files.read(source.keys[0], region)
-        else:
-            value = source.convert([files.read(k) for k in source.keys])[region]
-        _store(t, value)
-        del value
-    adapters = [n for n in owned if n not in plan.sources]
-    if adapters:
+        _store(t, source.read(files, local_region(t)))
+    if any(n not in plan.sources for n in owned):  # LoRA adapters: drawn, not read
         init_groups(model, seed, wanted=lambda n: n not in plan.sources, hf_init=False)
 
 
@@ -313,23 +306,6 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
 
 
 FINGERPRINT_KINDS = ("files:", "random:")  # what frozen_fingerprint writes; else: before 11-27
-
-
-def legacy_fingerprint(model: nn.Module, read: Callable[[str, torch.Tensor], torch.Tensor]) -> str:
-    """The fingerprint checkpoints recorded before per-rank loading (2026-11-27): xxh3-128 over
-    the frozen parameters' names, dtypes, shapes and fp32 bytes in name order, as
-    ``finetune.frozen_fingerprint`` takes it of a whole model; here one tensor at a time,
-    ``read(name, tensor)`` giving each whole (a gather on every rank, or a read from the files).
-    So a fine-tune checkpointed before resumes and exports as it did."""
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    frozen = sorted((clean_name(n), p) for n, p in model.named_parameters() if not p.requires_grad)
-    for name, p in frozen:
-        t = read(name, p).detach().to("cpu", torch.float32).contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def files_fingerprint(model: nn.Module, name_or_path: str, frozen: list[str], planned=None) -> str:
@@ -379,7 +355,6 @@ __all__ = [
     "frozen_fingerprint",
     "gather_whole",
     "init_groups",
-    "legacy_fingerprint",
     "local_region",
     "owned_tensors",
     "recompute_buffers",

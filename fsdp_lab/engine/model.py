@@ -335,9 +335,9 @@ def materialize(
                     e,
                     fp32_bytes(model) / 1e9,
                 )
-    whole_fingerprint = _from_rank0(model, source.whole)
-    if source.pretrained is not None and not source.from_files():
-        return whole_fingerprint  # a hub id's: of rank 0's whole model
+    if source.pretrained is not None and not source.from_files():  # a hub id's: of the whole
+        return _from_rank0(model, source.whole)
+    _from_rank0(model, source.whole, fingerprint=False)
     return loading.frozen_fingerprint(model, source)  # the same on either route
 
 
@@ -346,18 +346,20 @@ def fp32_bytes(model: nn.Module) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
 
 
-def _from_rank0(model: nn.Module, source) -> str | None:
+def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | None:
+    """``source()``'s whole model on rank 0 into every rank's shards, tensor by tensor; the
+    fingerprint of its frozen parameters (``fingerprint``; else None)."""
     from fsdp_lab.engine.finetune import frozen_fingerprint
 
     rank = dist.get_rank()
     full_sd: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    fingerprint = None
+    digest = None
     if rank == 0:
         full = source()
         full_sd = full.state_dict()
         buffers = _non_persistent_buffers(full)
-        fingerprint = frozen_fingerprint(full)
+        digest = frozen_fingerprint(full) if fingerprint else None
         del full  # the state dict keeps the tensors alive, not a second copy
     hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
     set_model_state_dict(
@@ -365,7 +367,7 @@ def _from_rank0(model: nn.Module, source) -> str | None:
         full_sd,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
-    payload = [buffers, fingerprint]
+    payload = [buffers, digest]
     dist.broadcast_object_list(payload, src=0)
     own = _non_persistent_buffers(model)
     assert own.keys() == payload[0].keys(), (own.keys(), payload[0].keys())

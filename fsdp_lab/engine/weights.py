@@ -84,18 +84,18 @@ class WeightFiles:
         return digest.hexdigest()
 
 
+def local_files(name_or_path: str) -> WeightFiles | None:
+    """A local model directory's safetensors files, their headers read and checked (None: not
+    a local directory, a hub id that transformers resolves). Raises ``ConfigError``, one line
+    naming the file and the fix, for a directory without weights, with pickled weights only,
+    whose index names a missing file, or with a file that is not safetensors or is cut short."""
+    return WeightFiles(name_or_path) if Path(name_or_path).expanduser().is_dir() else None
+
+
 def read_headers(name_or_path: str) -> dict[str, tuple[int, ...]] | None:
-    """Every tensor's shape in a local model directory's safetensors files (None: not a local
-    directory, a hub id that transformers resolves). Raises ``ConfigError``, one line naming
-    the file and the fix, for a directory without weights, with pickled weights only, whose
-    index names a missing file, or with a file that is not safetensors or is cut short."""
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in _weight_files(path, f"model.name_or_path={name_or_path}"):
-        shapes.update({k: t.shape for k, t in _entries(file).items()})
-    return shapes
+    """Every tensor's shape in a local model directory's safetensors files (``local_files``)."""
+    files = local_files(name_or_path)
+    return None if files is None else files.shapes()
 
 
 def _weight_files(path: Path, setting: str) -> list[Path]:

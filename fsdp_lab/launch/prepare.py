@@ -80,7 +80,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
-    shapes = weights.read_headers(cfg.model.name_or_path) if cfg.model.pretrained else None
+    files = weights.local_files(cfg.model.name_or_path) if cfg.model.pretrained else None
     if tokenizer is not None and len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
@@ -105,8 +105,8 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
-    if shapes is not None:  # every tensor's sources, and their shapes, from the headers
-        _check_weights(meta_model, cfg.model.name_or_path)
+    if files is not None:  # every tensor's sources, and their shapes, from the headers
+        _check_weights(meta_model, files, cfg.model.name_or_path)
     _check_finetune(cfg, meta_model, loss_kind)
     if cfg.parallel.tensor > 1:  # a model without a TP plan, or one the degree cannot split
         from fsdp_lab.engine import tensor_parallel
@@ -120,13 +120,13 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     return cfg, meta_model
 
 
-def _check_weights(meta_model: torch.nn.Module, path: str) -> None:
+def _check_weights(meta_model: torch.nn.Module, files, path: str) -> None:
     """The checkpoint's tensors against the model's, from the headers: one line naming the
     first few keys for a tensor either side lacks or a shape that differs."""
-    from fsdp_lab.engine import conversion, weights
+    from fsdp_lab.engine import conversion
 
     with contextlib.suppress(conversion.NotPerRank):  # rank 0 reads it whole, and says so
-        conversion.plan_loading(meta_model, weights.WeightFiles(path), path)
+        conversion.plan_loading(meta_model, files, path)
 
 
 def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None:

@@ -373,9 +373,9 @@ class Checkpointer:
         if record["saved"]:
             return FrozenBase()
         if legacy_fingerprint(record["fingerprint"]):  # recorded before per-rank loading
-            from fsdp_lab.engine import loading
+            from fsdp_lab.engine import finetune, loading
 
-            own = loading.legacy_fingerprint(self.model, lambda _, p: loading.gather_whole(p))
+            own = finetune.frozen_fingerprint(self.model, lambda _, p: loading.gather_whole(p))
             if own == record["fingerprint"]:
                 return self.frozen
         if record["fingerprint"] != self.frozen.fingerprint:

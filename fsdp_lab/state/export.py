@@ -46,6 +46,8 @@ from fsdp_lab.state import formats
 # order; the writer gets the full tensors on the host, every other rank None.
 Fetch = Callable[[list[str]], "dict[str, torch.Tensor] | None"]
 
+PEFT_PREFIX = "base_model.model."  # a PeftModel's names: PEFT_PREFIX + the run model's
+
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.float16: "F16",
@@ -193,31 +195,35 @@ def export_model(
     Complete or invisible. Every process calls it (``fetch`` may be a collective); only the
     ``writer`` writes."""
     out_dir = Path(target.out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")  # the writer's, swapped in once whole
     if writer:
         _new_out_dir(out_dir, target.replace)
+        shutil.rmtree(tmp, ignore_errors=True)
     if cfg.model.arch is not None and target.tokenizer is not None:
         align_special_tokens(hf_config, target.tokenizer)
     names = loading.owned_tensors(model)
     lora = cfg.finetune.method is FinetuneMethod.lora
-    if lora and not target.merge:
-        values = fetch(sorted(n for n in names if ".lora_" in n))
+    if lora and not target.merge:  # PEFT's adapter directory
+        values = fetch(sorted(n for n in names if conversion.is_adapter(n)))
         if writer:
-            peft_model = _peft_model(values, hf_config, cfg)
-            _save_adapter(peft_model, out_dir, replace=target.replace, tokenizer=target.tokenizer)
-        return out_dir
-    read = _merging(fetch, names, cfg, hf_config) if lora else fetch
-    plain = build_meta_model(hf_config, cfg.model.task)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    _stream_weights(plain, names, read, tmp if writer else None, parse_size(target.max_shard_size))
-    if writer:
-        config = plain.config
-        config.use_cache = True  # trained without a KV cache; generation wants one
-        config.architectures = [type(plain).__name__]
-        config.save_pretrained(tmp)
-        if plain.can_generate():
-            from transformers import GenerationConfig
+            with warnings.catch_warnings():  # transformers' deprecation of a name PEFT reads
+                warnings.simplefilter("ignore", FutureWarning)
+                _peft_model(values, hf_config, cfg).save_pretrained(tmp, safe_serialization=True)
+    else:
+        read = _merging(fetch, names, cfg, hf_config) if lora else fetch
+        plain = build_meta_model(hf_config, cfg.model.task)
+        max_bytes = parse_size(target.max_shard_size)
+        _stream_weights(plain, names, read, tmp if writer else None, max_bytes)
+        if writer:
+            config = plain.config
+            config.use_cache = True  # trained without a KV cache; generation wants one
+            config.architectures = [type(plain).__name__]
+            config.save_pretrained(tmp)
+            if plain.can_generate():
+                from transformers import GenerationConfig
 
-            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+                GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    if writer:
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(tmp)
         _swap_into_place(tmp, out_dir)
@@ -227,11 +233,10 @@ def export_model(
 def _stream_weights(plain, names: dict, read: Fetch, tmp: Path | None, max_bytes: int) -> None:
     """Every base tensor, one group at a time, through ``read`` into safetensors files under
     ``tmp`` (the writer's; None on the other ranks, which only take part in the reads)."""
-    base_keys = {loading.checkpoint_key(n): n for n in names if ".lora_" not in n}
+    base_keys = {loading.checkpoint_key(n): n for n in names if not conversion.is_adapter(n)}
     groups = conversion.plan_saving(plain, list(base_keys))
     files = None
     if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         layout = _layout(groups, {k: names[n][2] for k, n in base_keys.items()})
         files = StreamedSafetensors(tmp, layout, max_bytes)
@@ -274,11 +279,10 @@ def _merging(fetch: Fetch, names: dict, cfg: Config, hf_config) -> Fetch:
     from peft.tuners.lora import LoraLayer
 
     peft_model = _peft_model({}, hf_config, cfg)
-    prefix = "base_model.model."
     layers = {
-        n.removeprefix(prefix): m
+        n.removeprefix(PEFT_PREFIX): m
         for n, m in peft_model.named_modules()
-        if isinstance(m, LoraLayer) and n.startswith(prefix)
+        if isinstance(m, LoraLayer) and n.startswith(PEFT_PREFIX)
     }
     parts = {}  # base weight's name -> (its layer, the names of the layer's adapter tensors)
     for name, layer in layers.items():
@@ -335,10 +339,9 @@ def _peft_model(adapters: dict[str, torch.Tensor], hf_config, cfg: Config):
         lora.task_type = "CAUSAL_LM"  # so AutoModelForCausalLM.from_pretrained takes the dir
     peft_model = get_peft_model(base, lora, adapter_name=finetune.ADAPTER)
     if adapters:
-        prefix = "base_model.model."
-        sd = {prefix + k: v for k, v in adapters.items()}
+        sd = {PEFT_PREFIX + k: v for k, v in adapters.items()}
         missing, unexpected = peft_model.load_state_dict(sd, strict=False, assign=True)
-        missing = [k for k in missing if ".lora_" in k]
+        missing = [k for k in missing if conversion.is_adapter(k)]
         if missing or unexpected:
             raise ConfigError(
                 f"export: the adapters do not fit {type(base).__name__} with LoRA "
@@ -347,27 +350,10 @@ def _peft_model(adapters: dict[str, torch.Tensor], hf_config, cfg: Config):
     return peft_model
 
 
-def _new_out_dir(out_dir: Path, replace: bool) -> Path:
+def _new_out_dir(out_dir: Path, replace: bool) -> None:
     """An export's directory: new or empty, or (``replace``) a run's own earlier export."""
-    out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not replace:
         raise ConfigError(f"export: {out_dir} is not empty; choose a new output directory")
-    return out_dir
-
-
-def _save_adapter(peft_model, out_dir: Path, *, replace: bool = False, tokenizer=None, **_) -> Path:
-    """PEFT's adapter directory (adapter_config.json, adapter_model.safetensors) and the
-    tokenizer; complete or invisible, as ``export_hf``."""
-    out_dir = _new_out_dir(out_dir, replace)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():  # transformers' deprecation of a name PEFT still reads
-        warnings.simplefilter("ignore", FutureWarning)
-        peft_model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    _swap_into_place(tmp, out_dir)
-    return out_dir
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
@@ -417,16 +403,12 @@ def _base_reader(path: Path, record: dict, model, seed: int, source: str):
     files = weights.WeightFiles(source)
     plan = conversion.plan_loading(model, files, source)
     if ckpt.legacy_fingerprint(record["fingerprint"]):  # recorded before per-rank loading
-
-        def read(name: str, _) -> torch.Tensor:
-            src = plan.sources[name]
-            values = [files.read(k) for k in src.keys]
-            return values[0] if src.convert is None else src.convert(values)
-
-        fingerprint = loading.legacy_fingerprint(model, read)
+        fingerprint = finetune.frozen_fingerprint(
+            model, lambda name, _: plan.sources[name].read(files)
+        )
     else:
         spec = loading.InitialWeights(seed=seed, pretrained=source)
-        fingerprint = loading.frozen_fingerprint(model, spec)
+        fingerprint = loading.frozen_fingerprint(model, spec, (files, plan))
     if fingerprint != record["fingerprint"]:
         raise ckpt.CheckpointError(
             f"checkpoint {path} holds only the trainable parameters of a fine-tune, and the "
@@ -451,10 +433,7 @@ def _checkpoint_fetch(model, fill, held: set[str], base) -> Fetch:
         for k in keys:
             if k not in held:
                 files, plan = base
-                src = plan.sources[k]
-                read = [files.read(key) for key in src.keys]
-                value = read[0] if src.convert is None else src.convert(read)
-                out[k] = value.to(names[k][2].dtype)
+                out[k] = plan.sources[k].read(files).to(names[k][2].dtype)
         return out
 
     return fetch

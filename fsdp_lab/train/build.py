@@ -25,7 +25,7 @@ from fsdp_lab.config import (
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
-from fsdp_lab.engine import finetune, fsdp, hardware, loading, precision
+from fsdp_lab.engine import conversion, finetune, fsdp, hardware, loading, precision
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.moe import ExpertCounts, expert_counts
 from fsdp_lab.engine.sharded import ShardedModel
@@ -206,8 +206,7 @@ def _shard_and_fill(
             )
         full = model_lib.load_pretrained(path, task)  # transformers' own read
         finetune.apply(full, cfg.finetune)  # the same parameters as on meta
-        adapters = {n for n, _ in full.named_parameters() if ".lora_" in n}
-        loading.init_groups(full, cfg.seed, wanted=adapters.__contains__, hf_init=False)
+        loading.init_groups(full, cfg.seed, wanted=conversion.is_adapter, hf_init=False)
         return full
 
     if ctx.kind is HardwareKind.tpu:

@@ -116,7 +116,7 @@ def test_a_fine_tune_checkpointed_before_per_rank_loading_is_still_recognised(sa
     assert ckpt.legacy_fingerprint(recorded) and not ckpt.legacy_fingerprint("files:0")
     hf = model_lib.build_hf_config(ModelConfig(name_or_path=str(saved)))
     whole = model_lib.full_model(hf, seed=0, finetune_cfg=lora, pretrained=str(saved))
-    assert loading.legacy_fingerprint(whole, lambda _, p: p) == recorded
+    assert finetune.frozen_fingerprint(whole, lambda _, p: p) == recorded
     meta = model_lib.model_on_meta(hf, ModelTask.causal_lm, lora)
     _base_reader(saved, {"fingerprint": recorded}, meta, 0, str(saved))  # accepted
     with pytest.raises(ckpt.CheckpointError, match="differ from its base"):
