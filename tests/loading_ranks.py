@@ -64,7 +64,9 @@ def main() -> None:
         dist.barrier()
         hardware.reset_host_peak()
         target = ExportTarget(args.export)
-        export_model(sharded.model, sharded.full_tensors, target, cfg, hf_config, writer=rank == 0)
+        export_model(
+            sharded.owned_tensors(), sharded.full_tensors, target, cfg, hf_config, writer=rank == 0
+        )
         facts["export_rss"] = hardware.host_peak_since_reset_bytes()
         dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -175,12 +175,11 @@ class Fsdp2Model(ShardedModel):
         holds it a moment, one tensor at a time); rank 0 keeps it, on the host."""
         from fsdp_lab.engine import loading
 
-        if not hasattr(self, "_owned"):
-            self._owned = loading.owned_tensors(self.model)
+        owned = self.owned_tensors()
         rank0 = torch.distributed.get_rank() == 0
         out = {}
         for name in names:
-            whole = loading.gather_whole(self._owned[name][2]).detach()
+            whole = loading.gather_whole(owned[name][2]).detach()
             if rank0:
                 out[name] = whole.cpu()
             del whole

@@ -66,6 +66,24 @@ class ShardedModel(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole weights on the host of rank 0 (others: {}); every rank calls it."""
 
+    def owned_tensors(self) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+        """Every parameter and persistent buffer once, by the name the plain Hugging Face model
+        gives it (``conversion.owned_tensors``: without the engine's wrappers), cached."""
+        if not hasattr(self, "_owned"):
+            from fsdp_lab.engine import conversion
+
+            self._owned = {
+                self.clean_name(name): entry
+                for name, entry in conversion.owned_tensors(self.model).items()
+            }
+        return self._owned
+
+    @staticmethod
+    def clean_name(name: str) -> str:
+        """A name without what this engine wraps the model in, beyond activation checkpointing
+        (which ``conversion.owned_tensors`` strips already)."""
+        return name
+
     def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """The whole tensors ``names`` (clean names) on the host of rank 0 (others: None); every
         rank calls it with the same names. An export's read, one group at a time. This default

@@ -165,6 +165,10 @@ class XlaModel(ShardedModel):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
 
+    @staticmethod
+    def clean_name(name: str) -> str:
+        return clean_name(name)
+
 
 def _retie(model: nn.Module, groups: list[list[str]]) -> None:
     """Moving a module to an XLA device gives every module its own new Parameter, so a tied

@@ -181,7 +181,7 @@ class ExportTarget:
 
 
 def export_model(
-    model: torch.nn.Module,
+    names: dict,
     fetch: Fetch,
     target: ExportTarget,
     cfg: Config,
@@ -189,9 +189,10 @@ def export_model(
     *,
     writer: bool,
 ) -> Path:
-    """Export the weights of ``model`` (a run's model, sharded or whole: its names say which
-    tensors there are) read through ``fetch``: a LoRA run's adapters as PEFT's adapter
-    directory, unless ``target.merge``; every other run's, or a merged one, as a whole model.
+    """Export the weights of a run's model, sharded or whole, read through ``fetch``; ``names``
+    are its tensors by their plain names (``conversion.owned_tensors``, or an engine's
+    ``owned_tensors()``). A LoRA run's adapters as PEFT's adapter directory, unless
+    ``target.merge``; every other run's, or a merged one, as a whole model.
     Complete or invisible. Every process calls it (``fetch`` may be a collective); only the
     ``writer`` writes."""
     out_dir = Path(target.out_dir)
@@ -201,7 +202,6 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
     if cfg.model.arch is not None and target.tokenizer is not None:
         align_special_tokens(hf_config, target.tokenizer)
-    names = loading.owned_tensors(model)
     lora = cfg.finetune.method is FinetuneMethod.lora
     if lora and not target.merge:  # PEFT's adapter directory
         values = fetch(sorted(n for n in names if conversion.is_adapter(n)))
