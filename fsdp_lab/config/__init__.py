@@ -3,59 +3,61 @@ strategy table (``strategies``), the loss table (``losses``), the topology and i
 (``topology``), the rules a config must satisfy (``rules``) and the way in from Hydra
 (``load``). Imports nothing else of ours.
 
-The schema's names, ``to_typed`` and ``register_schema`` are re-exported here: ``from
+Each config group's names (its module: ``sharding``, ``hardware``, ``model``, ``data``,
+``training``, ``profiling``; the root ``Config`` in ``schema``), ``to_typed`` and
+``register_schema`` are re-exported here: ``from
 fsdp_lab.config import Config, to_typed`` is how the other packages read them.
 """
 
-from fsdp_lab.config.load import register_schema, to_typed
-from fsdp_lab.config.profiling import ProfileConfig, ProfileMode
-from fsdp_lab.config.schema import (
-    MOE_ARCHS,
-    ActivationCheckpointingConfig,
-    ActivationCheckpointingMode,
-    Backend,
+from fsdp_lab.config.data import (
     ChatLayout,
-    CheckpointConfig,
-    CheckpointFormat,
-    CheckpointVerify,
-    Config,
-    ConfigError,
     DataConfig,
     DataKind,
-    Dtype,
+    Overlong,
+    Packing,
+    TokenDtype,
+    TrainOn,
+)
+from fsdp_lab.config.errors import ConfigError, first_line
+from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod
+from fsdp_lab.config.load import register_schema, to_typed
+from fsdp_lab.config.model import (
+    MOE_ARCHS,
     ExpertsImplementation,
     FinetuneConfig,
     FinetuneMethod,
-    HardwareConfig,
-    HardwareKind,
-    LossConfig,
-    LossKind,
     ModelArch,
     ModelConfig,
     ModelTask,
-    Objective,
+    QuantizeBase,
+    WeightLoading,
+)
+from fsdp_lab.config.profiling import ProfileConfig, ProfileMode
+from fsdp_lab.config.schema import Config, Objective, to_container
+from fsdp_lab.config.sharding import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    Dtype,
     OffloadConfig,
     OffloadDevice,
-    OnSaveError,
-    OptimConfig,
-    OptimImpl,
-    Overlong,
-    Packing,
     ParallelConfig,
     PrecisionConfig,
     PrefetchConfig,
-    QuantizeBase,
     ShardingConfig,
     ShardingStrategy,
-    StartMethod,
-    TokenDtype,
-    TrainerConfig,
-    TrainOn,
-    WeightLoading,
     WrapConfig,
     WrapPolicy,
-    first_line,
-    to_container,
+)
+from fsdp_lab.config.training import (
+    CheckpointConfig,
+    CheckpointFormat,
+    CheckpointVerify,
+    LossConfig,
+    LossKind,
+    OnSaveError,
+    OptimConfig,
+    OptimImpl,
+    TrainerConfig,
 )
 
 __all__ = [

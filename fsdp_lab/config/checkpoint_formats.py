@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config.schema import CheckpointFormat
+from fsdp_lab.config.training import CheckpointFormat
 
 
 @dataclass(frozen=True)

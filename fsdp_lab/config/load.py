@@ -8,8 +8,10 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_lab.config.errors import ConfigError
+from fsdp_lab.config.hardware import HardwareKind
 from fsdp_lab.config.rules import check_fields
-from fsdp_lab.config.schema import Config, ConfigError, HardwareKind
+from fsdp_lab.config.schema import Config
 
 SCHEMA_NAME = "fsdp_lab_schema"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config.schema import LossKind
+from fsdp_lab.config.training import LossKind
 
 
 @dataclass(frozen=True)

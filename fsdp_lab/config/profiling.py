@@ -53,7 +53,7 @@ class ProfileConfig:
 def profile_problem(p: ProfileConfig, *, max_steps: int, world_size: int, kind: str) -> str | None:
     """What is wrong with the profile against the run's steps, ranks and device (``kind``: the
     resolved hardware kind's name), in one line naming the setting and the fix; None if
-    nothing. (The rules raise it: the schema, which defines ConfigError, imports this module.)"""
+    nothing (``rules.validate`` raises it as a ConfigError)."""
     if p.mode is ProfileMode.none:
         return None
     for name in ("wait", "warmup"):

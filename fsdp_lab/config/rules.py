@@ -1,271 +1,48 @@
 """Every rule a config must satisfy, checked once, in the parent, before any rank starts.
 
-``check_fields`` holds the rules of single fields and groups (run by ``load.to_typed``);
-``validate`` the rules that need the topology (world size, nodes). Each failure is a
-``ConfigError`` naming the setting and the fix, on one line. Imports no torch.
+``check_fields`` runs each group's own single-field rules (in the group's module) and the few
+that span two groups (run by ``load.to_typed``); ``validate`` the rules that need the topology
+(world size, nodes). Each failure is a ``ConfigError`` naming the setting and the fix, on one
+line. Imports no torch.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
+from fsdp_lab.config.data import DataKind, check_data
+from fsdp_lab.config.errors import ConfigError, positive
+from fsdp_lab.config.hardware import HardwareKind, check_hardware
 from fsdp_lab.config.losses import runs_on_xla
+from fsdp_lab.config.model import FinetuneMethod, ModelTask, check_finetune, check_model
 from fsdp_lab.config.profiling import profile_problem
-from fsdp_lab.config.schema import (
-    MALLOC_MMAP_THRESHOLD_MAX,
-    MOE_ARCHS,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    DataKind,
+from fsdp_lab.config.schema import Config
+from fsdp_lab.config.sharding import (
     Dtype,
-    FinetuneConfig,
-    FinetuneMethod,
-    HardwareKind,
-    ModelArch,
-    ModelConfig,
-    ModelTask,
     OffloadDevice,
-    OptimImpl,
-    PrecisionConfig,
-    QuantizeBase,
-    WrapPolicy,
+    check_layout,
+    check_precision,
+    check_sharding,
 )
-from fsdp_lab.config.strategies import strategy_of, with_replica_groups
+from fsdp_lab.config.strategies import strategy_of, with_expert_parallel, with_replica_groups
 from fsdp_lab.config.topology import Topology, dp_size, replicate_size
+from fsdp_lab.config.training import CheckpointConfig, OptimImpl, check_optim, check_trainer
 
 
-def _positive(value: int | float, name: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
-
-
-# Long: one flat list of single-field rules, each a condition and its message, read in order.
 def check_fields(cfg: Config) -> None:
-    t, m, o, h = cfg.trainer, cfg.model, cfg.optim, cfg.hardware
-    for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
-        _positive(getattr(t, name), f"trainer.{name}")
+    """Each group's single fields, then the rules across two groups that need no topology."""
+    check_trainer(cfg.trainer)
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
-    if t.seq_len < 2:
-        raise ConfigError(
-            f"trainer.seq_len={t.seq_len} must be >= 2 (a next-token target needs two tokens)"
-        )
-    _positive(o.lr, "optim.lr")
-    _positive(o.eps, "optim.eps")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(o, name) < 1:
-            raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1)")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
-    if o.grad_clip is not None:
-        _positive(o.grad_clip, "optim.grad_clip")
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    if h.nproc_per_node is not None and h.nproc_per_node < 1:
-        raise ConfigError(
-            f"hardware.nproc_per_node={h.nproc_per_node} must be >= 1; set it to the ranks per node"
-        )
-    _positive(h.num_nodes, "hardware.num_nodes")
-    _positive(h.timeout_s, "hardware.timeout_s")
-    if h.flight_recorder < 0:
-        raise ConfigError(f"hardware.flight_recorder={h.flight_recorder} must be >= 0 (0: off)")
-    if h.threads_per_rank is not None:
-        _positive(h.threads_per_rank, "hardware.threads_per_rank")
-    limit = MALLOC_MMAP_THRESHOLD_MAX
-    if h.malloc_mmap_threshold is not None and not 0 < h.malloc_mmap_threshold <= limit:
-        raise ConfigError(
-            f"hardware.malloc_mmap_threshold={h.malloc_mmap_threshold} must be 1 to {limit} "
-            "bytes (32 MiB, glibc's limit), e.g. 131072; or null for glibc's own"
-        )
-    if h.peak_tflops is not None:
-        _positive(h.peak_tflops, "hardware.peak_tflops")
-    _positive(cfg.parallel.tensor, "parallel.tensor")
-    _positive(h.time_limit_min, "hardware.time_limit_min")
-    if cfg.wrap.policy is WrapPolicy.size:
-        _positive(cfg.wrap.min_num_params, "wrap.min_num_params")
-    _check_model(m)
-    _check_data(cfg.data)
+    check_optim(cfg.optim, cfg.loss)
+    check_hardware(cfg.hardware)
+    check_layout(cfg.parallel, cfg.wrap, cfg.activation_checkpointing)
+    check_model(cfg.model)
+    check_data(cfg.data)
     _check_token_data(cfg)
-    if t.eval_every < 0:
-        raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no evaluation)")
-    _positive(t.eval_batches, "trainer.eval_batches")
-    _positive(t.log_every, "trainer.log_every")
-    if cfg.loss.chunk_size is not None:
-        _positive(cfg.loss.chunk_size, "loss.chunk_size")
-    prefetch = cfg.sharding.prefetch
-    if prefetch.forward < 0:
-        raise ConfigError(
-            f"sharding.prefetch.forward={prefetch.forward} must be >= 0 (0: FSDP2's "
-            "implicit forward prefetching)"
-        )
-    if prefetch.backward < 1:
-        raise ConfigError(
-            f"sharding.prefetch.backward={prefetch.backward} must be >= 1: FSDP2 "
-            "always prefetches the next unit in backward (1, its default)"
-        )
-    if cfg.activation_checkpointing.every < 1:
-        raise ConfigError(
-            f"activation_checkpointing.every={cfg.activation_checkpointing.every} must be >= 1"
-        )
+    check_sharding(cfg.sharding)
     _check_checkpoint(cfg.checkpoint)
-    _check_precision(cfg.precision)
-    _check_finetune(cfg.finetune)
-    raf = cfg.sharding.reshard_after_forward
-    if raf is not None and not isinstance(raf, (bool, int)):
-        raise ConfigError(
-            f"sharding.reshard_after_forward={raf!r} must be true, false, an int or null"
-        )
-    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
-        raise ConfigError(
-            f"sharding.reshard_after_forward={raf} as an int must be >= 2 (use true or false)"
-        )
-
-
-def _check_model(m: ModelConfig) -> None:
-    if (m.arch is None) == (m.name_or_path is None):
-        raise ConfigError(
-            "model: set exactly one of model.arch (a preset) and model.name_or_path "
-            f"(got arch={m.arch and m.arch.name}, name_or_path={m.name_or_path})"
-        )
-    if m.pretrained and m.name_or_path is None:
-        raise ConfigError(
-            "model.pretrained=true needs model.name_or_path (a directory or hub id "
-            "with weights); presets have no weights"
-        )
-    if m.name_or_path is not None:
-        path = Path(m.name_or_path).expanduser()
-        local = path.exists() or not is_hub_id(m.name_or_path)
-        if local and not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.name_or_path={m.name_or_path}: no config.json there; point it at a local "
-                "Hugging Face model directory (one that save_pretrained wrote) or a hub id"
-            )
-        return
-    if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
-        raise ConfigError(
-            f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
-            "masked_lm, the decoder presets are causal_lm; set model.task accordingly"
-        )
-    if m.vocab_size is not None:
-        _positive(m.vocab_size, "model.vocab_size")
-    for name in (
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "max_position_embeddings",
-    ):
-        _positive(getattr(m, name), f"model.{name}")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
-        )
-    _check_experts(m)
-    if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
-        if m.num_heads % m.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={m.num_heads} must be divisible by "
-                f"model.num_kv_heads={m.num_kv_heads}"
-            )
-        if (m.hidden_size // m.num_heads) % 2:
-            raise ConfigError(
-                f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
-                "(rotary embeddings rotate pairs of dimensions)"
-            )
-
-
-def _check_experts(m: ModelConfig) -> None:
-    """A preset's experts: the MoE presets need some, a dense preset takes none."""
-    if m.router_aux_loss_coef is not None and m.router_aux_loss_coef < 0:
-        raise ConfigError(
-            f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 (0: off, "
-            "null: the model's default)"
-        )
-    if m.arch not in MOE_ARCHS:
-        if m.num_experts:
-            raise ConfigError(
-                f"model.num_experts={m.num_experts} but model.arch={m.arch.name} is dense; use "
-                "a mixture-of-experts preset (model=qwen3_moe_tiny, mixtral_tiny, olmoe_tiny)"
-            )
-        return
-    _positive(m.num_experts, "model.num_experts")
-    if not 1 <= m.experts_per_token <= m.num_experts:
-        raise ConfigError(
-            f"model.experts_per_token={m.experts_per_token} must be between 1 and "
-            f"model.num_experts={m.num_experts}"
-        )
-    if m.expert_intermediate_size is not None:
-        _positive(m.expert_intermediate_size, "model.expert_intermediate_size")
-
-
-def is_hub_id(name: str) -> bool:
-    """`org/name` or `name` with no path syntax: what the hub accepts and a path rarely is."""
-    parts = name.split("/")
-    return (
-        len(parts) <= 2
-        and all(parts)
-        and not name.startswith((".", "~"))
-        and all(c.isalnum() or c in "-_." for part in parts for c in part)
-    )
-
-
-def _check_data(d: DataConfig) -> None:
-    if not isinstance(d.files, list) or not all(isinstance(f, str) for f in d.files):
-        raise ConfigError(
-            f"data.files={d.files!r} must be a path or a list of paths "
-            "(data.files=corpus.txt, data.files=[a.txt,'b/*.txt'])"
-        )
-    if d.kind is DataKind.text and not d.files:
-        raise ConfigError(
-            "data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
-            ".parquet or .csv files)"
-        )
-    if d.kind is DataKind.chat and not d.files:
-        raise ConfigError(
-            "data=chat needs data.files=[...] (paths or globs of .jsonl, .json or .parquet "
-            "files of messages or prompt/completion rows)"
-        )
-    chat_only = ("layout", "messages_column", "prompt_column", "completion_column")
-    chat_only += ("chat_template", "train_on", "packing", "overlong")
-    default = DataConfig()
-    changed = [f for f in chat_only if getattr(d, f) != getattr(default, f)]
-    if d.kind is not DataKind.chat and changed:
-        raise ConfigError(
-            f"data.{changed[0]} applies to data=chat (conversations), not data={d.kind.value}; "
-            f"drop it, or set data=chat"
-        )
-    if d.kind is DataKind.tokens and not d.files:
-        raise ConfigError(
-            "data=tokens needs data.files=[...] (paths or globs of .bin or .npy files)"
-        )
-    if d.kind is DataKind.hub and not d.name:
-        raise ConfigError("data=hub needs data.name=<hub dataset name>")
-    if d.streaming and d.kind is not DataKind.hub:
-        raise ConfigError(
-            f"data.streaming=true streams a hub dataset, not data={d.kind.value}; local files "
-            "are read in bounded memory already: drop data.streaming"
-        )
-    if d.max_tokens is not None and not d.streaming:
-        raise ConfigError(
-            "data.max_tokens applies to data=hub data.streaming=true (it ends the stream); "
-            "drop it, or stream the dataset"
-        )
-    if d.max_tokens is not None:
-        _positive(d.max_tokens, "data.max_tokens")
-    if d.num_proc is not None:
-        _positive(d.num_proc, "data.num_proc")
-    if d.eos_id is not None and d.eos_id < 0:
-        raise ConfigError(f"data.eos_id={d.eos_id} must be a token id (>= 0)")
-    if not 0 <= d.validation_fraction < 1:
-        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
-    if not 0 < d.mlm_probability < 1:
-        raise ConfigError(f"data.mlm_probability={d.mlm_probability} must be in (0, 1)")
+    check_precision(cfg.precision)
+    check_finetune(cfg.finetune)
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
@@ -279,55 +56,6 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(
             f"checkpoint.async_enabled=true needs checkpoint={' or '.join(with_async_saves())} "
             f"(got {c.format.name})"
-        )
-
-
-def _check_finetune(f: FinetuneConfig) -> None:
-    """The finetune group: each method's own settings, and no setting of another method."""
-    default = FinetuneConfig()
-    if f.method is not FinetuneMethod.freeze:
-        for name in ("freeze", "freeze_blocks"):
-            if getattr(f, name) != getattr(default, name):
-                raise ConfigError(
-                    f"finetune.{name} applies only to finetune=freeze (this run is "
-                    f"finetune={f.method.name}); remove it or set finetune=freeze"
-                )
-    if f.method is not FinetuneMethod.lora:
-        for name in ("r", "alpha", "dropout", "target_modules", "quantize_base"):
-            if getattr(f, name) != getattr(default, name):
-                raise ConfigError(
-                    f"finetune.{name} applies only to finetune=lora (this run is "
-                    f"finetune={f.method.name}); remove it or set finetune=lora"
-                )
-    if f.freeze_blocks < 0:
-        raise ConfigError(f"finetune.freeze_blocks={f.freeze_blocks} must be >= 0")
-    if f.method is FinetuneMethod.freeze and not f.freeze and not f.freeze_blocks:
-        raise ConfigError(
-            "finetune=freeze freezes nothing; set finetune.freeze=[<module pattern>, ...] "
-            "and/or finetune.freeze_blocks=N"
-        )
-    _positive(f.r, "finetune.r")
-    _positive(f.alpha, "finetune.alpha")
-    if not 0 <= f.dropout < 1:
-        raise ConfigError(f"finetune.dropout={f.dropout} must be in [0, 1)")
-    if f.target_modules is not None and not f.target_modules:
-        raise ConfigError(
-            "finetune.target_modules=[] names no module; list them (e.g. [q_proj,v_proj]) "
-            "or set finetune.target_modules=null for PEFT's default"
-        )
-    if f.quantize_base is QuantizeBase.nf4:
-        raise ConfigError(
-            "finetune.quantize_base=nf4 (QLoRA) is not built: bitsandbytes' 4-bit weights are "
-            "not FSDP2-aware and torchao's NF4Tensor route is unverified here; set "
-            "finetune.quantize_base=none"
-        )
-
-
-def _check_precision(p: PrecisionConfig) -> None:
-    if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
-        raise ConfigError(
-            "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "
-            "(fp16 gradients underflow without loss scaling); or use precision=fp16"
         )
 
 
@@ -453,15 +181,15 @@ def _check_expert(cfg: Config, topo: Topology) -> None:
     expert count the degree divides) is checked on its structure (launch.prepare)."""
     expert, s = cfg.parallel.expert, cfg.sharding
     raf = s.reshard_after_forward
-    _positive(expert, "parallel.expert")
+    positive(expert, "parallel.expert")
     if expert == 1:
         return
     refusals = (
         (cfg.parallel.tensor > 1, f"parallel.tensor={cfg.parallel.tensor}"),
         (topo.device is HardwareKind.tpu, "hardware=tpu"),
         (
-            s.strategy.name not in ("full", "grad_op", "hybrid", "hybrid_zero2"),
-            f"sharding={s.strategy.name} (verified: full, grad_op, hybrid, hybrid_zero2)",
+            not strategy_of(s.strategy).expert_parallel,
+            f"sharding={s.strategy.name} (verified: {', '.join(with_expert_parallel())})",
         ),
         (
             isinstance(raf, int) and not isinstance(raf, bool),

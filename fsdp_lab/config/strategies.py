@@ -4,12 +4,12 @@ Every strategy is FSDP2 (``fully_shard``) on a device mesh, which keeps one code
 five; they differ only in the columns below. The FSDP2 engine, the XLA engine, the rules and the
 plan read this table, and nothing else dispatches on the strategy's name.
 
-| strategy     | mesh axes          | replicas                 | reshard | ZeRO | hardware=tpu   |
-| full         | (shard,)           | one: N shards            | True    | 3    | full           |
-| grad_op      | (shard,)           | one: N shards            | False   | 2    | refused: full  |
-| no_shard     | (replicate, shard) | every rank: (N, 1), DDP  | False   | 0    | no_shard       |
-| hybrid       | (replicate, shard) | groups: (R, N/R)         | True    | 3    | hybrid         |
-| hybrid_zero2 | (replicate, shard) | groups: (R, N/R)         | False   | 2    | refused: hybrid|
+| strategy     | mesh axes          | replicas        | reshard | ZeRO | hardware=tpu   | EP  |
+| full         | (shard,)           | one: N shards   | True    | 3    | full           | yes |
+| grad_op      | (shard,)           | one: N shards   | False   | 2    | refused: full  | yes |
+| no_shard     | (replicate, shard) | every: (N,1) DDP| False   | 0    | no_shard       | no  |
+| hybrid       | (replicate, shard) | groups: (R,N/R) | True    | 3    | hybrid         | yes |
+| hybrid_zero2 | (replicate, shard) | groups: (R,N/R) | False   | 2    | refused: hybrid| yes |
 
 Imports no torch.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from fsdp_lab.config.schema import ShardingConfig, ShardingStrategy
+from fsdp_lab.config.sharding import ShardingConfig, ShardingStrategy
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
 TENSOR_AXIS = "tp"  # parallel.tensor > 1: appended innermost, after the strategy's axes
@@ -48,6 +48,9 @@ class Strategy:
     xla: ShardingStrategy
     """What hardware=tpu runs. When it is another strategy, this one is refused with a hint to
     use that one: on XLA the compiler, not a setting, decides when parameters are re-gathered."""
+    expert_parallel: bool = True
+    """parallel.expert > 1 was verified with it (EP borrows the shard axis: a strategy with a
+    shard axis of 1, DDP's, has none to borrow)."""
 
     @property
     def has_replica_groups(self) -> bool:
@@ -76,7 +79,11 @@ STRATEGIES: dict[ShardingStrategy, Strategy] = {
     S.full: Strategy(Replicas.one, reshard_after_forward=True, zero_stage=3, xla=S.full),
     S.grad_op: Strategy(Replicas.one, reshard_after_forward=False, zero_stage=2, xla=S.full),
     S.no_shard: Strategy(
-        Replicas.every_rank, reshard_after_forward=False, zero_stage=0, xla=S.no_shard
+        Replicas.every_rank,
+        reshard_after_forward=False,
+        zero_stage=0,
+        xla=S.no_shard,
+        expert_parallel=False,
     ),
     S.hybrid: Strategy(Replicas.groups, reshard_after_forward=True, zero_stage=3, xla=S.hybrid),
     S.hybrid_zero2: Strategy(
@@ -99,6 +106,11 @@ def reshard_after_forward(cfg: ShardingConfig) -> bool | int:
     if cfg.reshard_after_forward is not None:
         return cfg.reshard_after_forward
     return strategy_of(cfg.strategy).reshard_after_forward
+
+
+def with_expert_parallel() -> list[str]:
+    """The strategies parallel.expert > 1 runs under, by name."""
+    return [s.name for s, row in STRATEGIES.items() if row.expert_parallel]
 
 
 def with_replica_groups() -> list[str]:

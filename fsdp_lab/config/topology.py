@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config.schema import HardwareKind, ShardingConfig
+from fsdp_lab.config.hardware import HardwareKind
+from fsdp_lab.config.sharding import ShardingConfig
 from fsdp_lab.config.strategies import TENSOR_AXIS, Replicas, strategy_of
 
 

@@ -14,6 +14,7 @@ from fsdp_lab.config.strategies import (
     STRATEGIES,
     Replicas,
     strategy_of,
+    with_expert_parallel,
     with_replica_groups,
 )
 from fsdp_lab.config.topology import Topology, mesh_shape, replicate_size
@@ -57,12 +58,21 @@ def test_replica_groups_follow_nodes_unless_set():
     assert {r.replicas for r in STRATEGIES.values()} == set(Replicas)
 
 
-NAMED = re.compile(r"\b(ShardingStrategy|S)\.(full|grad_op|no_shard|hybrid|hybrid_zero2)\b")
+NAMES = r"(full|grad_op|no_shard|hybrid|hybrid_zero2)"
+NAMED = re.compile(rf"\b(ShardingStrategy|S)\.{NAMES}\b")
+# A strategy's name as a string beside .name or .value: `s.strategy.name not in ("full", ...)`.
+BY_STRING = re.compile(rf"strategy\.(name|value)\b[^\n]*[\"']{NAMES}[\"']")
 
 
 def test_no_other_module_dispatches_on_a_strategy_name():
-    # The schema names its default; the table is the one place that says what each one means.
-    allowed = {"config/strategies.py", "config/schema.py"}
-    hits = named_outside(NAMED, allowed)
+    # The sharding group names its default; the table is the one place that says what each means.
+    allowed = {"config/strategies.py", "config/sharding.py"}
+    hits = named_outside(NAMED, allowed) + named_outside(BY_STRING, allowed)
     assert not hits, "strategy dispatch outside config.strategies:\n" + "\n".join(hits)
     assert NAMED.search("if s is ShardingStrategy.hybrid:")  # the check would see one
+    assert BY_STRING.search('s.strategy.name not in ("full", "grad_op")')
+
+
+def test_expert_parallelism_is_a_column():
+    assert with_expert_parallel() == ["full", "grad_op", "hybrid", "hybrid_zero2"]
+    assert not strategy_of(S.no_shard).expert_parallel

@@ -36,7 +36,7 @@ DISPATCH = re.compile(
 def test_no_other_module_dispatches_on_the_format():
     # The schema names the formats, the table says what each allows, state.formats holds
     # their readers and writers.
-    allowed = {"config/checkpoint_formats.py", "config/schema.py", "state/formats.py"}
+    allowed = {"config/checkpoint_formats.py", "config/training.py", "state/formats.py"}
     hits = named_outside(DISPATCH, allowed)
     assert not hits, "format dispatch outside the formats' table:\n" + "\n".join(hits)
     assert DISPATCH.search('if marker["format"] != "sharded":')  # the check would see these
