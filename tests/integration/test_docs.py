@@ -160,7 +160,7 @@ def hydra_compose(overrides: list[str]):
     from omegaconf import OmegaConf, open_dict
 
     from fsdp_lab.config import register_schema
-    from fsdp_lab.config.rules import is_hub_id
+    from fsdp_lab.config.model import is_hub_id
 
     register_schema()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3", job_name="docs"):
