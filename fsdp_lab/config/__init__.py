@@ -22,7 +22,6 @@ from fsdp_lab.config.errors import ConfigError, first_line
 from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod
 from fsdp_lab.config.load import register_schema, to_typed
 from fsdp_lab.config.model import (
-    MOE_ARCHS,
     ExpertsImplementation,
     FinetuneConfig,
     FinetuneMethod,
@@ -61,7 +60,6 @@ from fsdp_lab.config.training import (
 )
 
 __all__ = [
-    "MOE_ARCHS",
     "ActivationCheckpointingConfig",
     "ActivationCheckpointingMode",
     "Backend",

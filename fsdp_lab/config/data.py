@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from fsdp_lab.config.errors import ConfigError, positive
 
@@ -68,35 +68,35 @@ class DataConfig:
     tokens: .bin (data.dtype) or .npy files; hub: the dataset's data_files (optional). A list,
     or one path (data.files=corpus.txt), which becomes a list of one. Typed Any so that Hydra
     accepts the single path; ``__post_init__`` and the rules make it a list of strings."""
-    name: str | None = None
+    name: Optional[str] = None
     """hub: the dataset's hub name, e.g. roneneldan/TinyStories (or a datasets builder such as
     json or parquet, with data.files)."""
-    subset: str | None = None
+    subset: Optional[str] = None
     """hub: the dataset's config name, if it has several."""
     split: str = "train"
     """hub: the split to read (a validation split is carved out of it)."""
     streaming: bool = False
     """hub: read it with datasets' streaming mode, tokenising as it arrives (nothing is
     downloaded whole); false: datasets downloads and converts it first."""
-    max_tokens: int | None = None
+    max_tokens: Optional[int] = None
     """hub with streaming: stop after the document that reaches this many tokens. None: all."""
     text_column: str = "text"
     """The column holding the text (.txt/.md files and shakespeare: `text`, one row per file)."""
-    tokenizer: str | None = None
+    tokenizer: Optional[str] = None
     """A tokenizer directory. None: the model directory's tokenizer, else byte-level (ByT5)."""
     dtype: TokenDtype = TokenDtype.uint16
     """tokens: the dtype of .bin files (.npy files say their own)."""
-    eos_id: int | None = None
+    eos_id: Optional[int] = None
     """tokens: the id that ends each document. None: the tokenizer's EOS (data.tokenizer or the
     model directory's)."""
     validation_fraction: float = 0.05
     """Each document is held out for evaluation with this probability, by a hash of its content
     (so the split is fixed, whatever the seed, the files' order or data.num_proc)."""
-    num_proc: int | None = None
+    num_proc: Optional[int] = None
     """Processes that tokenise the corpus. None: the CPUs this process may use (its affinity)."""
     mlm_probability: float = 0.15
     """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
-    cache_dir: str | None = None
+    cache_dir: Optional[str] = None
     """Tokenised corpora are cached here. None: ~/.cache/fsdp_lab/data."""
     layout: ChatLayout = ChatLayout.auto
     """chat: messages (a list of {role, content}) or prompt_completion; auto: from the columns."""
@@ -106,7 +106,7 @@ class DataConfig:
     """chat: the column holding the prompt (prompt_completion layout)."""
     completion_column: str = "completion"
     """chat: the column holding the completion (prompt_completion layout)."""
-    chat_template: str | None = None
+    chat_template: Optional[str] = None
     """chat: a Jinja chat template file. None: the tokenizer's own (conf/chat_templates has
     ChatML and Llama-3 ones for tokenizers without one)."""
     train_on: TrainOn = TrainOn.assistant

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 from fsdp_lab.config.errors import ConfigError, positive
 
@@ -37,14 +38,14 @@ class HardwareConfig:
     kind: HardwareKind = HardwareKind.auto
     """cpu (gloo), gpu (nccl, one rank per GPU), tpu (torch_xla SPMD, one process driving every
     XLA device of the host) or auto (gpu when CUDA is available, else cpu)."""
-    nproc_per_node: int | None = None
+    nproc_per_node: Optional[int] = None
     """Ranks per node. None: 2 on CPU, every visible GPU on gpu, every XLA device on tpu (which
     must use them all); under torchrun/srun what they started (a different value is an error).
     hydra/launcher=slurm: SLURM tasks per node."""
     num_nodes: int = 1
     """Nodes in the job (from the launcher under torchrun/srun; hydra/launcher=slurm asks
     SLURM for this many)."""
-    partition: str | None = None
+    partition: Optional[str] = None
     """hydra/launcher=slurm: the SLURM partition; None: the cluster's default."""
     time_limit_min: int = 60
     """hydra/launcher=slurm: each job's time limit; shortly before it the ranks checkpoint
@@ -63,9 +64,9 @@ class HardwareConfig:
     out and read into the error (which rank waits where, which is behind); 0: off. On gloo it
     costs about 1.5 us per collective (torch's own default is the same 2000). Not used on
     tpu, whose collectives XLA runs."""
-    threads_per_rank: int | None = None
+    threads_per_rank: Optional[int] = None
     """CPU threads per rank. None: the node's cores divided among its ranks."""
-    malloc_mmap_threshold: int | None = None
+    malloc_mmap_threshold: Optional[int] = None
     """Bound each rank's host memory by fixing glibc's M_MMAP_THRESHOLD (bytes, at most 32 MiB;
     Linux): blocks at least this large are mapped on their own and given back to the system
     when freed. None: glibc's own, whose threshold rises to the largest block freed, after
@@ -86,7 +87,7 @@ class HardwareConfig:
     imported torch and transformers and checked the model, so a rank starts seconds sooner.
     spawn (auto on gpu and tpu, where CUDA and XLA cannot be used in a forked child): fresh
     interpreters. Not used under torchrun or srun, which start the ranks themselves."""
-    peak_tflops: float | None = None
+    peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s at the compute dtype, for MFU. None: known GPUs from a table
     (A100, H100, H200, B200, L4, L40S, A10); CPUs and other devices report no MFU."""
 

@@ -37,7 +37,7 @@ class LossRow:
     fused: bool
     """Takes the final hidden states and the head's weight and never builds fp32 B x T x V
     logits (the model's own loss does). Only causal LMs whose head is a plain linear layer can
-    take one (``train.loss.FUSED_MODEL_TYPES``), and not with LoRA on the head."""
+    take one (``config.families``, fused_loss), and not with LoRA on the head."""
     package: Package | None = None
     """The package it needs, or None (torch alone)."""
     gpu_only: bool = False

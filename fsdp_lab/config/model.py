@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional
 
 from fsdp_lab.config.errors import ConfigError, positive
 
@@ -18,9 +19,6 @@ class ModelArch(enum.Enum):
     qwen3_moe = "qwen3_moe"  # mixtures of experts: model.num_experts > 0
     mixtral = "mixtral"
     olmoe = "olmoe"
-
-
-MOE_ARCHS = frozenset({ModelArch.qwen3_moe, ModelArch.mixtral, ModelArch.olmoe})
 
 
 class WeightLoading(enum.Enum):
@@ -57,9 +55,9 @@ class QuantizeBase(enum.Enum):
 
 @dataclass
 class ModelConfig:
-    arch: ModelArch | None = None
+    arch: Optional[ModelArch] = None
     """Preset family built from the sizes below with random init; None when name_or_path is set."""
-    name_or_path: str | None = None
+    name_or_path: Optional[str] = None
     """A local Hugging Face model directory (config.json, optionally safetensors and a
     tokenizer) or a hub id such as HuggingFaceTB/SmolLM2-135M (where the hub is reachable)."""
     pretrained: bool = False
@@ -73,7 +71,7 @@ class ModelConfig:
     way that cannot be read per tensor, or a hub id, takes rank0's route with a warning."""
     task: ModelTask = ModelTask.causal_lm
     """causal_lm: next-token loss; masked_lm: loss on masked tokens (encoders such as BERT)."""
-    vocab_size: int | None = None
+    vocab_size: Optional[int] = None
     """Presets: None takes the tokenizer's size (256 for synthetic data)."""
     hidden_size: int = 64
     intermediate_size: int = 256
@@ -88,9 +86,9 @@ class ModelConfig:
     dense presets. model=local reads it from config.json."""
     experts_per_token: int = 2
     """MoE presets: the experts each token is routed to (top-k)."""
-    expert_intermediate_size: int | None = None
+    expert_intermediate_size: Optional[int] = None
     """MoE presets: each expert's MLP width; None: model.intermediate_size."""
-    router_aux_loss_coef: float | None = None
+    router_aux_loss_coef: Optional[float] = None
     """MoE models: the weight of the router's load-balancing loss added to the training
     objective (once per step, a mean over micro-batches). None: the model's own default
     (config.router_aux_loss_coef, 0.001 for Qwen3-MoE); 0: off (still measured and logged)."""
@@ -108,7 +106,7 @@ class FinetuneConfig:
     """full: every parameter trains; freeze: the parameters under finetune.freeze and
     finetune.freeze_blocks are frozen; lora: PEFT's LoRA adapters on finetune.target_modules
     train and the whole base model is frozen."""
-    freeze: list[str] = field(default_factory=list)
+    freeze: List[str] = field(default_factory=list)
     """freeze: module or parameter name patterns (fnmatch; a module freezes everything under
     it), e.g. [model.embed_tokens, "model.layers.0.*"]. Names as in model.named_modules()."""
     freeze_blocks: int = 0
@@ -119,7 +117,7 @@ class FinetuneConfig:
     """lora: the scale is alpha / r."""
     dropout: float = 0.0
     """lora: dropout on the adapters' input (0.0: none; > 0 makes ranks draw different masks)."""
-    target_modules: list[str] | None = None
+    target_modules: Optional[List[str]] = None
     """lora: module names (a name or its last parts, as PEFT matches them, e.g. [q_proj,
     v_proj]; all-linear: every linear layer but the head). None: PEFT's default for the
     architecture."""
@@ -147,11 +145,6 @@ def check_model(m: ModelConfig) -> None:
                 "Hugging Face model directory (one that save_pretrained wrote) or a hub id"
             )
         return
-    if (m.arch is ModelArch.bert) != (m.task is ModelTask.masked_lm):
-        raise ConfigError(
-            f"model.task={m.task.name} does not fit model.arch={m.arch.name}: the bert preset is "
-            "masked_lm, the decoder presets are causal_lm; set model.task accordingly"
-        )
     if m.vocab_size is not None:
         positive(m.vocab_size, "model.vocab_size")
     for name in (
@@ -167,42 +160,6 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
         )
-    _check_experts(m)
-    if m.arch is not ModelArch.gpt2:  # GPT-2 has no grouped-query attention or rotary
-        if m.num_heads % m.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={m.num_heads} must be divisible by "
-                f"model.num_kv_heads={m.num_kv_heads}"
-            )
-        if (m.hidden_size // m.num_heads) % 2:
-            raise ConfigError(
-                f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even "
-                "(rotary embeddings rotate pairs of dimensions)"
-            )
-
-
-def _check_experts(m: ModelConfig) -> None:
-    """A preset's experts: the MoE presets need some, a dense preset takes none."""
-    if m.router_aux_loss_coef is not None and m.router_aux_loss_coef < 0:
-        raise ConfigError(
-            f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 (0: off, "
-            "null: the model's default)"
-        )
-    if m.arch not in MOE_ARCHS:
-        if m.num_experts:
-            raise ConfigError(
-                f"model.num_experts={m.num_experts} but model.arch={m.arch.name} is dense; use "
-                "a mixture-of-experts preset (model=qwen3_moe_tiny, mixtral_tiny, olmoe_tiny)"
-            )
-        return
-    positive(m.num_experts, "model.num_experts")
-    if not 1 <= m.experts_per_token <= m.num_experts:
-        raise ConfigError(
-            f"model.experts_per_token={m.experts_per_token} must be between 1 and "
-            f"model.num_experts={m.num_experts}"
-        )
-    if m.expert_intermediate_size is not None:
-        positive(m.expert_intermediate_size, "model.expert_intermediate_size")
 
 
 def is_hub_id(name: str) -> bool:

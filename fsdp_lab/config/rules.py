@@ -11,6 +11,7 @@ from __future__ import annotations
 from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.data import DataKind, check_data
 from fsdp_lab.config.errors import ConfigError, positive
+from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.hardware import HardwareKind, check_hardware
 from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.model import FinetuneMethod, ModelTask, check_finetune, check_model
@@ -37,6 +38,7 @@ def check_fields(cfg: Config) -> None:
     check_hardware(cfg.hardware)
     check_layout(cfg.parallel, cfg.wrap, cfg.activation_checkpointing)
     check_model(cfg.model)
+    check_preset(cfg.model)
     check_data(cfg.data)
     _check_token_data(cfg)
     check_sharding(cfg.sharding)

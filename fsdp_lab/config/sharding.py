@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Dict, List, Optional
 
 from fsdp_lab.config.errors import ConfigError, positive
 
@@ -58,9 +58,9 @@ class PrefetchConfig:
 class ShardingConfig:
     strategy: ShardingStrategy = ShardingStrategy.full
     """How parameters, gradients and optimizer state are split across ranks (the group option)."""
-    replicate_size: int | None = None
+    replicate_size: Optional[int] = None
     """hybrid only: ranks along the replicate axis. None: the number of nodes when > 1, else 2."""
-    reshard_after_forward: Any | None = None
+    reshard_after_forward: Optional[Any] = None
     """None: the strategy's default. true/false overrides it; an int N > 1 reshards to groups of
     N ranks after forward (must divide the shard axis). An int makes FSDP2 create two extra
     process groups per FSDP unit (dozens of NCCL communicators on a deep model). The last unit
@@ -83,7 +83,7 @@ class ParallelConfig:
     """Between the TP regions, keep activations split on the sequence (norms run on their
     rows; reduce-scatter and all-gather replace all-reduce): 1/tensor of the activations
     between layers. Llama-style layers (Llama, Qwen2, Mistral)."""
-    plan: dict[str, str] | None = None
+    plan: Optional[Dict[str, str]] = None
     """Module pattern -> style (colwise, rowwise, colwise_gather_output, rowwise_split_input),
     instead of the model's ``base_model_tp_plan``; patterns are relative to the base model
     (``layers.*.self_attn.q_proj``)."""
@@ -102,7 +102,7 @@ class PrecisionConfig:
     """dtype of the all-gathered parameters that forward and backward compute in."""
     reduce_dtype: Dtype = Dtype.fp32
     """dtype gradients are reduce-scattered / all-reduced in."""
-    output_dtype: Dtype | None = None
+    output_dtype: Optional[Dtype] = None
     """dtype the root module's outputs are cast to; None keeps the compute dtype."""
     grad_scaler_enabled: bool = False
     """Scale the loss and unscale sharded gradients (needed for fp16 compute)."""
@@ -115,7 +115,7 @@ class PrecisionConfig:
 class WrapConfig:
     policy: WrapPolicy = WrapPolicy.transformer
     """transformer: one FSDP unit per block class; size: by parameter count; none: root only."""
-    classes: list[str] = field(default_factory=list)
+    classes: List[str] = field(default_factory=list)
     """transformer: block class names; empty takes the model's `_no_split_modules`."""
     min_num_params: int = 1_000_000
     """size: a module becomes a unit when it holds at least this many not-yet-wrapped params."""

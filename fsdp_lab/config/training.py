@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 from fsdp_lab.config.errors import ConfigError, positive
 
@@ -60,7 +61,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float | None = 1.0
+    grad_clip: Optional[float] = 1.0
     """Max global gradient norm; None disables clipping (the norm is still logged)."""
     implementation: OptimImpl = OptimImpl.auto
     """AdamW's kernels: fused (one kernel; measured 3-4x faster than foreach on CPU), foreach,
@@ -73,9 +74,9 @@ class LossConfig:
     kind: LossKind = LossKind.auto
     """The cross-entropy over the vocabulary. chunked/liger/cce never build fp32 B x T x V
     logits: they take the final hidden states and the head's weight. auto: for causal LMs whose
-    head is a plain linear layer (fsdp_lab.train.loss.FUSED_MODEL_TYPES) liger on GPU where
+    head is a plain linear layer (fused_loss in fsdp_lab.config.families) liger on GPU where
     liger-kernel is installed (pip install 'fsdp_lab[gpu]'), else chunked; hf otherwise."""
-    chunk_size: int | None = None
+    chunk_size: Optional[int] = None
     """chunked: tokens per chunk. None: as many as keep one chunk's fp32 logits within 256 MiB."""
 
 
@@ -111,7 +112,7 @@ class CheckpointConfig:
     """Save every N optimizer steps; 0 saves only at the end (and on preemption)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are removed only after a newer one is complete."""
-    dir: str | None = None
+    dir: Optional[str] = None
     """Where checkpoints go; None: <run dir>/checkpoints."""
     async_enabled: bool = False
     """sharded only: write in the background (DCP async_save) while training continues."""

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from fsdp_lab.config import (
     ConfigError,
     ExpertsImplementation,
-    ModelArch,
     ModelConfig,
     ModelTask,
+    families,
     first_line,
 )
 from fsdp_lab.engine import hardware, moe
@@ -54,9 +54,9 @@ def build_hf_config(cfg: ModelConfig):
     return hf_config
 
 
-# Long: one transformers config per preset architecture, every hyperparameter spelled out.
 def _hf_config(cfg: ModelConfig):
-    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+    import transformers
+    from transformers import AutoConfig
 
     if cfg.name_or_path is not None:
         local = Path(cfg.name_or_path).expanduser()
@@ -83,50 +83,9 @@ def _hf_config(cfg: ModelConfig):
         eos_token_id=1,
         pad_token_id=None,
     )
-    match cfg.arch:
-        case ModelArch.llama | ModelArch.qwen2:
-            hf_cls = LlamaConfig if cfg.arch is ModelArch.llama else Qwen2Config
-            return hf_cls(
-                hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads,
-                max_position_embeddings=cfg.max_position_embeddings,
-                attention_dropout=0.0,
-                **common,
-            )
-        case ModelArch.gpt2:
-            # GPT-2 has no grouped-query attention or separate MLP width knob beyond n_inner.
-            return GPT2Config(
-                n_embd=cfg.hidden_size,
-                n_inner=cfg.intermediate_size,
-                n_layer=cfg.num_layers,
-                n_head=cfg.num_heads,
-                n_positions=cfg.max_position_embeddings,
-                # Dropout off: runs are then identical across world sizes and strategies.
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                **common,
-            )
-        case ModelArch.bert:
-            return BertConfig(
-                vocab_size=vocab_size,
-                hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads,
-                max_position_embeddings=cfg.max_position_embeddings,
-                tie_word_embeddings=cfg.tie_word_embeddings,
-                pad_token_id=None,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-        case ModelArch.qwen3_moe | ModelArch.mixtral | ModelArch.olmoe:
-            return moe.moe_hf_config(cfg, common)
-        case _:
-            raise ValueError(f"unknown model.arch {cfg.arch}")
+    row = families.preset_family(cfg.arch)
+    hf_cls = getattr(transformers, row.hf_config)
+    return hf_cls(**{**common, **row.preset_fields(cfg)})  # a row's own fields win
 
 
 SYNTHETIC_VOCAB_SIZE = 256

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models: their presets and what the rest of fsdp_lab asks of their layers.
+"""Mixture-of-experts models: what the rest of fsdp_lab asks of their layers.
 
 transformers 5 builds Qwen3-MoE, Mixtral and OLMoE alike: each sparse decoder layer's ``mlp`` is
 a block with a ``gate`` (the router: ``weight [E, H]``, returning logits, top-k weights and
@@ -16,54 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from fsdp_lab.config import ModelArch, ModelConfig
-
-
-def moe_hf_config(cfg: ModelConfig, common: dict):
-    """The transformers config of a mixture-of-experts preset: every layer sparse, dropout
-    and router noise off (runs are then the same across world sizes and strategies)."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
-
-    expert_width = cfg.expert_intermediate_size or cfg.intermediate_size
-    shared = dict(
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        num_experts_per_tok=cfg.experts_per_token,
-        attention_dropout=0.0,
-        **common,
-    )
-    match cfg.arch:
-        case ModelArch.qwen3_moe:
-            return Qwen3MoeConfig(
-                intermediate_size=cfg.intermediate_size,  # dense layers' (none here)
-                moe_intermediate_size=expert_width,
-                num_experts=cfg.num_experts,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                norm_topk_prob=True,
-                head_dim=cfg.hidden_size // cfg.num_heads,
-                **shared,
-            )
-        case ModelArch.mixtral:
-            return MixtralConfig(
-                intermediate_size=expert_width,
-                num_local_experts=cfg.num_experts,
-                router_jitter_noise=0.0,  # random noise in training: breaks exact parity
-                **shared,
-            )
-        case ModelArch.olmoe:
-            return OlmoeConfig(
-                intermediate_size=expert_width,
-                num_experts=cfg.num_experts,
-                norm_topk_prob=False,
-                **shared,
-            )
-        case _:
-            raise ValueError(f"model.arch={cfg.arch} is not a mixture of experts")
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:

@@ -8,26 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config import ModelTask
+from fsdp_lab.config import ModelTask, families
 
 FP32 = 4
 
 # Activations: what autograd saves for backward, per token, read off HF's eager code (sdpa
-# attention) and checked against torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py).
-FAMILIES = {
-    "llama": "llama",
-    "qwen2": "llama",
-    "mistral": "llama",  # mistral: llama's code
-    # Mixtures of experts: Llama's attention (Qwen3-MoE and OLMoE normalise q and k) with a
-    # routed experts block in place of the MLP.
-    "mixtral": "llama",
-    "qwen3_moe": "llama",
-    "olmoe": "llama",
-    "gpt2": "gpt2",
-    "gpt_neox": "neox",
-    "bert": "bert",
-    "roberta": "bert",
-}
+# attention) and checked against torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py);
+# which layer model a model type takes is its row's `activations` (config.families).
 INT_INPUT_BYTES = 16  # input ids and labels (int64) saved by the embedding and the loss
 
 
@@ -35,7 +22,7 @@ INT_INPUT_BYTES = 16  # input ids and labels (int64) saved by the embedding and 
 class LayerShape:
     """The sizes a layer's saved activations depend on, read from the HF config."""
 
-    family: str  # a value of FAMILIES: llama (RMSNorm, rotary, SwiGLU), gpt2, neox, bert (post-LN)
+    family: str  # a families.Activations value: llama (RMSNorm, rotary, SwiGLU), gpt2, neox, bert
     hidden: int
     intermediate: int
     num_heads: int
@@ -177,9 +164,9 @@ def _dropout_on(hf_config, fields: tuple[str, ...]) -> bool:
 def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
     """A transformers config's sizes (any family's attribute names), and what was assumed."""
     notes = []
-    family = FAMILIES.get(hf_config.model_type)
-    if family is None:
-        family = "llama"
+    row = families.family_of(hf_config.model_type)
+    family = (row.activations if row else families.Activations.llama).value
+    if row is None:
         notes.append(
             f"activations: no layer model for model_type={hf_config.model_type}; "
             "estimated as a Llama-style layer (RMSNorm, rotary, SwiGLU)"
@@ -212,15 +199,13 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
     ), notes
 
 
-QK_NORMS = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
-
-
 def _experts_shape(hf_config, notes: list[str]) -> dict:
     """A mixture of experts' sizes (none for a dense model), and q/k normalisation."""
     experts = getattr(hf_config, "num_experts", None) or getattr(
         hf_config, "num_local_experts", None
     )
-    shape = {"qk_norm": QK_NORMS.get(hf_config.model_type, "")}
+    row = families.family_of(hf_config.model_type)
+    shape = {"qk_norm": row.qk_norm.value if row else ""}
     if not experts:
         return shape
     if getattr(hf_config, "mlp_only_layers", None) or getattr(

@@ -17,8 +17,8 @@ cost time. The fused kinds take the final hidden states and the head's weight in
 as the head's own forward: FSDP2's hooks on whichever module owns the head (the root, or a unit
 of its own with wrap=size) gather its weight for the loss and reduce its gradient after. Only
 model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
-get it (``FUSED_MODEL_TYPES``: no logit scaling, soft-capping or bias; each is compared with its
-own loss in ``tests``).
+get it (``config.families``' fused_loss column: no logit scaling, soft-capping or bias; each
+is compared with its own loss in ``tests``).
 
 What each loss needs and where it runs is its row in ``config.losses``; its code is its entry
 in ``FUSED_LOSSES`` below.
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
+from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.data.loader import IGNORE_INDEX
 from fsdp_lab.train.linear_ce import linear_cross_entropy
@@ -52,12 +52,6 @@ from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
 
 log = logging.getLogger(__name__)
 
-# Causal LMs whose forward is hidden = base(...); logits = lm_head(hidden) (a bias-free Linear);
-# loss = ForCausalLMLoss(logits, labels). Gemma 2/3 (soft-capping), Cohere (logit_scale) and
-# Granite (logits_scaling) are not: they keep loss=hf.
-FUSED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral", "olmoe"}
-)
 CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 
@@ -68,7 +62,8 @@ def resolve_loss(
     A loss the model or device cannot take (its row in ``config.losses``) is a ConfigError
     naming the fix (on hardware=tpu the rules, ``config.rules.refuse_for_xla``, refused every
     loss without ``on_xla`` first)."""
-    fits = task is ModelTask.causal_lm and hf_config.model_type in FUSED_MODEL_TYPES
+    row = families.family_of(hf_config.model_type)
+    fits = task is ModelTask.causal_lm and row is not None and row.fused_loss
     if cfg.kind is LossKind.auto:
         if not fits or device is HardwareKind.tpu:
             return LossKind.hf
@@ -90,7 +85,7 @@ def resolve_loss(
             "a masked LM"
             if task is ModelTask.masked_lm
             else f"model_type={hf_config.model_type}, whose head is not known to be a plain "
-            f"linear layer (fused: {', '.join(sorted(FUSED_MODEL_TYPES))})"
+            f"linear layer (fused: {', '.join(families.fused_loss_types())})"
         )
         raise ConfigError(
             f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "

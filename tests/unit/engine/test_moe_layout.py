@@ -20,7 +20,7 @@ from fsdp_lab.config import (
     ShardingConfig,
     WrapConfig,
 )
-from fsdp_lab.config.model import check_model
+from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import fsdp, hardware, moe, precision, wrap
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
@@ -124,13 +124,13 @@ def test_experts_shard_on_dim_0_padding_where_uneven(fake_group, world):
 
 def test_refusals_are_one_line():
     with pytest.raises(ConfigError, match=r"model\.num_experts=8 but model\.arch=llama is dense"):
-        check_model(ModelConfig(arch=ModelArch.llama, num_experts=8))
+        check_preset(ModelConfig(arch=ModelArch.llama, num_experts=8))
     with pytest.raises(ConfigError, match=r"model\.num_experts=0 must be > 0"):
-        check_model(ModelConfig(arch=ModelArch.mixtral))
+        check_preset(ModelConfig(arch=ModelArch.mixtral))
     with pytest.raises(ConfigError, match="experts_per_token=9"):
-        check_model(preset(ModelArch.olmoe, experts_per_token=9))
+        check_preset(preset(ModelArch.olmoe, experts_per_token=9))
     with pytest.raises(ConfigError, match="router_aux_loss_coef=-1"):
-        check_model(preset(ModelArch.olmoe, router_aux_loss_coef=-1.0))
+        check_preset(preset(ModelArch.olmoe, router_aux_loss_coef=-1.0))
     with pytest.raises(ConfigError, match="grouped_mm needs") as e:
         hardware.check_experts_implementation(HardwareKind.tpu, ExpertsImplementation.grouped_mm)
     assert "\n" not in str(e.value)

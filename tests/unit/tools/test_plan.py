@@ -13,7 +13,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_lab.config import (
-    MOE_ARCHS,
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     LossKind,
@@ -22,6 +21,7 @@ from fsdp_lab.config import (
     ModelTask,
     strategies,
 )
+from fsdp_lab.config.families import preset_family
 from fsdp_lab.data import corpus
 from fsdp_lab.engine import activations, finetune, fsdp, precision, wrap
 from fsdp_lab.engine import model as model_lib
@@ -398,7 +398,8 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, monkeypatch, ove
 def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none", num_kv_heads: int = 2):
     """A preset on CPU with params in ``dtype`` (as FSDP2's param_dtype casts them; buffers stay
     fp32), its layers checkpointed as fsdp_lab does, and the plan's layer shape."""
-    task = ModelTask.masked_lm if arch is ModelArch.bert else ModelTask.causal_lm
+    family = preset_family(arch)
+    task = family.task
     cfg = ModelConfig(
         arch=arch,
         task=task,
@@ -410,7 +411,7 @@ def small_model(arch: ModelArch, dtype: torch.dtype, ac: str = "none", num_kv_he
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=arch is not ModelArch.llama,
         # MoE presets: 8 experts of width 96 (top-2), the dense presets none
-        num_experts=8 * (arch in MOE_ARCHS),
+        num_experts=8 * family.experts,
         expert_intermediate_size=96,
     )
     hf = model_lib.build_hf_config(cfg)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import train
 
-from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask
+from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.train import loss as loss_lib
 
 
@@ -72,7 +72,7 @@ def model_and_batch(model_type: str):
 # fp32, measured: one chunk gives HF's loss bit for bit (the same log_softmax and nll_loss
 # kernels); several chunks differ by the fp32 chunk sums' rounding, at most 9.5e-7 here.
 @pytest.mark.parametrize("chunk", [None, 7], ids=["one_chunk", "chunks_of_7"])
-@pytest.mark.parametrize("model_type", sorted(loss_lib.FUSED_MODEL_TYPES))
+@pytest.mark.parametrize("model_type", families.fused_loss_types())
 def test_chunked_loss_equals_the_models_own(model_type, chunk):
     ref, batch = model_and_batch(model_type)
     fused = copy.deepcopy(ref)
