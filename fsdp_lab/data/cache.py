@@ -6,18 +6,17 @@ Under ``data.cache_dir``:
     .tokens-<key>.partial/    a preparation under way: its shards and progress.json
     tokens-<key>.lock         locked (flock) by the process preparing the entry; says which
 
-The first process to arrive takes the lock and prepares; others (a sweep's jobs, the nodes of a
-job sharing the directory) wait and say what for. The kernel releases a dead holder's lock, so
-the next process takes over, and continues from the shards the dead one finished: the tasks'
-shards are appended to the splits in task order, and progress.json records how far.
+The first process to arrive takes the lock (``cache_lock``) and prepares; others (a sweep's
+jobs, the nodes of a job sharing the directory) wait and say what for. The kernel releases a dead
+holder's lock, so the next process takes over, and continues from the shards the dead one
+finished: the tasks' shards are appended to the splits in task order, and progress.json records
+how far. The entry's meta.json is an ``EntryMeta``, read by its fields.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -37,82 +36,9 @@ from fsdp_lab.data.worker import PER_DOCUMENT, SPLITS, Setup, streams, write_err
 
 log = logging.getLogger(__name__)
 
-WAIT_REPORT_S = 60.0
-HOLDER_NAMED_S = 5.0
-
 
 def is_complete(entry: Path) -> bool:
     return (entry / "meta.json").is_file()
-
-
-class CacheLock:
-    """An exclusive flock on ``path``; the holder writes who it is into the file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.fd = path, None
-        self.private = False  # the filesystem cannot lock: this process builds apart
-
-    def acquire(self, entry: Path) -> bool:
-        """Hold the lock (True), or return False once ``entry`` is complete (someone else made
-        it while this process waited). Says who it waits for, now and every minute."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        said, began = 0.0, time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if is_complete(entry):
-                    os.close(fd)
-                    return False
-                who = self._holder()
-                # the holder writes its pid just after it locks: give it a moment to be named
-                named = who is not None or time.monotonic() - began > HOLDER_NAMED_S
-                if named and time.monotonic() - said > WAIT_REPORT_S:
-                    log.info("data: waiting for %s to prepare %s", who or "another process", entry)
-                    said = time.monotonic()
-                time.sleep(0.5)
-                continue
-            except OSError as e:  # a filesystem without locks (some Lustre mounts)
-                if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                log.warning(
-                    "data: %s cannot be locked (%s); this process prepares its own copy, and "
-                    "concurrent runs of the same corpus each do the same",
-                    self.path,
-                    e.strerror,
-                )
-                self.private = True
-            self.fd = fd
-            break
-        if not self.private:
-            stopped = self._holder()
-            if stopped is not None and not is_complete(entry):
-                log.info("data: %s stopped preparing %s; continuing it here", stopped, entry)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_owner()).encode(), 0)
-        return True
-
-    def _holder(self) -> str | None:
-        try:
-            owner = json.loads(self.path.read_text() or "null")
-        except (OSError, ValueError):
-            return None
-        if not owner:
-            return None
-        age = time.time() - owner["since"]
-        return f"pid {owner['pid']} on {owner['host']} (for {age:.0f} s)"
-
-    def release(self) -> None:
-        if self.fd is not None:
-            if not self.private:
-                os.ftruncate(self.fd, 0)  # a lock file with an owner in it means a dead owner
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
-
-
-def _owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
 
 @dataclass
@@ -140,9 +66,46 @@ class Totals:
             self.max_at = at
 
 
+@dataclass(frozen=True)
+class EntryMeta:
+    """meta.json of a complete entry: what its token files hold and how they were made. Written
+    by ``_commit``; every reader reads these fields (``read``), never the file's keys."""
+
+    dtype: str  # of the token files: uint16 or uint32
+    eos: int
+    split: str
+    """How validation is held out: "documents" (val.bin holds whole documents) or "blocks"
+    (every document fell in one split: the last blocks of train.bin, cut at load)."""
+    digests: dict[str, str]
+    """The content hash of each file ("train", "val", "train.mask", ...), in the order written:
+    with the split and the block length, what identifies the data in checkpoints."""
+    documents: dict[str, int]  # per split (conversations for data=chat)
+    tokens: dict[str, int]  # per split, EOS included
+    skipped_rows: int  # rows without text (data=chat: without an assistant turn)
+    max_token_id: int
+    max_token_at: list | None  # token files: [path, position, id] of the largest id
+    shards: int  # tasks the corpus was prepared in
+    peak_rss_per_process: int  # bytes: the largest peak RSS of a preparing process
+    seconds: float  # the preparation's wall time (of the run that finished it)
+    input_bytes: int  # read by that run
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EntryMeta:
+        """The record of meta.json's dict, as every version of the cache's format 3 wrote it
+        (a key it does not know is left out)."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def read(cls, entry: Path) -> EntryMeta:
+        return cls.from_dict(json.loads((entry / "meta.json").read_text()))
+
+
 def build(
     entry: Path, source: Source, setup: Setup, *, write_encoder, num_proc: int, private: bool
-) -> dict:
+) -> EntryMeta:
     """Prepare ``entry`` (the caller holds its lock): run the tasks not done yet, append their
     shards in task order, and rename the finished entry into place. Returns its meta.
     ``write_encoder(path)`` saves the tokenizer for the preparing processes (None: token files).
@@ -178,11 +141,8 @@ def build(
         raise
     finally:
         progress.close()
-    timing = {
-        "seconds": round(time.monotonic() - progress.start, 2),
-        "input_bytes": progress.done - progress.initial,
-    }
-    return _commit(entry, partial, totals, setup, timing)
+    seconds = round(time.monotonic() - progress.start, 2)
+    return _commit(entry, partial, totals, setup, seconds, progress.done - progress.initial)
 
 
 def _setup(partial: Path, setup: Setup, write_encoder) -> Setup:
@@ -316,6 +276,11 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _digest_name(split: str, kind: str) -> str:
+    """A file's name among the digests: "train" for train.bin, "train.mask" for train.mask.bin."""
+    return ".".join([split, *kind.split(".")[:-1]])
+
+
 def _digest(path: Path) -> str:
     h = xxhash.xxh3_128()
     with path.open("rb") as f:
@@ -324,7 +289,9 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: dict) -> dict:
+def _commit(
+    entry: Path, partial: Path, totals: Totals, setup: Setup, seconds: float, input_bytes: int
+) -> EntryMeta:
     """meta.json, then the whole entry renamed into place: complete or invisible."""
     if sum(totals.documents.values()) == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -352,27 +319,26 @@ def _commit(entry: Path, partial: Path, totals: Totals, setup: Setup, timing: di
                 (partial / f"val.{kind}").touch()
             for d in (totals.documents, totals.tokens):
                 d["train"], d["val"] = d["val"], 0
-    meta = {
-        "dtype": setup.dtype,
-        "eos": setup.eos,
-        "split": split,
-        "digests": {
-            (s if kind == "bin" else f"{s}.{kind.removesuffix('.bin')}"): _digest(
-                partial / f"{s}.{kind}"
-            )
+    meta = EntryMeta(
+        dtype=setup.dtype,
+        eos=setup.eos,
+        split=split,
+        digests={
+            _digest_name(s, kind): _digest(partial / f"{s}.{kind}")
             for s in SPLITS
             for kind in kinds
         },
-        "documents": totals.documents,
-        "tokens": totals.tokens,
-        "skipped_rows": totals.skipped,
-        "max_token_id": totals.max_id,
-        "max_token_at": totals.max_at,
-        "shards": totals.appended,
-        "peak_rss_per_process": totals.peak_rss,
-        **timing,
-    }
-    _write_json(partial / "meta.json", meta)
+        documents=totals.documents,
+        tokens=totals.tokens,
+        skipped_rows=totals.skipped,
+        max_token_id=totals.max_id,
+        max_token_at=totals.max_at,
+        shards=totals.appended,
+        peak_rss_per_process=totals.peak_rss,
+        seconds=seconds,
+        input_bytes=input_bytes,
+    )
+    _write_json(partial / "meta.json", meta.to_dict())
     try:
         partial.rename(entry)
     except OSError:

@@ -21,9 +21,9 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind
-from fsdp_lab.data import chat, readers, tasks
+from fsdp_lab.data import chat, formats, tasks
 from fsdp_lab.data.packing import ChatSplit, hold_out
-from fsdp_lab.data.sources import CHAT_FORMATS, file_format, local_files
+from fsdp_lab.data.sources import local_files
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ def _first_row(patterns: list[str], column: str) -> tuple[dict, str]:
     """The first row of the first non-empty file, and where it is (for the layout): read
     through the first segment the planner cuts, as a preparing process reads it."""
     files = local_files(patterns)
-    fmt = file_format(files, CHAT_FORMATS, DataKind.chat)
+    fmt = formats.file_format(files, DataKind.chat)
     path = next((f for f in files if f.stat().st_size), None)  # (plan warns of empty ones)
     if path is None:
         raise ConfigError("data.files: every file is empty; add conversations")
-    first = tasks.text_segments([path], fmt, None, tasks.MAX_TASK_BYTES, split_of=None)[0]
-    for row, where in readers.read_rows(first):
+    first = formats.cut([path], fmt, step=tasks.MAX_TASK_BYTES, column=None)[0]
+    for row, where in formats.read_rows(first):
         if not isinstance(row, dict):
             raise ConfigError(
                 f"data.files: {where()} is a JSON {type(row).__name__}, not an object with a "
@@ -101,7 +101,7 @@ def chat_task(runner, task, out) -> dict:
     batch: list[tuple[chat.Pieces, bool, bytes]] = []
     skipped = 0
     for seg in task.segments:
-        for row, where in readers.read_rows(seg):
+        for row, where in formats.read_rows(seg):
             got = chat.pieces(row, fmt, where)
             if got is None:
                 skipped += 1
@@ -184,13 +184,13 @@ class ChatCorpus:
         }
 
 
-def load(entry: Path, cfg: Config) -> tuple[ChatCorpus, dict]:
-    """A prepared entry as rows of trainer.seq_len (packing and overlong as data. says), and
-    its meta.json."""
+def load(entry: Path, meta, cfg: Config) -> ChatCorpus:
+    """A prepared entry as rows of trainer.seq_len (packing and overlong as data. says);
+    ``meta``: its ``cache.EntryMeta`` (not imported here: the cache's worker imports this
+    module)."""
     d, seq_len = cfg.data, cfg.trainer.seq_len
-    meta = json.loads((entry / "meta.json").read_text())
-    arrays = {s: _arrays(entry, s, meta["dtype"]) for s in ("train", "val")}
-    if meta["split"] == "blocks":  # every conversation in one split: hold out the last ones
+    arrays = {s: _arrays(entry, s, meta.dtype) for s in ("train", "val")}
+    if meta.split == "blocks":  # every conversation in one split: hold out the last ones
         tokens, mask, offsets, counts = arrays["train"]
         train, val = hold_out(offsets, counts, d.validation_fraction)
         arrays = {"train": (tokens, mask, *train), "val": (tokens, mask, *val)}
@@ -198,19 +198,19 @@ def load(entry: Path, cfg: Config) -> tuple[ChatCorpus, dict]:
         s: ChatSplit(*a, seq_len=seq_len, packing=d.packing, overlong=d.overlong)
         for s, a in arrays.items()
     }
-    identity = [meta["digests"], meta["split"], seq_len, d.packing.value, d.overlong.value]
-    identity.append(d.validation_fraction if meta["split"] == "blocks" else 0)
+    identity = [meta.digests, meta.split, seq_len, d.packing.value, d.overlong.value]
+    identity.append(d.validation_fraction if meta.split == "blocks" else 0)
     corpus = ChatCorpus(
         train=splits["train"],
         val=splits["val"],
         fingerprint=xxhash.xxh3_128_hexdigest(json.dumps(identity).encode())[:20],
-        num_tokens=sum(meta["tokens"].values()),
-        num_documents=sum(meta["documents"].values()),
+        num_tokens=sum(meta.tokens.values()),
+        num_documents=sum(meta.documents.values()),
         path=entry,
-        skipped=meta["skipped_rows"],
+        skipped=meta.skipped_rows,
     )
     _check_rows(corpus, cfg)
-    return corpus, meta
+    return corpus
 
 
 def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, ...]:

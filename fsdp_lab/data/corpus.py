@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
-from fsdp_lab.data import cache, chat_prep, encode, sources, tasks, worker
+from fsdp_lab.data import cache, cache_lock, chat_prep, encode, tasks, worker
 from fsdp_lab.data.worker import Setup, in_validation
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
     dtype = encode.token_dtype(len(tok) if tok is not None else vocab_size)
     key = {
         "version": FORMAT_VERSION,
-        "source": sources.source_key(d, eos=eos),
+        "source": tasks.source_key(d, eos=eos),
         "tokenizer": _tokenizer_key(tok),
         "dtype": dtype.name,
         "validation_fraction": d.validation_fraction,
@@ -189,7 +189,7 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
     entry = root / f"tokens-{name}"
     prepared = False
     if not cache.is_complete(entry):
-        lock = cache.CacheLock(root / f"tokens-{name}.lock")
+        lock = cache_lock.CacheLock(root / f"tokens-{name}.lock")
         if lock.acquire(entry):
             try:
                 if not cache.is_complete(entry):  # made while this process waited for the lock
@@ -200,10 +200,11 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
                     prepared = True
             finally:
                 lock.release()
+    meta = cache.EntryMeta.read(entry)
     if d.kind is DataKind.chat:
-        corpus, meta = chat_prep.load(entry, cfg)
+        corpus = chat_prep.load(entry, meta, cfg)
     else:
-        corpus, meta = _load(entry, cfg.trainer.seq_len, d.validation_fraction)
+        corpus = _load(entry, meta, cfg.trainer.seq_len, d.validation_fraction)
     _check_ids(meta, vocab_size)
     _report(corpus, meta, cfg, prepared=prepared)
     return corpus
@@ -294,26 +295,20 @@ def _blocks(path: Path, dtype: str, seq_len: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n * seq_len,)).reshape(n, seq_len)
 
 
-def _load(entry: Path, seq_len: int, fraction: float) -> tuple[Corpus, dict]:
-    meta = json.loads((entry / "meta.json").read_text())
-    train = _blocks(entry / "train.bin", meta["dtype"], seq_len)
-    if meta["split"] == "blocks":  # every document in one split: hold out its last blocks
+def _load(entry: Path, meta: cache.EntryMeta, seq_len: int, fraction: float) -> Corpus:
+    train = _blocks(entry / "train.bin", meta.dtype, seq_len)
+    if meta.split == "blocks":  # every document in one split: hold out its last blocks
         n_val = math.ceil(len(train) * fraction) if fraction > 0 else 0
         train, val = train[: len(train) - n_val], train[len(train) - n_val :]
     else:
-        val = _blocks(entry / "val.bin", meta["dtype"], seq_len)
-    identity = [
-        meta["digests"],
-        meta["split"],
-        seq_len,
-        fraction if meta["split"] == "blocks" else 0,
-    ]
+        val = _blocks(entry / "val.bin", meta.dtype, seq_len)
+    identity = [meta.digests, meta.split, seq_len, fraction if meta.split == "blocks" else 0]
     corpus = Corpus(
         train=train,
         val=val,
         fingerprint=xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())[:20],
-        num_tokens=sum(meta["tokens"].values()) - sum(meta["documents"].values()),
-        num_documents=sum(meta["documents"].values()),
+        num_tokens=sum(meta.tokens.values()) - sum(meta.documents.values()),
+        num_documents=sum(meta.documents.values()),
         path=entry,
     )
     if len(corpus.train) == 0:
@@ -322,27 +317,27 @@ def _load(entry: Path, seq_len: int, fraction: float) -> tuple[Corpus, dict]:
             f"trainer.seq_len={seq_len}, too few for a training split; lower trainer.seq_len, "
             "lower data.validation_fraction or add text"
         )
-    return corpus, meta
+    return corpus
 
 
-def _check_ids(meta: dict, vocab_size: int) -> None:
+def _check_ids(meta: cache.EntryMeta, vocab_size: int) -> None:
     """Every id below the model's vocabulary (token files; a tokenizer's ids are checked
     against it before)."""
-    if meta["max_token_id"] < vocab_size:
+    if meta.max_token_id < vocab_size:
         return
-    at = meta["max_token_at"]
+    at = meta.max_token_at
     where = (
         f"{at[0]} holds token id {at[2]} at token {at[1]}"
         if at
-        else (f"the corpus holds token id {meta['max_token_id']}")
+        else (f"the corpus holds token id {meta.max_token_id}")
     )
     raise ConfigError(
         f"data.files: {where}, beyond the model's vocabulary of {vocab_size}; set "
-        f"model.vocab_size>={meta['max_token_id'] + 1}, or check data.dtype and the files"
+        f"model.vocab_size>={meta.max_token_id + 1}, or check data.dtype and the files"
     )
 
 
-def _report(corpus: Corpus, meta: dict, cfg: Config, *, prepared: bool) -> None:
+def _report(corpus: Corpus, meta: cache.EntryMeta, cfg: Config, *, prepared: bool) -> None:
     """The last line of a preparation (or the line of a cached corpus)."""
     seq_len, chat = cfg.trainer.seq_len, cfg.data.kind is DataKind.chat
     kind = f"rows ({cfg.data.packing.value})" if chat else "blocks"
@@ -350,11 +345,11 @@ def _report(corpus: Corpus, meta: dict, cfg: Config, *, prepared: bool) -> None:
     if not prepared:
         log.info("data: %s from %s", blocks, corpus.path)
         return
-    docs, toks = meta["documents"], sum(meta["tokens"].values())
+    docs, toks = meta.documents, sum(meta.tokens.values())
     size = sum((corpus.path / f"{s}.bin").stat().st_size for s in ("train", "val"))
     what = "rows without an assistant turn" if chat else "rows without text"
-    skipped = f", {meta['skipped_rows']:,} {what} skipped" if meta["skipped_rows"] else ""
-    rate = meta["input_bytes"] / max(meta["seconds"], 1e-9) / 1e6
+    skipped = f", {meta.skipped_rows:,} {what} skipped" if meta.skipped_rows else ""
+    rate = meta.input_bytes / max(meta.seconds, 1e-9) / 1e6
     log.info(
         "data: %s %s (%s validation), %s tokens in %d shards (%s, %.1f MB; %.1f MB/s "
         "read)%s -> %s in %s",
@@ -362,8 +357,8 @@ def _report(corpus: Corpus, meta: dict, cfg: Config, *, prepared: bool) -> None:
         "conversations" if chat else "documents",
         f"{docs['val']:,}",
         f"{toks:,}",
-        meta["shards"],
-        meta["dtype"],
+        meta.shards,
+        meta.dtype,
         size / 1e6,
         rate,
         skipped,

