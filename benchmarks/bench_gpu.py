@@ -153,7 +153,7 @@ def flops_per_token(m: dict, seq: int) -> int:
 def device_peak() -> tuple[str, float | None]:
     import torch
 
-    from fsdp_lab.engine.hardware import PEAK_TFLOPS
+    from fsdp_lab.engine.hardware.flops import PEAK_TFLOPS
 
     if not torch.cuda.is_available():
         return "no GPU", None

@@ -29,7 +29,7 @@ def measure(a) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices, memory
     from fsdp_lab.train import loss as loss_lib
 
     device = torch.device(a.device)
@@ -71,16 +71,16 @@ def measure(a) -> dict:
 
     for _ in range(2):  # warm-up (and compilation)
         step()
-    hardware.synchronize(device)
-    base = hardware.current_memory_bytes(device)
-    hardware.reset_peak_memory(device)
+    devices.synchronize(device)
+    base = memory.current_memory_bytes(device)
+    memory.reset_peak_memory(device)
     times = []
     for _ in range(a.reps):
         start = time.perf_counter()
         value = step()
-        hardware.synchronize(device)
+        devices.synchronize(device)
         times.append(time.perf_counter() - start)
-    peak = hardware.peak_memory_bytes(device) - base
+    peak = memory.peak_memory_bytes(device) - base
     times.sort()
     out = {
         "impl": a.impl,

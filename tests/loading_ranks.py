@@ -31,15 +31,14 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from fsdp_lab.config import HardwareKind
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.config import HardwareKind, compose
     from fsdp_lab.engine import model as model_lib
-    from fsdp_lab.tools import plan
+    from fsdp_lab.engine.hardware import memory
     from fsdp_lab.train.build import RankContext, _shard_and_fill
     from fsdp_lab.train.worker import topology_from_env
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = plan.compose(["hardware=cpu", f"hardware.nproc_per_node={world}", *args.overrides])
+    cfg = compose(["hardware=cpu", f"hardware.nproc_per_node={world}", *args.overrides])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -53,7 +52,7 @@ def main() -> None:
     facts = {
         "rank": rank,
         "load_s": time.perf_counter() - started,
-        "load_rss": hardware.host_peak_rss_bytes(),
+        "load_rss": memory.host_peak_rss_bytes(),
         "fingerprint": sharded.frozen_fingerprint,
     }
     if args.compare:
@@ -62,12 +61,12 @@ def main() -> None:
         from fsdp_lab.state.export import ExportTarget, export_model
 
         dist.barrier()
-        hardware.reset_host_peak()
+        memory.reset_host_peak()
         target = ExportTarget(args.export)
         export_model(
             sharded.owned_tensors(), sharded.full_tensors, target, cfg, hf_config, writer=rank == 0
         )
-        facts["export_rss"] = hardware.host_peak_since_reset_bytes()
+        facts["export_rss"] = memory.host_peak_since_reset_bytes()
         dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(facts))

@@ -20,7 +20,7 @@ from fsdp_lab.config.data import (
 )
 from fsdp_lab.config.errors import ConfigError, first_line
 from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod
-from fsdp_lab.config.load import register_schema, to_typed
+from fsdp_lab.config.load import compose, register_schema, to_typed
 from fsdp_lab.config.model import (
     ExpertsImplementation,
     FinetuneConfig,
@@ -105,6 +105,7 @@ __all__ = [
     "WeightLoading",
     "WrapConfig",
     "WrapPolicy",
+    "compose",
     "first_line",
     "register_schema",
     "to_container",

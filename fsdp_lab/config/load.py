@@ -1,4 +1,5 @@
-"""From Hydra's composed config to the typed, checked ``Config``; the schema's registration.
+"""From Hydra's composed config to the typed, checked ``Config``; the schema's registration;
+``compose``, the config train.py would run, from overrides (plan, tune, the data commands).
 
 Imports no torch: the parent checks a config in well under a second.
 """
@@ -38,6 +39,24 @@ def to_typed(cfg: DictConfig | dict) -> Config:
         raise RuntimeError(f"OmegaConf made a {type(typed).__name__} of the schema, not a Config")
     check_fields(typed)
     return typed
+
+
+def compose(overrides: list[str]) -> Config:
+    """The typed config train.py would run (single-field rules checked); no run dir is made."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
+    conf = Path(__file__).resolve().parents[2] / "conf"  # fsdp_lab/config/load.py
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3", job_name="compose"):
+            composed = hydra_compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+    return to_typed(composed)
 
 
 def slurm_tasks_per_node(kind, nproc_per_node: int | None) -> int:

@@ -61,10 +61,9 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         )
 
 
-# Long: a table of (refused, message) rows, one per setting XLA cannot honour.
 def refuse_for_xla(cfg: Config) -> None:
     """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
-    s, p = cfg.sharding, cfg.precision
+    s = cfg.sharding
     instead = strategy_of(s.strategy).xla
     if instead is not s.strategy:
         raise ConfigError(
@@ -72,7 +71,15 @@ def refuse_for_xla(cfg: Config) -> None:
             "forward to backward is the XLA compiler's scheduling, not a setting; use "
             f"sharding={instead.name} (the same math and the same sharded state)"
         )
-    refusals = (
+    for refused, message in _xla_layout_refusals(cfg) + _xla_run_refusals(cfg):
+        if refused:
+            raise ConfigError(f"hardware=tpu cannot run {message}")
+
+
+def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
+    """(refused, message) rows: how the model is split and computed."""
+    s, p = cfg.sharding, cfg.precision
+    return (
         (
             s.reshard_after_forward is not None,
             f"sharding.reshard_after_forward="
@@ -102,6 +109,14 @@ def refuse_for_xla(cfg: Config) -> None:
             "dtypes on XLA; set precision.output_dtype=null",
         ),
         (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
+    )
+
+
+def _xla_run_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
+    """(refused, message) rows: the rest of the run (prefetching, optimizer, loss,
+    checkpoints, fine-tuning, hosts)."""
+    s = cfg.sharding
+    return (
         (
             s.prefetch.forward != 0 or s.prefetch.backward != 1,
             "sharding.prefetch: the XLA "
@@ -138,9 +153,6 @@ def refuse_for_xla(cfg: Config) -> None:
             "multi-host TPU slices are not supported yet; run on one TPU VM host",
         ),
     )
-    for refused, message in refusals:
-        if refused:
-            raise ConfigError(f"hardware=tpu cannot run {message}")
 
 
 def _check_parallel(cfg: Config, topo: Topology) -> int:

@@ -7,6 +7,7 @@ torchrun or srun); the rules check a config against it, and both engines build t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fsdp_lab.config.hardware import HardwareKind
@@ -22,6 +23,20 @@ class Topology:
     nproc_per_node: int
     num_nodes: int
     device: HardwareKind  # cpu, gpu or tpu, never auto
+
+    @classmethod
+    def nodes(cls, nproc_per_node: int, num_nodes: int, device: HardwareKind) -> Topology:
+        """num_nodes x nproc_per_node ranks: a plan's, or a local launch's one node (on tpu
+        one rank per XLA device of the host)."""
+        return cls(nproc_per_node * num_nodes, nproc_per_node, num_nodes, device)
+
+    @classmethod
+    def from_launcher(cls, env: Mapping[str, str], device: HardwareKind) -> Topology:
+        """What the launcher that started this rank says (torchrun, srun, the local spawn):
+        WORLD_SIZE ranks, LOCAL_WORLD_SIZE of them per node."""
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+        return cls(world, per_node, world // per_node, device)
 
 
 def dp_size(topo: Topology, tensor: int = 1) -> int:

@@ -34,7 +34,7 @@ from fsdp_lab.config.topology import (
     mesh_axes,
     mesh_shape,
 )
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.sharded import ShardedModel
 
 
@@ -162,13 +162,13 @@ class Fsdp2Model(ShardedModel):
     device: torch.device  # this rank's
 
     def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return hardware.to_device(batch, self.device)
+        return devices.to_device(batch, self.device)
 
     def local_numels(self) -> list[int]:
-        return hardware.gather_from_processes(local_numel(self.model))
+        return process_group.gather_from_processes(local_numel(self.model))
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
-        return hardware.gather_from_processes(state_bytes(self.model, optimizer))
+        return process_group.gather_from_processes(state_bytes(self.model, optimizer))
 
     def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Each tensor gathered whole from its shards (an all-gather over its mesh: every rank
@@ -251,7 +251,7 @@ def build_model(
         reshard_after_forward=reshard_after_forward(cfg.sharding),
         mp_policy=precision.build_mp_policy(cfg.precision),
         offload_policy=build_offload_policy(
-            cfg.offload.device is OffloadDevice.cpu, pin_memory=hardware.pin_memory(kind)
+            cfg.offload.device is OffloadDevice.cpu, pin_memory=memory.pin_memory(kind)
         ),
         prefetch=cfg.sharding.prefetch,
         experts=experts,

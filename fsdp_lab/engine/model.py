@@ -28,8 +28,9 @@ from fsdp_lab.config import (
     families,
     first_line,
 )
-from fsdp_lab.engine import hardware, moe
+from fsdp_lab.engine import moe
 from fsdp_lab.engine.activations import clean_name
+from fsdp_lab.engine.hardware import process_group
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,26 @@ def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Mod
     """The architecture's structure with no storage: sharding decides where each piece lives."""
     with torch.device("meta"):
         return _from_config(hf_config, task)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCounts:
+    """What a model is, counted on meta before sharding renames and splits it: what a run
+    (``train.build.ModelFacts``) and a plan (``tools.plan_model.ModelShape``) both say of it."""
+
+    model_class: str  # before fully_shard renames it FSDP<name>
+    total_params: int  # a tied parameter once
+    trainable_params: int  # total_params unless finetune freezes some or adds adapters
+    experts: moe.ExpertCounts  # a mixture of experts' (zeros for a dense model)
+
+
+def count_model(model: nn.Module) -> dict:
+    """``ModelCounts``' fields of ``model`` (a record extending it takes them as keywords)."""
+    from fsdp_lab.engine import finetune
+
+    trainable, total = finetune.counts(model)
+    counts = ModelCounts(type(model).__name__, total, trainable, moe.expert_counts(model))
+    return {f.name: getattr(counts, f.name) for f in dataclasses.fields(ModelCounts)}
 
 
 def model_on_meta(hf_config, task: ModelTask, finetune_cfg=None) -> nn.Module:
@@ -320,7 +341,7 @@ def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | 
         buffers = _non_persistent_buffers(full)
         digest = frozen_fingerprint(full) if fingerprint else None
         del full  # the state dict keeps the tensors alive, not a second copy
-    hardware.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
+    process_group.after_rank0("initial_weights")  # reading may outlast hardware.timeout_s
     set_model_state_dict(
         model,
         full_sd,

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_lab.config import PrecisionConfig
-from fsdp_lab.engine.hardware import TORCH_DTYPES
+from fsdp_lab.engine.hardware.devices import TORCH_DTYPES
 
 
 def build_mp_policy(cfg: PrecisionConfig) -> MixedPrecisionPolicy:

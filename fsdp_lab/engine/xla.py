@@ -40,8 +40,9 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 from fsdp_lab.config import Config, Dtype, ShardingConfig
 from fsdp_lab.config.strategies import REPLICATE_AXIS
 from fsdp_lab.config.topology import Topology, mesh_shape
-from fsdp_lab.engine import activations, hardware, wrap
+from fsdp_lab.engine import activations, wrap
 from fsdp_lab.engine import model as model_lib
+from fsdp_lab.engine.hardware import devices
 from fsdp_lab.engine.sharded import ShardedModel, ShardedStateIO
 
 FSDP_AXIS = "fsdp"  # the axis name FSDPv2 shards parameters along
@@ -50,7 +51,7 @@ WRAPPER_PREFIX = "_orig_module."  # FSDPv2 keeps the wrapped module under this n
 
 def _run_pending() -> None:
     """Compile and run the operations recorded so far, and wait until their results exist."""
-    hardware.synchronize(torch_xla.device())
+    devices.synchronize(torch_xla.device())
 
 
 def clean_name(name: str) -> str:

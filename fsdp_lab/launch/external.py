@@ -40,7 +40,7 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
     in a submitit job (hydra/launcher=slurm), which must end through submitit: the exit code."""
     import torch.distributed as dist
 
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices, process_group
     from fsdp_lab.launch.prepare import prepare_run
     from fsdp_lab.train import worker
 
@@ -49,15 +49,15 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
             "hardware=tpu runs one SPMD process per host, which `python train.py "
             "hardware=tpu` starts itself; run it without torchrun or srun"
         )
-    kind = hardware.resolve_kind(cfg.hardware)
+    kind = devices.resolve_kind(cfg.hardware)
     topo = worker.topology_from_env(kind)
     _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = hardware.rank_device(kind, local_rank)
+    device = devices.rank_device(kind, local_rank)
     # The recorder's size is read as the group is made; its dump file, in join (the run dir
     # is rank 0's, known after the broadcast below).
-    hardware.set_flight_recorder(cfg.hardware.flight_recorder, None)
-    hardware.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
+    process_group.set_flight_recorder(cfg.hardware.flight_recorder, None)
+    process_group.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
     rank = dist.get_rank()
     payload: list = [None]
     if rank == 0:
@@ -69,7 +69,7 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
             payload = [{"error": str(e)}]
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
             payload = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
-    hardware.after_rank0("prepared")  # tokenising a corpus may outlast hardware.timeout_s
+    process_group.after_rank0("prepared")  # tokenising a corpus may outlast hardware.timeout_s
     dist.broadcast_object_list(payload, src=0)
     shared = payload[0]
     if "error" in shared:

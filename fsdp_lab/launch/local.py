@@ -79,13 +79,13 @@ def spawn_local(
 
     A preemption signal (a scheduler's SIGTERM, SLURM's SIGUSR1) reaches every rank through
     ``forwarder``; they finish the step, checkpoint and exit with preempt.EXIT_CODE."""
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices
 
     rundir.save_run_config(cfg, run_dir)
     log_dir = run_dir / rundir.LOG_DIR
     log_dir.mkdir(exist_ok=True)
     # One process per rank; on tpu one for the host, which drives every XLA device.
-    nprocs = hardware.processes_per_node(topo.device, topo.nproc_per_node)
+    nprocs = devices.processes_per_node(topo.device, topo.nproc_per_node)
     for rank in range(nprocs):  # an earlier attempt's: a rank that fails early clears none
         flight.clear(log_dir, rank)
     forks = resolve_start_method(cfg.hardware.start_method, topo.device) is StartMethod.fork
@@ -161,7 +161,7 @@ def _report_end(
         sig = forwarder.seen[0] if forwarder.seen else "?"
         print(
             f"fsdp_lab: preempted (signal {sig}) after step "
-            f"{facts.get('step')}, checkpoint written; run the same command again with "
+            f"{facts.step}, checkpoint written; run the same command again with "
             f"hydra.run.dir={run_dir} to resume",
             file=sys.stderr,
         )
@@ -293,9 +293,9 @@ def _first_failure(
     launcher stopped anyone is the cause: the errors its peers then write ("Connection reset by
     peer") are effects, and they often reach the disk before the launcher's poll sees the
     death. A rank that stopped beating (stopped, hung) while the others timed out waiting is
-    the cause of their timeouts. Otherwise the earliest error written wins. A timeout also
-    says what the ranks' flight recorders hold: where each waits, which is behind, or which
-    collectives did not match.
+    the cause of their timeouts. Otherwise the earliest error written wins (written alike by
+    several ranks: the lowest of them). A timeout also says what the ranks' flight recorders
+    hold: where each waits, which is behind, or which collectives did not match.
     """
     deaths, errors = [], []  # (time, rank, message)
     for rank, p in enumerate(procs):
@@ -320,6 +320,10 @@ def _first_failure(
         if stall is not None:
             return f"{stall}{recorded} (full logs: {log_dir})"
     _, rank, message = min(deaths or errors)
+    # An error several ranks wrote alike (a checkpoint that could not be written): the lowest
+    # of them, not whichever wrote first, so a busy machine says what an idle one does.
+    if not deaths:
+        rank = min(r for _, r, m in errors if m == message)
     return f"rank {rank} {message}{recorded} (full log: {log_dir / f'rank{rank}.log'})"
 
 

@@ -17,7 +17,8 @@ from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
-from fsdp_lab.observe import rundir, trackers
+from fsdp_lab.observe import loggers, rundir, trackers
+from fsdp_lab.observe.record import RunRecord
 
 if TYPE_CHECKING:  # the parent imports torch only once a check needs it
     import torch
@@ -37,18 +38,18 @@ def prepare_run(cfg: Config, topo: Topology, run_dir: Path, job: dict | None = N
 
 
 def _check_hardware(cfg: Config, topo: Topology) -> None:
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices, process_group
 
-    hardware.backend(topo.device, cfg.hardware.backend)  # nccl off gpu: refused here
-    hardware.check_nproc(topo.device, topo.nproc_per_node, cfg.hardware.backend)
+    process_group.backend(topo.device, cfg.hardware.backend)  # nccl off gpu: refused here
+    devices.check_nproc(topo.device, topo.nproc_per_node, cfg.hardware.backend)
     p = cfg.precision
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(p, name) is not None:
-            hardware.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
+            devices.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     if cfg.compile:
-        hardware.check_compile(topo.device)
-    hardware.check_experts_implementation(topo.device, cfg.model.experts_implementation)
-    slow = hardware.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
+        devices.check_compile(topo.device)
+    devices.check_experts_implementation(topo.device, cfg.model.experts_implementation)
+    slow = devices.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
     if slow is not None:
         log.warning(
             "precision.param_dtype=%s: %s; precision=fp32 trains the same model faster "
@@ -197,7 +198,7 @@ def _truncate_metrics(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)
-    steps = [json.loads(line)["step"] if line.strip() else None for line in lines]
+    steps = [loggers.step_of_line(line) for line in lines]
     kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
     if len(kept) != len(lines):
         rundir.write_atomic(path, "".join(kept))
@@ -205,9 +206,9 @@ def _truncate_metrics(path: Path, step: int) -> int:
 
 
 def local_topology(cfg: Config) -> Topology:
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices
 
-    kind = hardware.resolve_kind(cfg.hardware)
+    kind = devices.resolve_kind(cfg.hardware)
     if kind is HardwareKind.tpu:
         refuse_for_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
     if cfg.hardware.num_nodes > 1:
@@ -215,7 +216,7 @@ def local_topology(cfg: Config) -> Topology:
             f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `python train.py` starts ranks "
             "on this node only; launch multi-node runs with torchrun or srun on every node"
         )
-    nproc = cfg.hardware.nproc_per_node or hardware.default_nproc_per_node(kind)
+    nproc = cfg.hardware.nproc_per_node or devices.default_nproc_per_node(kind)
     if nproc < 1 and kind is HardwareKind.tpu:
         raise ConfigError(
             "hardware=tpu found no XLA device; on a TPU VM check its chips, or "
@@ -227,11 +228,11 @@ def local_topology(cfg: Config) -> Topology:
     log.info(
         "hardware=%s (%s): %d local ranks (%s)",
         kind.name,
-        hardware.device_summary(kind),
+        devices.device_summary(kind),
         nproc,
         "forked from this process" if method is StartMethod.fork else "spawned",
     )
-    return Topology(world_size=nproc, nproc_per_node=nproc, num_nodes=1, device=kind)
+    return Topology.nodes(nproc, 1, kind)
 
 
 def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None:
@@ -247,5 +248,5 @@ def _claim_run_dir(run_dir: Path, *, continuing: bool, job: dict | None) -> None
     if any(run_dir.iterdir()):
         raise ConfigError(message)
     # Claim it atomically: of two launches that both saw it empty, only one creates run.json.
-    if not rundir.create_run_file(run_dir, {"status": "starting", "job": job}):
+    if not rundir.create_run_file(run_dir, RunRecord(status="starting", job=job)):
         raise ConfigError(message)

@@ -44,6 +44,7 @@ from optuna.trial import TrialState
 from fsdp_lab.config import ConfigError, Objective
 from fsdp_lab.launch import sweep
 from fsdp_lab.observe import rundir
+from fsdp_lab.observe.record import RunRecord, objective_result
 
 log = logging.getLogger(__name__)
 
@@ -299,12 +300,12 @@ def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Ob
         error = f"{type(ret._return_value).__name__}: {ret._return_value}"
     if value is None and error is None:
         job_dir = _job_dir(ret)
-        run = rundir.read_run_file(job_dir) if job_dir else {}
-        error = run.get("error") or (
-            f"the run recorded no {sweep.OBJECTIVE_KEYS[objective]} (validation needs "
+        run = rundir.read_run_file(job_dir) if job_dir else RunRecord()
+        error = run.error or (
+            f"the run recorded no {objective_result(objective)} (validation needs "
             "trainer.eval_every > 0)"
-            if run.get("status") == "completed"
-            else f"run status {run.get('status', 'unknown')}"
+            if run.status == "completed"
+            else f"run status {run.status or 'unknown'}"
         )
     if error is not None:
         trial.set_user_attr("error", error[:500])

@@ -19,37 +19,32 @@ from omegaconf import DictConfig
 from fsdp_lab.config import ConfigError, Objective
 from fsdp_lab.launch import run
 from fsdp_lab.observe import rundir
+from fsdp_lab.observe.record import JobRecord, RunRecord
 from fsdp_lab.train import preempt
 
 # Hydra imports every installed sweeper at start; Optuna's imports alembic, which logs each of
 # its plugins at INFO through Hydra's handler, a dozen lines before every run.
 logging.getLogger("alembic").setLevel(logging.WARNING)
 
-# objective= -> the run.json key train.py returns to a sweeper
-OBJECTIVE_KEYS = {
-    Objective.val_loss: "final_val_loss",
-    Objective.best_val_loss: "best_val_loss",
-    Objective.tokens_per_s: "median_tokens_per_s",
-}
-
 
 def job_info(hydra_cfg) -> dict:
-    """What run.json, the trackers and reports say of a job: its command-line overrides, the chosen
-    option of every config group, and in a sweep its multirun dir and number."""
+    """What run.json, the trackers and reports say of a job (a ``JobRecord``'s dict): its
+    command-line overrides, the chosen option of every config group, and in a sweep its multirun
+    dir and number."""
     from hydra.types import RunMode
 
     from fsdp_lab.config import Config
 
     groups = {f.name for f in dataclasses.fields(Config)}
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    return {
-        "overrides": list(hydra_cfg.overrides.task),
-        "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
-        "sweep_dir": str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
-        "num": hydra_cfg.job.num if multirun else None,
+    return JobRecord(
+        overrides=list(hydra_cfg.overrides.task),
+        choices={k: v for k, v in hydra_cfg.runtime.choices.items() if k in groups},
+        sweep_dir=str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None,
+        num=hydra_cfg.job.num if multirun else None,
         # hydra/sweeper=study: the job's number is its Optuna trial's
-        "study": hydra_cfg.sweeper.get("study_name") if multirun and is_study(hydra_cfg) else None,
-    }
+        study=hydra_cfg.sweeper.get("study_name") if multirun and is_study(hydra_cfg) else None,
+    ).to_dict()
 
 
 def is_study(hydra_cfg) -> bool:
@@ -87,7 +82,7 @@ class SweepJobs:
             return objective_value(run_dir, objective_of(dict_cfg))
         if not multirun or code in (preempt.EXIT_CODE, 130):
             sys.exit(code)
-        name = " ".join(job["overrides"]) if job else str(run_dir)
+        name = " ".join(JobRecord.from_dict(job).overrides) if job else str(run_dir)
         self.failures.append(f"{name}: {_record_failure(run_dir, code, config_error, job)}")
         print(
             f"fsdp_lab: sweep job {name} failed (exit {code}); the sweep goes on", file=sys.stderr
@@ -121,17 +116,18 @@ def objective_of(config: DictConfig) -> Objective:
 
 
 def objective_value(run_dir: Path, objective: Objective) -> float | None:
-    value = rundir.read_run_file(run_dir).get(OBJECTIVE_KEYS[objective])
-    return float(value) if isinstance(value, (int, float)) else None
+    """The run's result that ``objective`` names (run.json's), None if it recorded none."""
+    results = rundir.read_run_file(run_dir).results
+    return results.objective(objective) if results is not None else None
 
 
 def _record_failure(run_dir: Path, code: int, config_error: str | None, job: dict | None) -> str:
     """The failed job's reason. A run that started has it in its run.json already (the launcher
     wrote it); a config error is written to a new run.json, never over another run's."""
     if config_error is None:
-        return rundir.read_run_file(run_dir).get("error") or f"exit {code}"
+        return rundir.read_run_file(run_dir).error or f"exit {code}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    rundir.create_run_file(run_dir, {"status": "failed", "error": config_error, "job": job})
+    rundir.create_run_file(run_dir, RunRecord(status="failed", job=job, error=config_error))
     return config_error
 
 

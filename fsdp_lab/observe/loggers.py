@@ -6,9 +6,18 @@ import json
 import logging
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
+
+from fsdp_lab.observe.record import (
+    EvalRecord,
+    RunResults,
+    StepRecord,
+    split_of,
+    step_of,
+)
 
 LOG_FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 
@@ -44,8 +53,8 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self._file = path.open("a", encoding="utf-8")
 
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -69,13 +78,13 @@ class Progress:
             else None
         )
 
-    def update(self, record: dict) -> None:
+    def update(self, record: StepRecord) -> None:
         if self._bar is None:
             return
         self._bar.set_postfix(
-            loss=f"{record['loss']:.4f}",
-            lr=f"{record['lr']:.2e}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
+            loss=f"{record.loss:.4f}",
+            lr=f"{record.lr:.2e}",
+            tok_s=f"{record.tokens_per_s:.0f}",
             refresh=False,
         )
         self._bar.update(1)
@@ -86,44 +95,98 @@ class Progress:
 
 
 def read_metrics(path: Path, split: str = "train") -> list[dict]:
-    """The records of one split of a metrics.jsonl: "train" (one per optimizer step) or "val"
-    (one per evaluation), for tests, reports and users."""
-    return [r for r in read_records(path) if r.get("split", "train") == split]
+    """The rows of one split of a metrics.jsonl as they are written: "train" (one per optimizer
+    step), "val" (one per evaluation) or "profile", for tests, benchmarks and users (fsdp_lab's
+    own code reads them typed: ``read_rows``)."""
+    return [r for r in read_records(path) if split_of(r) == split]
 
 
 def read_records(path: Path) -> list[dict]:
-    """Every record of a metrics.jsonl in the order written (none if there is no file)."""
+    """Every row of a metrics.jsonl in the order written (none if there is no file)."""
     if not path.is_file():
         return []
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def tracker_history(path: Path) -> list[dict]:
+    """The rows a resumed run's trackers are sent again, every split as written (the trackers
+    name their numbers from a row: ``observe.trackers.base.metrics_of``)."""
+    return read_records(path)
+
+
+@dataclass
+class MetricRows:
+    """A metrics.jsonl's train and val rows, typed, in the order written."""
+
+    train: list[StepRecord] = field(default_factory=list)
+    val: list[EvalRecord] = field(default_factory=list)
+
+
+def read_rows(path: Path, *, whole_lines_only: bool = False) -> MetricRows:
+    """A metrics.jsonl's train and val rows (none without a file). ``whole_lines_only``: skip a
+    line that is not a JSON object, as a run killed mid-write leaves its last one, rather than
+    raise ``ValueError``."""
+    rows = MetricRows()
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if whole_lines_only:
+                continue
+            raise
+        if not isinstance(row, dict):
+            if whole_lines_only:
+                continue
+            raise ValueError(f"{path}: a row that is not a JSON object: {line[:80]}")
+        match split_of(row):
+            case StepRecord.SPLIT:
+                rows.train.append(StepRecord.from_dict(row))
+            case EvalRecord.SPLIT:
+                rows.val.append(EvalRecord.from_dict(row))
+    return rows
+
+
+def step_of_line(line: str) -> int | None:
+    """The optimizer step of one line of metrics.jsonl (None for a blank one)."""
+    return step_of(json.loads(line)) if line.strip() else None
+
+
 class RunSummary:
     """A run's final and best values from its metric records: run.json and the trackers' summary."""
 
     def __init__(self) -> None:
-        self._train: list[dict] = []
-        self._val: list[dict] = []
+        self._train: list[StepRecord] = []
+        self._val: list[EvalRecord] = []
 
-    def add(self, record: dict) -> None:
+    def add(self, record: StepRecord | EvalRecord) -> None:
         """A train or val record (a profile window's record is run.json's `profile`)."""
-        if record["split"] in ("train", "val"):
-            (self._val if record["split"] == "val" else self._train).append(record)
+        (self._val if isinstance(record, EvalRecord) else self._train).append(record)
 
-    def as_dict(self) -> dict:
+    def results(self) -> RunResults:
         """Steady-state figures are medians over this attempt's steps after its first (which
         includes warm-up: allocator growth, compile, first all-gathers)."""
-        steady = self._train[1:] or self._train
-        summary = {
-            "final_loss": self._train[-1]["loss"] if self._train else None,
-            "best_loss": min((r["loss"] for r in self._train), default=None),
-            "final_val_loss": self._val[-1]["val_loss"] if self._val else None,
-            "best_val_loss": min((r["val_loss"] for r in self._val), default=None),
-            "final_val_ppl": self._val[-1]["val_ppl"] if self._val else None,
-        }
-        for key in ("tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "mfu"):
-            values = [r[key] for r in steady if r.get(key) is not None]
-            summary[f"median_{key}"] = statistics.median(values) if values else None
-        summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in self._train), default=None)
-        return summary
+        train, val = self._train, self._val
+        steady = train[1:] or train
+        return RunResults(
+            final_loss=train[-1].loss if train else None,
+            best_loss=min((r.loss for r in train), default=None),
+            final_val_loss=val[-1].val_loss if val else None,
+            best_val_loss=min((r.val_loss for r in val), default=None),
+            final_val_ppl=val[-1].val_ppl if val else None,
+            median_tokens_per_s=_median([r.tokens_per_s for r in steady]),
+            median_tokens_per_s_per_rank=_median([r.tokens_per_s_per_rank for r in steady]),
+            median_step_time_s=_median([r.step_time_s for r in steady]),
+            median_mfu=_median([r.mfu for r in steady]),
+            peak_mem_bytes=max((r.peak_mem_bytes for r in train), default=None),
+        )
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median of the values there are (mfu is None without a known peak)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.moe import MoeStep, expert_counts
 
 
@@ -47,7 +47,7 @@ class _PendingStep:
     loss: torch.Tensor  # this rank's share of the global mean, times dp (see train_step)
     grad_norm: torch.Tensor  # the global norm before clipping
     skipped: torch.Tensor | None  # fp16: the scaler skipped the update
-    span: tuple  # the step's start and end marks (hardware.StepClock)
+    span: tuple  # the step's start and end marks (devices.StepClock)
     peak_mem_bytes: int  # this rank's allocator / RSS peak so far (a host-side read)
     moe: MoeStep | None = None  # the routers' numbers (the same on every rank)
 
@@ -63,7 +63,7 @@ class StepWindow:
     def __init__(self, device: torch.device, *, tokens_per_step: int) -> None:
         self.device = device
         self.tokens_per_step = tokens_per_step
-        self.clock = hardware.StepClock(device)
+        self.clock = devices.StepClock(device)
         self._pending: list[_PendingStep] = []
         self._loop_start = time.perf_counter()
 
@@ -91,7 +91,7 @@ class StepWindow:
                 grad_norm=grad_norm,
                 skipped=skipped,
                 span=(start, self.clock.mark()),
-                peak_mem_bytes=hardware.peak_memory_bytes(self.device),
+                peak_mem_bytes=memory.peak_memory_bytes(self.device),
                 moe=moe,
             )
         )
@@ -110,7 +110,7 @@ class StepWindow:
         rank stop after the same step."""
         pending, self._pending = self._pending, []
         k, world = len(pending), dist.get_world_size()
-        where = hardware.collective_device(self.device)
+        where = process_group.collective_device(self.device)
         table = torch.zeros(world, 2 * k + 1, dtype=torch.float64, device=where)
         if k:
             table[dist.get_rank(), :k] = torch.stack([p.loss for p in pending]).to(where)

@@ -1,9 +1,11 @@
 """The files of a run dir, and who may write them: config.yaml (the resolved config the ranks
-run), run.json (facts and status), metrics.jsonl, logs/, checkpoints/, hf/, and the trackers'
+run), run.json (facts and status: ``record.RunRecord``), metrics.jsonl (its rows:
+``record.StepRecord``, ``EvalRecord``), logs/, checkpoints/, hf/, and the trackers'
 own (wandb/, tensorboard/)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -12,31 +14,37 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from fsdp_lab.config import Config, to_container, to_typed
+from fsdp_lab.observe.record import RunRecord
 
 CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
 HF_EXPORT_DIR = "hf"
 STUDY_FILE = "study.json"  # a sweep dir's Optuna study (hydra/sweeper=study), see launch.study
 
 
-def create_run_file(run_dir: Path, facts: dict) -> bool:
+def create_run_file(run_dir: Path, record: RunRecord) -> bool:
     """Write run.json only if there is none (O_EXCL: of two writers, one wins); False if one
     exists. Claims a fresh run dir, and records a failure without touching another run's."""
     try:
         fd = os.open(run_dir / RUN_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, json.dumps(facts).encode() + b"\n")
+    os.write(fd, json.dumps(record.to_dict()).encode() + b"\n")
     os.close(fd)
     return True
 
 
-def read_run_file(run_dir: Path) -> dict:
+def read_run_file(run_dir: Path) -> RunRecord:
+    """run.json (an empty record if there is none; one of status "unknown" if it holds no JSON
+    object). ``ValueError`` if it is not JSON (a report says so and goes on)."""
     path = run_dir / RUN_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return RunRecord()
+    data = json.loads(path.read_text())
+    return RunRecord.from_dict(data) if isinstance(data, dict) else RunRecord(status="unknown")
 
 
-def write_run_file(run_dir: Path, facts: dict) -> None:
-    write_json(run_dir / RUN_FILE, facts)
+def write_run_file(run_dir: Path, record: RunRecord) -> None:
+    write_json(run_dir / RUN_FILE, record.to_dict())
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -65,8 +73,8 @@ def write_png(path: Path, figure) -> Path:
 
 
 def update_run_file(run_dir: Path, **changes) -> None:
-    """Change some of run.json's facts, keeping the others."""
-    write_run_file(run_dir, {**read_run_file(run_dir), **changes})
+    """Change some of run.json's fields (``status="failed", error=...``), keeping the others."""
+    write_run_file(run_dir, dataclasses.replace(read_run_file(run_dir), **changes))
 
 
 def error_file(run_dir: Path, rank: int) -> Path:

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import CheckpointConfig, OnSaveError
+from fsdp_lab.config import CheckpointConfig
 from fsdp_lab.config.checkpoint_formats import format_row
-from fsdp_lab.engine import fsdp, hardware
+from fsdp_lab.engine import fsdp
+from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, rng, safe_load
 from fsdp_lab.state.formats import FrozenBase, format_for, format_of, saved_shapes
@@ -52,6 +53,7 @@ from fsdp_lab.state.layout import (
     resolve_resume,
     step_dir_name,
 )
+from fsdp_lab.state.save_guard import SaveFailed, SaveGuard
 
 # Re-exported: where callers look for them (the finding of checkpoints is state.layout's, the
 # formats state.formats').
@@ -78,10 +80,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class CheckpointSaveError(CheckpointError):
-    """A checkpoint that could not be written; the last complete one is still ``latest``."""
-
-
 @dataclass
 class Restored:
     step: int
@@ -95,8 +93,8 @@ class Checkpointer:
     The model and optimizer state go through the format's reader/writer (``state.formats``);
     the rest (trainer state, RNG, marker, the rename into place) is written here, the same for
     every format. ``io`` is the engine's own io of checkpoint=sharded (engine.xla on tpu);
-    None: FSDP2's DTensors through torch's state-dict helpers. It is the ``SaveGuard`` the
-    formats' writes fail through (``agree``, ``collective``)."""
+    None: FSDP2's DTensors through torch's state-dict helpers. Every write of a save goes
+    through ``guard`` (``state.save_guard``): a failure fails every rank, in one line."""
 
     # Many parameters: each part of the training state a checkpoint holds, named (keyword-only).
     def __init__(
@@ -122,6 +120,7 @@ class Checkpointer:
         self.scheduler, self.scaler = scheduler, scaler
         self.config, self.device = config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.guard = SaveGuard(cfg, root, device=device)
         self._pending: tuple | None = None  # (future, tmp dir, step, tokens) of an async save
         # Background saves run their collectives on a group of their own, so they never
         # interleave with the training step's collectives on the default group.
@@ -144,16 +143,16 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         tmp = self.root / (step_dir_name(step) + ".tmp")
         try:
-            self._check_room(step)
-            self.agree(self._prepare, tmp)
-            self.agree(self._write_rng, tmp)
+            self.guard.check_room(step, self._state_bytes)
+            self.guard.agree(self._prepare, tmp)
+            self.guard.agree(self._write_rng, tmp)
             future = self._write_state(tmp, blocking=blocking)
             if future is not None:
                 self._pending = (future, tmp, step, tokens_seen)
                 return True
             self._finalize(tmp, step, tokens_seen)
-        except _SaveFailed as e:
-            return self._failed(tmp, step, e.reason)
+        except SaveFailed as e:
+            return self.guard.failed(tmp, step, e.reason)
         return True
 
     def _prepare(self, tmp: Path) -> None:
@@ -173,29 +172,9 @@ class Checkpointer:
             model=self.model,
             optimizer=self.optimizer,
             frozen=self.frozen,
-            guard=self,
+            guard=self.guard,
             async_group=None if blocking else self._async_group,
         )
-
-    def _check_room(self, step: int) -> None:
-        """Refuse a save that cannot fit: the free space on the checkpoint filesystem against
-        the last checkpoint's size (the first: the state bytes every rank will write)."""
-        last = latest_checkpoint(self.root)
-        need = torch.tensor([0 if last is not None else self._state_bytes()], dtype=torch.int64)
-        need = need.to(hardware.collective_device(self.device))
-        dist.all_reduce(need)
-        needed = integrity.checkpoint_bytes(last) if last is not None else int(need.item())
-        verdict = [None]
-        if self.rank == 0:
-            free = integrity.free_bytes(self.root)
-            if free < needed:
-                verdict = [
-                    f"checkpoint at step {step} needs about {_mb(needed)} and {self.root} has "
-                    f"{_mb(free)} free"
-                ]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise _SaveFailed(verdict[0])
 
     def _state_bytes(self) -> int:
         """This rank's bytes of model and optimizer state (its shards): what it will write (of
@@ -206,64 +185,13 @@ class Checkpointer:
         trainable = (p for p in self.model.parameters() if p.requires_grad)
         return fsdp.nbytes(trainable) + held["optimizer"]
 
-    def collective(self, fn) -> None:
-        """Run a collective write that raises on every rank or none (DCP's)."""
-        try:
-            fn()
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, KeyboardInterrupt | SystemExit):
-                raise
-            log.error("checkpoint write failed", exc_info=True)
-            raise _SaveFailed(self._failure_reason(e)) from e
-
-    def agree(self, fn, *args) -> list:
-        """Run this rank's part of a save; if it failed on any rank, fail on every rank, with
-        the first failing rank's reason. Else every rank's result of ``fn``, in rank order
-        (one gather carries both)."""
-        result = reason = None
-        try:
-            result = fn(*args)
-        except Exception as e:  # reported below, on every rank
-            log.error("checkpoint write failed on rank %d", self.rank, exc_info=True)
-            reason = self._failure_reason(e)
-        gathered = hardware.gather_from_processes((reason, result))
-        first = next((r for r, _ in gathered if r is not None), None)
-        if first is not None:
-            raise _SaveFailed(first)
-        return [value for _, value in gathered]
-
-    def _failure_reason(self, e: BaseException) -> str:
-        return integrity.describe_write_failure(e, self.root)
-
-    def _failed(self, tmp: Path, step: int, reason: str) -> bool:
-        """Remove the partial save; stop (raise on every rank) or go on without it."""
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        last = latest_checkpoint(self.root)
-        kept = f"{last.name} is still the latest" if last is not None else "no checkpoint yet"
-        message = f"{reason}; {kept}"
-        if self.cfg.on_save_error is OnSaveError.stop:
-            raise CheckpointSaveError(
-                f"{message}; free space (or set checkpoint.dir elsewhere) and run the same "
-                "command again to resume, or set checkpoint.on_save_error=continue to train on "
-                "without checkpoints that cannot be written"
-            )
-        if self.rank == 0:
-            log.warning(
-                "checkpoint at step %d skipped: %s (checkpoint.on_save_error=continue)",
-                step,
-                message,
-            )
-        return False
-
     def poll(self) -> None:
         """Finish an async save once every rank's background write is done (call each step)."""
         if self._pending is None:
             return
         done = torch.tensor(
             [1.0 if self._pending[0].done() else 0.0],
-            device=hardware.collective_device(self.device),
+            device=process_group.collective_device(self.device),
         )
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
@@ -276,10 +204,10 @@ class Checkpointer:
         future, tmp, step, tokens = self._pending
         self._pending = None
         try:
-            self.collective(future.result)
+            self.guard.collective(future.result)
             self._finalize(tmp, step, tokens)
-        except _SaveFailed as e:
-            self._failed(tmp, step, e.reason)
+        except SaveFailed as e:
+            self.guard.failed(tmp, step, e.reason)
 
     def _own_files(self, tmp: Path) -> list[str]:
         """The files this rank wrote: its DCP shards and its RNG states."""
@@ -291,8 +219,8 @@ class Checkpointer:
         """After every rank wrote: each checksums its own files; rank 0 adds the trainer state,
         checksums the rest and writes the marker, renames the dir into place, then moves
         `latest`, then prunes old checkpoints, in that order."""
-        every = self.agree(lambda: integrity.file_entries(tmp, self._own_files(tmp)))
-        self.agree(self._publish, tmp, step, tokens_seen, every)
+        every = self.guard.agree(lambda: integrity.file_entries(tmp, self._own_files(tmp)))
+        self.guard.agree(self._publish, tmp, step, tokens_seen, every)
 
     def _publish(self, tmp: Path, step: int, tokens_seen: int, every: list[dict]) -> None:
         if self.rank != 0:
@@ -394,13 +322,3 @@ def legacy_fingerprint(fingerprint) -> bool:
     from fsdp_lab.engine.loading import FINGERPRINT_KINDS
 
     return isinstance(fingerprint, str) and not fingerprint.startswith(FINGERPRINT_KINDS)
-
-
-class _SaveFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

@@ -75,7 +75,8 @@ class FrozenBase:
 
 
 class SaveGuard(Protocol):
-    """How a format's write fails: on every rank together (``checkpoint.Checkpointer``)."""
+    """How a format's write fails: on every rank together (``save_guard.SaveGuard``; named by
+    its interface here, as save_guard reads ``layout``, which imports this module)."""
 
     def agree(self, fn: Callable, *args) -> list:
         """Run this rank's part; if it failed on any rank, fail on every rank."""

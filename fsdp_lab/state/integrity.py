@@ -164,16 +164,35 @@ def disk_error(e: BaseException) -> OSError | None:
     return next((c for c in _causes(e) if isinstance(c, OSError) and c.errno), None)
 
 
+# How torch's zip writer (torch.save, and DCP's tensor records) reports a write the OS cut
+# short: its own words, without the OS's errno.
+_SHORT_WRITE = ("unexpected pos", "file write failed")
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is a full disk, however it surfaced: ENOSPC from a plain write, or a short
+    write inside torch's zip writer, which loses the errno."""
+    return any(
+        (isinstance(c, OSError) and c.errno == errno.ENOSPC)
+        or any(words in str(c) for words in _SHORT_WRITE)
+        for c in _causes(e)
+    )
+
+
 def describe_write_failure(e: BaseException, root: Path) -> str:
-    """A failed checkpoint write in one line: the path and errno where the OS gave one."""
+    """A failed checkpoint write in one line: the path and errno where the OS gave one.
+
+    A full disk is one line whichever write met it first (a rank's shard, its RNG states, the
+    marker) and however it surfaced, so every rank that reports it says the same: the root,
+    not the file that happened to hit the limit."""
+    free = lambda: f"{free_bytes(root) / 2**20:.1f} MiB free there"
+    if disk_full(e):
+        return f"writing under {root} failed: the disk is full ({free()})"
     cause = disk_error(e)
     if cause is not None:
         name = errno.errorcode.get(cause.errno, str(cause.errno))
         where = cause.filename or root
         return f"writing {where} failed: {name} ({os.strerror(cause.errno)})"
-    free = f"{free_bytes(root) / 2**20:.1f} MiB free there"
     innermost = _causes(e)[-1]
-    if "unexpected pos" in str(innermost):  # torch's zip writer, on a short write
-        return f"writing under {root} failed: a short write, the disk is full ({free})"
     first = (str(innermost).strip().splitlines() or [""])[0]
-    return f"writing under {root} failed: {type(innermost).__name__}: {first} ({free})"
+    return f"writing under {root} failed: {type(innermost).__name__}: {first} ({free()})"

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import devices
 
 
 def rng_state(device: torch.device) -> dict:
@@ -19,7 +19,7 @@ def rng_state(device: torch.device) -> dict:
         "torch": torch.get_rng_state(),
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
         "python": [version, list(py_state), py_gauss],
-        "device": hardware.device_rng_state(device),
+        "device": devices.device_rng_state(device),
     }
 
 
@@ -29,4 +29,4 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     version, py_state, py_gauss = state["python"]
     random.setstate((version, tuple(py_state), py_gauss))
-    hardware.set_device_rng_state(device, state["device"])
+    devices.set_device_rng_state(device, state["device"])

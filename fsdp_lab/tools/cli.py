@@ -71,7 +71,8 @@ def _export(args) -> int:
     """A checkpoint as a Hugging Face directory, streamed a tensor group at a time."""
     from fsdp_lab.data.corpus import load_tokenizer
     from fsdp_lab.engine import loading
-    from fsdp_lab.state.export import ExportTarget, export_model, open_checkpoint
+    from fsdp_lab.state.export import ExportTarget, export_model
+    from fsdp_lab.state.export_source import open_checkpoint
 
     model, fetch, hf_config, cfg = open_checkpoint(
         args.checkpoint, CheckpointVerify[args.verify], base=args.base

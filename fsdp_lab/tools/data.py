@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from fsdp_lab.config import ConfigError, DataKind
+from fsdp_lab.config import ConfigError, DataKind, compose
 from fsdp_lab.config.rules import validate
 from fsdp_lab.launch.prepare import check_model_and_data
-from fsdp_lab.tools.plan import compose, topology
+from fsdp_lab.tools.plan import topology
 
 
 def prepare_command(overrides: list[str]) -> int:

@@ -147,7 +147,6 @@ def _prefetch(fsdp: dict, out: Translation) -> None:
         )
 
 
-# Long: one short step per accelerate key, in the order its docs list them.
 def translate(config: dict) -> Translation:
     """The train.py overrides equivalent to an accelerate config (a parsed YAML mapping)."""
     kind = str(config.get("distributed_type", "")).upper()
@@ -158,6 +157,13 @@ def translate(config: dict) -> Translation:
             "fsdp_config section; give the file of an FSDP accelerate config"
         )
     out = Translation()
+    _fsdp_section(fsdp, out)
+    _launcher_section(config, out)
+    return out
+
+
+def _fsdp_section(fsdp: dict, out: Translation) -> None:
+    """fsdp_config's keys, in the order accelerate's docs list them; unknown ones warned of."""
     _strategy(fsdp, out)
     _wrap(fsdp, out)
     if "fsdp_offload_params" in fsdp:
@@ -194,6 +200,9 @@ def translate(config: dict) -> Translation:
         if k not in known
     ]
 
+
+def _launcher_section(config: dict, out: Translation) -> None:
+    """The top-level keys: precision, devices, processes and machines, compilation."""
     precision = str(config.get("mixed_precision", "no")).lower()
     if precision in PRECISION:
         out.overrides.append(f"precision={PRECISION[precision]}")
@@ -216,7 +225,6 @@ def translate(config: dict) -> Translation:
     if str(dynamo.get("dynamo_backend", "NO")).upper() not in ("NO", "NONE"):
         out.overrides.append("compile=true")
     out.warnings += [f"{k}: not known to fsdp_lab; ignored" for k in config if k not in LAUNCHER]
-    return out
 
 
 def from_file(path: Path) -> Translation:

@@ -216,7 +216,6 @@ def last_grad_numel(params: list[ParamShape], group: int) -> int:
 
 
 # Many parameters: each is one measured term of the memory model (keyword-only).
-# Long: FSDP2's working set in two phases, each a few lines with the measurement behind it.
 def transient(
     groups: dict[int, int],
     *,
@@ -252,18 +251,7 @@ def transient(
     root_grads = grad_groups.get(-1, 0) if units else 0
     if not units:  # the root is the only unit and follows the strategy
         units, root, unit_grads = {-1: root}, 0, dict(grad_groups)
-    last = max(units) if -1 not in units else None  # None: the root is the only unit
-    kept = root + (units[last] if last is not None and reshard is not False else 0)
-    others = {g: n for g, n in units.items() if g != last}
-    if reshard is False:
-        kept += sum(units.values())
-    elif reshard is not True:  # an int: resharded to groups of `reshard` ranks after forward
-        kept += sum(-(-n // reshard) for n in others.values())
-    largest = sorted(others.values(), reverse=True)
-    gathered = sum(largest[:2])  # current + prefetched unit
-    if reshard is False:  # all kept; FSDP2 frees an all-gather's output at the next one's wait,
-        # so the last unit's stays (measured on a fake group)
-        gathered = units[last] if last is not None and shard_size > 1 else 0
+    kept, gathered = _gathered_in_forward(units, root, reshard, shard_size)
     rb = dict(param_bytes=param_bytes, reduce_bytes=reduce_bytes, shard_size=shard_size, gloo=gloo)
     biggest = max(unit_grads.values(), default=0)
     # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
@@ -285,6 +273,27 @@ def transient(
         end_of_backward=end,
         reduced_grads=reduced,
     )
+
+
+def _gathered_in_forward(
+    units: dict[int, int], root: int, reshard: bool | int, shard_size: int
+) -> tuple[int, int]:
+    """(elements kept gathered between forward and backward, elements gathered at once): the
+    root and the last unit are kept when the strategy reshards (backward needs them at once);
+    the current and the prefetched unit are gathered."""
+    last = max(units) if -1 not in units else None  # None: the root is the only unit
+    kept = root + (units[last] if last is not None and reshard is not False else 0)
+    others = {g: n for g, n in units.items() if g != last}
+    if reshard is False:
+        kept += sum(units.values())
+    elif reshard is not True:  # an int: resharded to groups of `reshard` ranks after forward
+        kept += sum(-(-n // reshard) for n in others.values())
+    largest = sorted(others.values(), reverse=True)
+    gathered = sum(largest[:2])  # current + prefetched unit
+    if reshard is False:  # all kept; FSDP2 frees an all-gather's output at the next one's wait,
+        # so the last unit's stays (measured on a fake group)
+        gathered = units[last] if last is not None and shard_size > 1 else 0
+    return kept, gathered
 
 
 def peak(

@@ -203,16 +203,23 @@ def _size(nbytes: int, unit: int) -> str:
     return f"{nbytes / unit:.2f}" if unit == 2**30 else f"{nbytes / unit:.1f}"
 
 
-# Long: the text layout of the plan, line by line as it prints.
 def format_plan(plan: Plan) -> str:
     """The plan for a reader: a header, one row per strategy (rank 0, the largest), notes."""
     rows = [s for s in plan.strategies.values() if isinstance(s, StrategyPlan)]
-    chosen = plan.chosen_plan
     biggest = max(max(s.peak, s.zero_paper.state.total) for s in rows)
     unit, unit_name = (2**30, "GiB") if biggest >= 10 * 2**30 else (2**20, "MiB")
+    lines = _header_lines(plan, unit, unit_name) + _strategy_lines(plan, unit, unit_name)
+    if plan.host is not None:
+        lines += ["", *_host_lines(plan.host, unit, unit_name)]
+    return "\n".join(lines + _note_lines(plan))
+
+
+def _header_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:
+    """What runs: the model, ranks, mesh, units, dtypes, batch, loss, checkpointing."""
+    chosen = plan.chosen_plan
     d, bt, ac = plan.dtypes, plan.batch, plan.activation_checkpointing
     acts = plan.activations_by_checkpointing
-    lines = [
+    return [
         f"{plan.model_class}: {plan.num_params:,} parameters, vocabulary "
         f"{plan.vocab_size:,} (from {plan.vocab_source})",
         *(
@@ -243,6 +250,12 @@ def format_plan(plan: Plan) -> str:
         f"checkpoint activation_checkpointing={ac.mode} ({ac.checkpointed_layers} layers); "
         f"activations {_size(acts['none'], unit)} {unit_name} without, "
         f"{_size(acts['full'], unit)} {unit_name} with full checkpointing",
+    ]
+
+
+def _strategy_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:
+    """The table: one row per strategy, the chosen one marked."""
+    lines = [
         "",
         f"per rank, {unit_name} (rank 0; others hold the same or less)",
         f"  {'strategy':<13} {'mesh':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
@@ -267,8 +280,13 @@ def format_plan(plan: Plan) -> str:
             + " ".join(f"{_size(c, unit):>{9 if i == 4 else 8}}" for i, c in enumerate(cells))
             + f"   {_size(z.state.total, unit):>7} (stage {z.stage}, N={z.dp_size})"
         )
-    if plan.host is not None:
-        lines += ["", *_host_lines(plan.host, unit, unit_name)]
+    return lines
+
+
+def _note_lines(plan: Plan) -> list[str]:
+    """What the columns mean, where the state lives, the ZeRO paper's figures, assumptions,
+    and what is not counted."""
+    chosen = plan.chosen_plan
     notes = [
         "params/grads: fp32 shards (FSDP2 pads each to chunk 0's size; counted here); optim: "
         "AdamW exp_avg + exp_avg_sq + step; activ: saved for backward per micro-batch; "
@@ -288,12 +306,15 @@ def format_plan(plan: Plan) -> str:
         "counted as transient (no_shard too keeps a gathered copy from forward to backward).",
         *[f"Assumed: {a}" for a in plan.assumptions],
     ]
-    lines += [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
-    lines += ["not counted:"] + [
-        textwrap.fill(n, 100, initial_indent="  - ", subsequent_indent="    ")
-        for n in plan.not_counted
-    ]
-    return "\n".join(lines)
+    lines = [""] + [textwrap.fill(n, 100, subsequent_indent="  ") for n in notes]
+    return (
+        lines
+        + ["not counted:"]
+        + [
+            textwrap.fill(n, 100, initial_indent="  - ", subsequent_indent="    ")
+            for n in plan.not_counted
+        ]
+    )
 
 
 def _mesh(shape: tuple[int, ...]) -> str:

@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.observe import trackers
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe import rundir, trackers
+from fsdp_lab.observe.loggers import MetricRows, read_rows
 from fsdp_lab.observe.profile.result import ProfileResult, StepBreakdown
+from fsdp_lab.observe.record import JobRecord, RunRecord, RunResults, StepRecord
 from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE, write_atomic
 from fsdp_lab.tools.report_plots import write_plots
 from fsdp_lab.tools.report_render import Figures, Job, render_markdown
@@ -77,18 +79,11 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         ]
     jobs = []
     for d in sorted(dirs, key=lambda d: (_job_number(d) < 0, _job_number(d), d.name)):
-        facts, num = _read_run_file(d / RUN_FILE), _job_number(d)
+        run, num = _read_run_file(d), _job_number(d)
         fallback = sweep_overrides[num] if 0 <= num < len(sweep_overrides) else None
-        options = job_options(facts.get("job"), fallback, base_choices)
-        jobs.append(
-            Job(
-                d.name,
-                facts,
-                options,
-                _records(d / METRICS_FILE, "train"),
-                _records(d / METRICS_FILE, "val"),
-            )
-        )
+        options = job_options(run.job_record, fallback, base_choices)
+        rows = _rows(d / METRICS_FILE)
+        jobs.append(Job(d.name, run, options, rows.train, rows.val))
     return jobs
 
 
@@ -126,13 +121,13 @@ def sweep_record(sweep_dir: Path) -> tuple[list[list[str]], dict[str, str]]:
 
 
 def job_options(
-    record: dict | None, fallback_overrides: list[str] | None, base_choices: dict
+    record: JobRecord | None, fallback_overrides: list[str] | None, base_choices: dict
 ) -> dict[str, str]:
     """A job's options, key -> value: its overrides in the order given, then the group choices
     they did not touch. From run.json's "job" record, else the sweep's expansion; {} if
     neither (the job's settings are unknown, not the defaults)."""
     if record:
-        overrides, choices = record.get("overrides") or [], record.get("choices") or {}
+        overrides, choices = record.overrides or [], record.choices or {}
     elif fallback_overrides is not None:
         overrides, choices = fallback_overrides, base_choices
     else:
@@ -154,20 +149,16 @@ def _is_hydra(key: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
-def _read_run_file(path: Path) -> dict:
+def _read_run_file(job_dir: Path) -> RunRecord:
     """run.json, or a stand-in saying why there is none: a report never stops at one job."""
+    if not (job_dir / RUN_FILE).is_file():
+        if not job_dir.is_dir():
+            return RunRecord(status="not started")
+        return RunRecord(status="unknown", error=f"no {RUN_FILE}")
     try:
-        facts = json.loads(path.read_text())
-    except FileNotFoundError:
-        exists = path.parent.is_dir()
-        return (
-            {"status": "unknown", "error": f"no {RUN_FILE}"}
-            if exists
-            else {"status": "not started"}
-        )
+        return rundir.read_run_file(job_dir)
     except (OSError, ValueError) as e:
-        return {"status": "unknown", "error": f"unreadable {RUN_FILE}: {e}"}
-    return facts if isinstance(facts, dict) else {"status": "unknown"}
+        return RunRecord(status="unknown", error=f"unreadable {RUN_FILE}: {e}")
 
 
 def _read_study(sweep_dir: Path) -> dict | None:
@@ -179,24 +170,10 @@ def _read_study(sweep_dir: Path) -> dict | None:
         return None
 
 
-def _records(path: Path, split: str) -> list[dict]:
-    """One split of metrics.jsonl. A run killed mid-write can leave a cut last line; the whole
-    lines before it still count."""
-    if not path.is_file():
-        return []
-    try:
-        return read_metrics(path, split)
-    except ValueError:
-        records = [_json_or_none(line) for line in path.read_text(encoding="utf-8").splitlines()]
-        return [r for r in records if isinstance(r, dict) and r.get("split", "train") == split]
-
-
-def _json_or_none(text: str):
-    """A line's record, or None for a cut one."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+def _rows(path: Path) -> MetricRows:
+    """metrics.jsonl's train and val rows. A run killed mid-write can leave a cut last line;
+    the whole lines before it still count."""
+    return read_rows(path, whole_lines_only=True)
 
 
 def _searched(study: dict | None) -> set[str]:
@@ -222,20 +199,21 @@ def split_options(
 def summarize(job: Job) -> Figures:
     """Steady-state throughput and step time (the first step, and the first after a resume,
     include warm-up: allocation, the first collectives, compilation), peak memory, last losses."""
-    resumed_at = max(_numbers([job.facts], "start_step"), default=0)
-    warm = {job.train[0].get("step") if job.train else None, resumed_at + 1}
-    steady = [r for r in job.train if r.get("step") not in warm] or job.train
-    losses, val_losses = _numbers(job.train, "loss"), _numbers(job.val, "val_loss")
-    steps = _numbers(job.train, "step")
+    run, train = job.run, job.train
+    resumed_at = max(_numbers([run.start_step]), default=0)
+    warm = {train[0].step if train else None, resumed_at + 1}
+    steady = [r for r in train if r.step not in warm] or train
+    losses, val_losses = _numbers(r.loss for r in train), _numbers(r.val_loss for r in job.val)
+    steps = _numbers(r.step for r in train)
     return Figures(
-        steps=int(steps[-1]) if steps else job.facts.get("step"),
-        tokens_per_s=_median(steady, "tokens_per_s"),
-        step_time_s=_median(steady, "step_time_s"),
-        peak_mib_per_rank=_peak_mib_per_rank(job.train),
-        final_loss=losses[-1] if losses else job.facts.get("final_loss"),
+        steps=int(steps[-1]) if steps else run.step,
+        tokens_per_s=_median(r.tokens_per_s for r in steady),
+        step_time_s=_median(r.step_time_s for r in steady),
+        peak_mib_per_rank=_peak_mib_per_rank(train),
+        final_loss=losses[-1] if losses else (run.results or RunResults()).final_loss,
         val_loss=val_losses[-1] if val_losses else None,
-        mfu=_median(steady, "mfu"),
-        profile=_profile(job.facts.get("profile")),
+        mfu=_median(r.mfu for r in steady),
+        profile=_profile(run.facts.profile if run.facts else None),
     )
 
 
@@ -251,22 +229,22 @@ def _profile(section) -> StepBreakdown | None:
     return mean if mean.step_s > 0 else None
 
 
-def _numbers(records: list[dict], key: str) -> list[float]:
-    """The values of key that are numbers (absent or null ones skipped)."""
-    values = [r.get(key) for r in records]
+def _numbers(values: Iterable) -> list[float]:
+    """The values that are numbers (absent or null ones skipped)."""
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def _median(records: list[dict], key: str) -> float | None:
-    """The median of key's values; None where no record has one (mfu on CPU)."""
-    return statistics.median(_numbers(records, key)) if _numbers(records, key) else None
+def _median(values: Iterable) -> float | None:
+    """The median of the values that are numbers; None where there is none (mfu on CPU)."""
+    numbers = _numbers(values)
+    return statistics.median(numbers) if numbers else None
 
 
-def _peak_mib_per_rank(records: list[dict]) -> list[float]:
+def _peak_mib_per_rank(records: list[StepRecord]) -> list[float]:
     """Each rank's highest peak over all steps (a peak can be reset between steps)."""
     peaks: list[float] = []
     for r in records:
-        per_rank = r.get("peak_mem_bytes_per_rank") or _numbers([r], "peak_mem_bytes")
+        per_rank = r.peak_mem_bytes_per_rank or _numbers([r.peak_mem_bytes])
         for rank, value in enumerate(per_rank):
             if rank == len(peaks):
                 peaks.append(0.0)

@@ -11,6 +11,7 @@ reader never sees half a PNG and re-running the report replaces it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from matplotlib import colormaps
@@ -103,7 +104,8 @@ def plot_losses(jobs: list[Job], labels: list[str], path: Path) -> Path:
     fig, ax = _figure(len(jobs))
     handles, values = [], []
     for i, (job, label) in enumerate(zip(jobs, labels, strict=True)):
-        train, val = _points(job.train, "loss"), _points(job.val, "val_loss")
+        train = _points((r.step, r.loss) for r in job.train)
+        val = _points((r.step, r.val_loss) for r in job.val)
         if not train and not val:
             continue
         style = {
@@ -168,10 +170,9 @@ def plot_step_breakdown(figures: list[Figures], labels: list[str], path: Path) -
     return _finish(fig, ax, path, handles)
 
 
-def _points(records: list[dict], key: str) -> list[tuple[float, float]]:
-    """(step, value) of the records with both as finite numbers: a diverged step (inf, nan) or
-    a missing value is not drawn."""
-    pairs = [(r.get("step"), r.get(key)) for r in records]
+def _points(pairs: Iterable[tuple]) -> list[tuple[float, float]]:
+    """The (step, value) pairs with both finite numbers: a diverged step (inf, nan) or a
+    missing value is not drawn."""
     return [(x, y) for x, y in pairs if _finite(x) and _finite(y)]
 
 

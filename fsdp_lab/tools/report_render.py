@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lab.observe.profile.result import StepBreakdown
+from fsdp_lab.observe.record import EvalRecord, RunRecord, StepRecord
 
 THROUGHPUT_PNG, LOSS_PNG = "throughput_vs_memory.png", "loss_curves.png"
 STEP_BREAKDOWN_PNG = "step_breakdown.png"  # only where a job ran with profile=trace
@@ -28,14 +29,14 @@ class Job:
     """One job dir as the report sees it."""
 
     name: str  # the dir's name: Hydra's job number
-    facts: dict  # its run.json
+    run: RunRecord  # its run.json
     options: dict[str, str]  # its group choices and overrides, key -> value; {} if unknown
-    train: list[dict]  # metrics.jsonl records, one per optimizer step
-    val: list[dict]  # one per evaluation
+    train: list[StepRecord]  # metrics.jsonl records, one per optimizer step
+    val: list[EvalRecord]  # one per evaluation
 
     @property
     def status(self) -> str:
-        return str(self.facts.get("status", "unknown"))
+        return str(self.run.status or "unknown")
 
 
 @dataclass
@@ -65,10 +66,9 @@ def render_markdown(
     """report.md: a header of what all jobs share (and an Optuna study's best trial), one table
     row per job, how to read it."""
     counts = Counter(job.status for job in jobs)
+    facts = [j.run.facts for j in jobs if j.run.facts and j.run.facts.hardware is not None]
     hardware = dict.fromkeys(
-        f"{j.facts['hardware']}, {j.facts.get('world_size', '?')} ranks"
-        for j in jobs
-        if "hardware" in j.facts
+        f"{f.hardware}, {'?' if f.world_size is None else f.world_size} ranks" for f in facts
     )
     lines = [
         "# Sweep report",
@@ -188,9 +188,9 @@ def _profile_cells(profile: StepBreakdown | None) -> list[str]:
 
 def _status_cell(job: Job) -> str:
     """The status, with a failure's one-line error (shortened: the table stays readable)."""
-    if job.status == "preempted" and "step" in job.facts:
-        return f"preempted at step {job.facts['step']}"
-    error = " ".join(str(job.facts.get("error") or "").split())
+    if job.status == "preempted" and job.run.step is not None:
+        return f"preempted at step {job.run.step}"
+    error = " ".join(str(job.run.error or "").split())
     if len(error) > ERROR_CHARS:
         error = error[: ERROR_CHARS - 1] + "…"
     return f"{job.status}: {error}" if error else job.status

@@ -25,9 +25,9 @@ from fsdp_lab.config import (
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import Loader, build_data
-from fsdp_lab.engine import conversion, finetune, fsdp, hardware, loading, precision
+from fsdp_lab.engine import conversion, finetune, fsdp, loading, precision
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.engine.moe import ExpertCounts, expert_counts
+from fsdp_lab.engine.hardware import flops, memory, process_group
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
@@ -48,18 +48,14 @@ class RankContext:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    """What the model is, counted on meta before sharding renames and splits it."""
+class ModelFacts(model_lib.ModelCounts):
+    """What the model is (``ModelCounts``) and what a run derives from it."""
 
     hf_config: object
     task: ModelTask
-    total_params: int
-    trainable_params: int  # total_params unless finetune freezes some or adds adapters
-    model_class: str
     flops_per_token: int
     peak_flops: float | None
     load_rss: list  # each process's host peak RSS after the weights reached the shards
-    experts: ExpertCounts  # a mixture of experts' (zeros for a dense model)
 
 
 @dataclass
@@ -97,7 +93,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         ),
     )
     sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
-    load_rss = hardware.gather_from_processes(hardware.host_peak_rss_bytes())
+    load_rss = process_group.gather_from_processes(memory.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
     tokenizer, corpus, data = _rank_data(cfg, ctx, facts.hf_config.vocab_size)
     # The optimizer over the sharded params (its state is sharded with them), schedule, scaler.
@@ -173,19 +169,15 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
     task = cfg.model.task
     hf_config = model_lib.build_hf_config(cfg.model)
     model = model_lib.model_on_meta(hf_config, task, cfg.finetune)
-    trainable, total = finetune.counts(model)
     facts = ModelFacts(
+        **model_lib.count_model(model),
         hf_config=hf_config,
         task=task,
-        total_params=total,
-        trainable_params=trainable,
-        model_class=type(model).__name__,  # before fully_shard renames it FSDP<name>
         flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
-        peak_flops=hardware.peak_flops(
+        peak_flops=flops.peak_flops(
             cfg.hardware, ctx.kind, cfg.precision.param_dtype, tf32=cfg.precision.tf32
         ),
         load_rss=[],
-        experts=expert_counts(model),
     )
     return facts, model
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab.config import TrainerConfig
-from fsdp_lab.engine import hardware, tensor_parallel
+from fsdp_lab.engine import tensor_parallel
+from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.moe import MoeStep
 from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
@@ -59,7 +60,7 @@ def loss_scale(targets: int, dp: int, device: torch.device) -> torch.Tensor:
     """dp / targets as an fp32 scalar on the device: copied as a batch is (no host wait; on XLA
     device data, not a constant baked into the graph, which would recompile every step)."""
     scale = torch.tensor(dp / max(targets, 1), dtype=torch.float32)
-    return hardware.to_device({"scale": scale}, device)["scale"]
+    return devices.to_device({"scale": scale}, device)["scale"]
 
 
 def averaged_ranks(data) -> int:
@@ -118,7 +119,7 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    hardware.mark_step(device)  # XLA: the step's graph runs here
+    devices.mark_step(device)  # XLA: the step's graph runs here
     moe = loss.router.take() if loss.router is not None else None
     return StepResult(loss=total, grad_norm=norm, skipped=skipped, moe=moe)
 
@@ -204,7 +205,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
             )
             state.scheduler.step()
             if setup.trim_host_heap:  # freed tensors' pages back to the system, every step
-                hardware.trim_host_heap()
+                memory.trim_host_heap()
             if setup.heartbeat is not None:
                 setup.heartbeat.step_done(done)
             trained = targets  # this step's, before the next step's batches replace them
@@ -258,7 +259,7 @@ def _profile_window(prof: WindowProfiler, reporter: Recorder | None) -> None:
     takes part, traced or not), recorded there."""
     started = time.perf_counter()
     mine = prof.analyse()
-    gathered = hardware.gather_from_processes((mine, time.perf_counter() - started))
+    gathered = process_group.gather_from_processes((mine, time.perf_counter() - started))
     if reporter is not None:
         ranks = [profile for profile, _ in gathered if profile is not None]
         reporter.profile(ranks, analysis_s=max(seconds for _, seconds in gathered))
@@ -313,8 +314,8 @@ def evaluate(
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for index in range(num_batches):
         sums += loss.token_sums(model, place(data.val_batch(index)))
-        hardware.mark_step(device)
-    sums = sums.to(hardware.collective_device(device))
+        devices.mark_step(device)
+    sums = sums.to(process_group.collective_device(device))
     dist.all_reduce(sums)
     model.train()
     total, count = (x / replicas for x in sums.tolist())

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fsdp_lab.config import Config, ConfigError, Dtype, FinetuneMethod, HardwareKind
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import devices, flops, memory, process_group
 from fsdp_lab.observe import flight, heartbeat
 from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.profile.recorder import WindowProfiler
@@ -35,7 +35,7 @@ from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from fsdp_lab.train.preempt import Preempted, StopFlag
-from fsdp_lab.train.reporter import Reporter, RunFacts
+from fsdp_lab.train.reporter import Reporter, RunFacts, collect_facts
 
 log = logging.getLogger("fsdp_lab")
 
@@ -72,7 +72,7 @@ def run(
     state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
     if (beat := heartbeat.current()) is not None:
         beat.step_done(state.start_step)
-    facts = RunFacts.collect(cfg, ctx, state)
+    facts = collect_facts(cfg, ctx, state)
     reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if ctx.rank == 0 else None
     rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
     try:
@@ -87,35 +87,30 @@ def run(
 def topology_from_env(kind: HardwareKind) -> Topology:
     """The data-parallel ranks: the processes, or on tpu the XLA devices of the one process."""
     if kind is HardwareKind.tpu:
-        n = hardware.xla_runtime_devices()
-        return Topology(world_size=n, nproc_per_node=n, num_nodes=1, device=kind)
-    world = int(os.environ["WORLD_SIZE"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Topology(
-        world_size=world, nproc_per_node=per_node, num_nodes=world // per_node, device=kind
-    )
+        return Topology.nodes(devices.xla_runtime_devices(), 1, kind)
+    return Topology.from_launcher(os.environ, kind)
 
 
 def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
     """Device, threads and the process group (under torchrun the launcher already joined it);
     the topology's rules checked here unless this process has checked them (``validated``).
     ``log_dir``: where a flight recorder dump of this rank goes."""
-    kind = hardware.resolve_kind(cfg.hardware)
-    device = hardware.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
+    kind = devices.resolve_kind(cfg.hardware)
+    device = devices.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     topo = topology_from_env(kind)
-    threads = hardware.set_threads(
-        cfg.hardware, hardware.processes_per_node(kind, topo.nproc_per_node)
+    threads = devices.set_threads(
+        cfg.hardware, devices.processes_per_node(kind, topo.nproc_per_node)
     )
-    hardware.set_host_allocator(cfg.hardware)
+    memory.set_host_allocator(cfg.hardware)
     flight.clear(log_dir, int(os.environ["RANK"]))
-    hardware.set_flight_recorder(cfg.hardware.flight_recorder, flight.watchdog_prefix(log_dir))
+    process_group.set_flight_recorder(cfg.hardware.flight_recorder, flight.watchdog_prefix(log_dir))
     if not dist.is_initialized():
-        hardware.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
+        process_group.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
         heartbeat.start(dist.get_rank())
     if not validated:
         validate(cfg, topo)
-    hardware.set_tf32(kind, cfg.precision.tf32)
+    flops.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
     return RankContext(
         rank=int(os.environ["RANK"]),
@@ -132,9 +127,9 @@ def fit(r: RankRun) -> FitResult:
     logging boundary on every rank."""
     cfg, ctx, state = r.cfg, r.ctx, r.state
     # The steps' peak memory is theirs: not the weight loading's, nor the trackers' start on rank 0.
-    hardware.reset_peak_memory(ctx.device)
-    r.facts.memory_before_train_bytes_per_rank = hardware.gather_from_processes(
-        hardware.current_memory_bytes(ctx.device)
+    memory.reset_peak_memory(ctx.device)
+    r.facts.memory_before_train_bytes_per_rank = process_group.gather_from_processes(
+        memory.current_memory_bytes(ctx.device)
     )
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
@@ -201,10 +196,10 @@ def finish(r: RankRun, result: FitResult) -> None:
         state.checkpointer.save(end, tokens_seen(state, end), blocking=True)
     state.checkpointer.wait()
     if not result.preempted and cfg.checkpoint.export_hf:
-        hardware.reset_host_peak()
-        start = hardware.current_memory_bytes(torch.device("cpu"))  # the host's RSS now
+        memory.reset_host_peak()
+        start = memory.current_memory_bytes(torch.device("cpu"))  # the host's RSS now
         _export(r)
-        rss = hardware.gather_from_processes((start, hardware.host_peak_since_reset_bytes()))
+        rss = process_group.gather_from_processes((start, memory.host_peak_since_reset_bytes()))
         if r.reporter is not None:
             r.reporter.facts.export_start_rss_bytes_per_rank = [a for a, _ in rss]
             r.reporter.facts.export_peak_rss_bytes_per_rank = [b for _, b in rss]
@@ -317,7 +312,7 @@ def _save_flight_record(run_dir: Path, rank: int) -> str | None:
     brought the rank here is the one to report."""
     try:
         path = flight.dump_file(run_dir / LOG_DIR, rank)
-        saved = flight.save(hardware.flight_records(), path, rank)
+        saved = flight.save(process_group.flight_records(), path, rank)
         return flight.describe({rank: saved}, [], waiting=[rank])
     except Exception as e:  # noqa: BLE001 - a missing dump must not hide the failure
         log.warning("rank %d: no flight recorder dump: %s", rank, e)

@@ -146,7 +146,7 @@ def test_async_save_writes_what_sync_writes(every_2, tmp_path):
         a, b = ckpt_dir(every_2, step), ckpt_dir(background, step)
         files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
         assert files(a) == files(b)
-    from fsdp_lab.state.export import load_checkpoint_weights
+    from fsdp_lab.state.export_source import load_checkpoint_weights
 
     sd_a, _, _ = load_checkpoint_weights(ckpt_dir(every_2, 8))
     sd_b, _, _ = load_checkpoint_weights(ckpt_dir(background, 8))
@@ -247,7 +247,7 @@ def test_export_loads_into_transformers_with_the_trained_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp_lab.engine.model import build_full_model
-    from fsdp_lab.state.export import load_checkpoint_weights
+    from fsdp_lab.state.export_source import load_checkpoint_weights
 
     run_dir = tmp_path / "run"
     check_ok(

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_lab.config import HardwareKind
+from fsdp_lab.config import HardwareKind, compose
 from fsdp_lab.data.loader import IGNORE_INDEX
 from fsdp_lab.engine import fsdp
 from fsdp_lab.engine import model as model_lib
@@ -54,7 +54,7 @@ CASES = {
 
 
 def config(world: int, overrides=()):
-    return plan.compose(["hardware=cpu", f"hardware.nproc_per_node={world}", "loss=hf", *overrides])
+    return compose(["hardware=cpu", f"hardware.nproc_per_node={world}", "loss=hf", *overrides])
 
 
 def global_batches(dp: int, vocab: int) -> list[dict[str, torch.Tensor]]:

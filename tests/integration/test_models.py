@@ -132,7 +132,7 @@ def test_tied_embeddings_stay_tied_through_training_checkpoint_and_export(
 ):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_lab.state.export import load_checkpoint_weights
+    from fsdp_lab.state.export_source import load_checkpoint_weights
 
     run = tmp_path / "run"
     check_ok(

@@ -44,7 +44,7 @@ def test_tune_picks_the_fastest_probe_that_fits_and_its_command_reproduces(tmp_p
     # micro-batch 8 without checkpointing and drops 16 and 32.
     candidates, device, _ = tune.enumerate_candidates(OVERRIDES, 32)
     baseline = tune.process_baseline_bytes(device)
-    by_name = {(c.ac, c.micro_batch): c for c in candidates}
+    by_name = {(c.ac.name, c.micro_batch): c for c in candidates}
     fit = tune.predicted_bytes(by_name["none", 8].plan_peak_bytes, baseline)
     budget_gib = (fit + 24 * tune.MIB) / tune.GIB
     out = tmp_path / "tune"

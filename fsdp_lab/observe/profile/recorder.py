@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import ProfileConfig, ProfileMode
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import memory
 from fsdp_lab.observe.profile.analysis import analyse_trace
 from fsdp_lab.observe.profile.result import RankProfile
 from fsdp_lab.observe.profile.timeline import DATA_REGION, STEP_PREFIX
@@ -59,7 +59,7 @@ class WindowProfiler:
             (run_dir / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
         if self.tracing:
             self._torch_profiler = torch.profiler.profile(
-                activities=hardware.profiler_activities(device),
+                activities=memory.profiler_activities(device),
                 schedule=torch.profiler.schedule(
                     wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1
                 ),
@@ -69,8 +69,8 @@ class WindowProfiler:
             )
             self._torch_profiler.start()
         elif self.records:  # memory: from the first step, so an out-of-memory error has history
-            hardware.start_memory_history(cfg.memory_entries)
-            hardware.on_out_of_memory(self._dump_at_oom)
+            memory.start_memory_history(cfg.memory_entries)
+            memory.on_out_of_memory(self._dump_at_oom)
 
     @classmethod
     def start(
@@ -133,8 +133,8 @@ class WindowProfiler:
             return False
         if self.records and self.cfg.mode is ProfileMode.memory:
             pickle_path, html_path = memory_paths(self.run_dir, self.rank)
-            hardware.dump_memory_history(pickle_path, html_path)
-            hardware.stop_memory_history()
+            memory.dump_memory_history(pickle_path, html_path)
+            memory.stop_memory_history()
         return True
 
     def _export(self, prof) -> None:
@@ -145,7 +145,7 @@ class WindowProfiler:
     def _dump_at_oom(self) -> None:
         pickle_path, _ = memory_paths(self.run_dir, self.rank, "oom")
         try:
-            hardware.dump_memory_history(pickle_path, None)  # no HTML: memory is short now
+            memory.dump_memory_history(pickle_path, None)  # no HTML: memory is short now
         except Exception as e:  # noqa: BLE001 - the out-of-memory error itself must surface
             log.warning("could not write the out-of-memory snapshot %s: %s", pickle_path, e)
             return

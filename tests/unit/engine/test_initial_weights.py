@@ -107,7 +107,7 @@ def test_a_fine_tune_checkpointed_before_per_rank_loading_is_still_recognised(sa
     from fsdp_lab.config import FinetuneConfig, FinetuneMethod
     from fsdp_lab.engine import finetune
     from fsdp_lab.state import checkpoint as ckpt
-    from fsdp_lab.state.export import _base_reader
+    from fsdp_lab.state.export_source import _base_reader
 
     lora = FinetuneConfig(method=FinetuneMethod.lora, r=4)
     old = LlamaForCausalLM.from_pretrained(saved, dtype=torch.float32)

@@ -22,7 +22,8 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.engine import fsdp, hardware, moe, precision, wrap
+from fsdp_lab.engine import fsdp, moe, precision, wrap
+from fsdp_lab.engine.hardware import devices
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
 from fsdp_lab.observe.metrics import flops_per_token
 
@@ -132,6 +133,6 @@ def test_refusals_are_one_line():
     with pytest.raises(ConfigError, match="router_aux_loss_coef=-1"):
         check_preset(preset(ModelArch.olmoe, router_aux_loss_coef=-1.0))
     with pytest.raises(ConfigError, match="grouped_mm needs") as e:
-        hardware.check_experts_implementation(HardwareKind.tpu, ExpertsImplementation.grouped_mm)
+        devices.check_experts_implementation(HardwareKind.tpu, ExpertsImplementation.grouped_mm)
     assert "\n" not in str(e.value)
-    hardware.check_experts_implementation(HardwareKind.cpu, ExpertsImplementation.grouped_mm)
+    devices.check_experts_implementation(HardwareKind.cpu, ExpertsImplementation.grouped_mm)

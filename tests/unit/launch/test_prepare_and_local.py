@@ -29,11 +29,11 @@ from fsdp_lab.train import preempt
 def test_a_run_dir_is_claimed_once_and_never_reused(tmp_path):
     run = tmp_path / "run"
     prepare._claim_run_dir(run, continuing=False, job={"num": 0})
-    assert rundir.read_run_file(run) == {"status": "starting", "job": {"num": 0}}
+    assert rundir.read_run_file(run).to_dict() == {"status": "starting", "job": {"num": 0}}
     with pytest.raises(ConfigError, match="already holds files"):
         prepare._claim_run_dir(run, continuing=False, job=None)
     prepare._claim_run_dir(run, continuing=True, job=None)  # resume=auto continues its run
-    assert rundir.read_run_file(run)["job"] == {"num": 0}
+    assert rundir.read_run_file(run).job == {"num": 0}
 
 
 def test_resuming_drops_the_records_after_the_checkpoint(tmp_path):
@@ -82,6 +82,27 @@ def test_a_rank_that_died_silently_is_the_cause_not_its_peers_errors(tmp_path):
     assert reason.startswith("rank 1 died (signal 9) without an error message")
     reason = local._first_failure(tmp_path, [Exited(1), Exited(0)], {0: time.time()}, {})
     assert reason.startswith("rank 0 failed: Connection reset by peer")
+
+
+def test_an_error_every_rank_wrote_alike_names_the_lowest_rank(tmp_path):
+    """A checkpoint that could not be written fails every rank with one reason; whichever rank
+    wrote it first (rank 1 on a busy machine), the line is the same."""
+    (tmp_path / rundir.LOG_DIR).mkdir()
+    now = time.time()
+    for rank, at, error in ((0, now, "the disk is full"), (1, now - 1, "the disk is full")):
+        rundir.error_file(tmp_path, rank).write_text(
+            json.dumps({"rank": rank, "time": at, "error": error})
+        )
+    procs, exits = [Exited(1), Exited(1)], {0: now, 1: now}
+    assert local._first_failure(tmp_path, procs, exits, {}).startswith(
+        "rank 0 failed: the disk is full (full log: "
+    )
+    rundir.error_file(tmp_path, 0).write_text(  # told apart: the earliest is the cause
+        json.dumps({"rank": 0, "time": now, "error": "Connection reset by peer"})
+    )
+    assert local._first_failure(tmp_path, procs, exits, {}).startswith(
+        "rank 1 failed: the disk is full"
+    )
 
 
 def test_a_timeout_is_reported_as_the_rank_that_stopped_beating(tmp_path):

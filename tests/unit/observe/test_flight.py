@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.observe import flight, rundir
 from fsdp_lab.train import worker
 
@@ -159,13 +159,13 @@ def test_the_recorder_settings_keep_the_users_variables(tmp_path, monkeypatch):
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # torch's older name, the user's
-    hardware.set_flight_recorder(2000, tmp_path / "flight_watchdog_rank")
+    process_group.set_flight_recorder(2000, tmp_path / "flight_watchdog_rank")
     assert "TORCH_FR_BUFFER_SIZE" not in os.environ
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_watchdog_rank")
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE")
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
-    hardware.set_flight_recorder(0, tmp_path / "flight_watchdog_rank")  # off: no dump file
+    process_group.set_flight_recorder(0, tmp_path / "flight_watchdog_rank")  # off: no dump file
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
 
@@ -174,10 +174,10 @@ def test_a_dump_that_fails_never_hides_the_rank_s_error(tmp_path, monkeypatch):
     def broken():
         raise RuntimeError("no recorder here")
 
-    monkeypatch.setattr(hardware, "flight_records", broken)
+    monkeypatch.setattr(process_group, "flight_records", broken)
     assert worker._save_flight_record(tmp_path, 0) is None
     raw = (DATA / "behind_rank0.flight.json").read_bytes()
-    monkeypatch.setattr(hardware, "flight_records", lambda: [b'{"entries": []}', raw])
+    monkeypatch.setattr(process_group, "flight_records", lambda: [b'{"entries": []}', raw])
     said = worker._save_flight_record(tmp_path, 0)
     assert said.startswith("flight recorder: rank 0 waits in collective #5 (all_reduce")
     assert flight.load(flight.dump_file(tmp_path / "logs", 0), 0).current("0").seq == 5
@@ -188,7 +188,7 @@ def test_under_torchrun_a_rank_that_timed_out_reports_its_own_record(tmp_path, m
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     raw = (DATA / "behind_rank0.flight.json").read_bytes()
-    monkeypatch.setattr(hardware, "flight_records", lambda: [raw])
+    monkeypatch.setattr(process_group, "flight_records", lambda: [raw])
     error = RuntimeError("Timed out waiting 3000ms for recv operation to complete")
     worker._record_failure(tmp_path, error, launcher_reports=False)
     line = json.loads(rundir.error_file(tmp_path, 0).read_text())["error"]

@@ -11,7 +11,7 @@ import json
 import torch
 
 from fsdp_lab.config import ProfileConfig, ProfileMode
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import memory
 from fsdp_lab.observe.profile.recorder import WindowProfiler, memory_paths, trace_path
 
 CPU = torch.device("cpu")
@@ -67,15 +67,15 @@ def test_a_resumed_run_whose_window_is_past_the_end_profiles_nothing(tmp_path, c
 
 def test_profile_memory_dumps_at_the_window_end_and_at_an_out_of_memory(tmp_path, monkeypatch):
     calls, observers = [], []
-    monkeypatch.setattr(hardware, "start_memory_history", lambda n: calls.append(("start", n)))
-    monkeypatch.setattr(hardware, "stop_memory_history", lambda: calls.append(("stop",)))
-    monkeypatch.setattr(hardware, "on_out_of_memory", observers.append)
+    monkeypatch.setattr(memory, "start_memory_history", lambda n: calls.append(("start", n)))
+    monkeypatch.setattr(memory, "stop_memory_history", lambda: calls.append(("stop",)))
+    monkeypatch.setattr(memory, "on_out_of_memory", observers.append)
 
     def dump(pickle_path, html_path):
         calls.append(("dump", pickle_path.name, html_path and html_path.name))
         pickle_path.write_bytes(b"snapshot")
 
-    monkeypatch.setattr(hardware, "dump_memory_history", dump)
+    monkeypatch.setattr(memory, "dump_memory_history", dump)
     cfg = ProfileConfig(mode=ProfileMode.memory, wait=1, warmup=0, active=2, memory_entries=7)
     prof = WindowProfiler(cfg, rank=3, device=CPU, run_dir=tmp_path, start_step=0)
     assert calls == [("start", 7)] and len(observers) == 1

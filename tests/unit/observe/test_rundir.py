@@ -6,15 +6,16 @@ import json
 
 from fsdp_lab.config import Config, ModelArch, ModelConfig, to_container
 from fsdp_lab.observe import rundir
+from fsdp_lab.observe.record import RunRecord
 
 
 def test_run_json_is_created_once_and_updated_keeping_the_other_facts(tmp_path):
-    assert rundir.create_run_file(tmp_path, {"status": "starting", "job": None})
-    assert not rundir.create_run_file(tmp_path, {"status": "mine"})  # another launch lost
+    assert rundir.create_run_file(tmp_path, RunRecord(status="starting", job={"num": 0}))
+    assert not rundir.create_run_file(tmp_path, RunRecord(status="mine"))  # another launch lost
     rundir.update_run_file(tmp_path, status="failed", error="rank 1 died")
-    assert rundir.read_run_file(tmp_path) == {
+    assert rundir.read_run_file(tmp_path).to_dict() == {
         "status": "failed",
-        "job": None,
+        "job": {"num": 0},
         "error": "rank 1 died",
     }
     assert [p.name for p in tmp_path.iterdir()] == [rundir.RUN_FILE]  # no .tmp left behind
@@ -22,7 +23,7 @@ def test_run_json_is_created_once_and_updated_keeping_the_other_facts(tmp_path):
 
 
 def test_a_missing_run_json_reads_as_no_facts(tmp_path):
-    assert rundir.read_run_file(tmp_path) == {}
+    assert rundir.read_run_file(tmp_path).to_dict() == {}
 
 
 def test_the_resolved_config_round_trips(tmp_path):

@@ -159,19 +159,55 @@ def test_torch_files_and_byte_items_admit_plain_data_only(tmp_path):
     assert safe_load.load_plain(plain)["l"] == [1, 2.5, None, "s", (3,)]
 
 
-def test_disk_errors_are_found_inside_dcp_s_wrapper():
-    import errno
-
+def _in_dcp_wrapper(error: BaseException) -> BaseException:
+    """``error`` as DCP raises it: under the RuntimeError of the write it broke, wrapped in a
+    CheckpointException of the failed ranks."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    full = OSError(errno.ENOSPC, "No space left on device", "/x/__0_0.distcp")
     try:
         try:
-            raise full
-        except OSError as inner:
+            raise error
+        except BaseException as inner:
             raise RuntimeError("write failed") from inner
     except RuntimeError as e:
-        wrapped = CheckpointException("save", {1: (e, None)})
+        return CheckpointException("save", {1: (e, None)})
+
+
+def test_disk_errors_are_found_inside_dcp_s_wrapper(monkeypatch):
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/__0_0.distcp")
+    wrapped = _in_dcp_wrapper(full)
     assert integrity.disk_error(wrapped) is full
+    monkeypatch.setattr(integrity, "free_bytes", lambda path: 3 * 2**20)
     line = integrity.describe_write_failure(wrapped, Path("/x"))
-    assert line == "writing /x/__0_0.distcp failed: ENOSPC (No space left on device)"
+    assert line == "writing under /x failed: the disk is full (3.0 MiB free there)"
+    eio = _in_dcp_wrapper(OSError(errno.EIO, "Input/output error", "/x/__1_0.distcp"))
+    assert integrity.describe_write_failure(eio, Path("/x")) == (
+        "writing /x/__1_0.distcp failed: EIO (Input/output error)"
+    )
+
+
+def test_a_full_disk_is_one_line_however_it_surfaced(monkeypatch):
+    """ENOSPC from a plain write, or torch's zip writer's short write (its own words, the errno
+    lost: the rank that reads another rank's error from DCP gets it without its cause): one
+    line, whichever rank's file hit the limit, so every rank reports the same."""
+    import errno
+
+    monkeypatch.setattr(integrity, "free_bytes", lambda path: 0)
+
+    def short(under: OSError | None = None) -> RuntimeError:
+        e = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        e.__context__ = under  # what the rank that wrote it sees; another rank gets it without
+        return e
+
+    seen = [
+        OSError(errno.ENOSPC, "No space left on device", "/x/__1_0.distcp"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        short(),
+        _in_dcp_wrapper(short()),
+        _in_dcp_wrapper(short(OSError(errno.ENOSPC, "No space left on device"))),
+        RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+    ]
+    lines = {integrity.describe_write_failure(e, Path("/x")) for e in seen}
+    assert lines == {"writing under /x failed: the disk is full (0.0 MiB free there)"}

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from fsdp_lab.config import compose
 from fsdp_lab.data import cache
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.tools import cli
-from fsdp_lab.tools.plan import compose
 
 
 def test_prepare_makes_the_entry_train_py_finds(tmp_path, monkeypatch, capsys):

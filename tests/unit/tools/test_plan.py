@@ -19,6 +19,7 @@ from fsdp_lab.config import (
     ModelArch,
     ModelConfig,
     ModelTask,
+    compose,
     strategies,
 )
 from fsdp_lab.config.families import preset_family
@@ -125,9 +126,9 @@ def test_128_ranks_planned_on_a_laptop():
 
 @pytest.mark.parametrize("visible,want", [(0, 8), (4, 4)])
 def test_gpus_per_node_default_to_the_visible_ones_or_eight(monkeypatch, visible, want):
-    from fsdp_lab.engine import hardware
+    from fsdp_lab.engine.hardware import devices
 
-    monkeypatch.setattr(hardware, "default_nproc_per_node", lambda kind: visible)
+    monkeypatch.setattr(devices, "default_nproc_per_node", lambda kind: visible)
     p = plan.build_plan(["hardware=gpu"])
     assert p.nproc_per_node == want
     assert any("assumed 8 per node" in a for a in p.assumptions) == (visible == 0)
@@ -176,7 +177,7 @@ def test_bad_input_is_one_line_exit_2(capsys, overrides, words):
 
 def sharded_rank(overrides: list[str]):
     """The worker's recipe (steps 2-4 and 7) on the current fake group, weights random."""
-    cfg = plan.compose(overrides)
+    cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     hf = model_lib.build_hf_config(
         model_lib.resolve_vocab_size(cfg.model, corpus.load_tokenizer(cfg))
@@ -272,7 +273,7 @@ def storage_bytes(tensors) -> int:
 )
 def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
     expected = plan.build_plan(overrides).chosen_plan.per_rank[rank]
-    fake_group(rank, plan.topology(plan.compose(overrides))[0].world_size)
+    fake_group(rank, plan.topology(compose(overrides))[0].world_size)
     model, optimizer, batch, _, _ = sharded_rank(overrides)
     model(**batch).loss.backward()
     optimizer.step()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab.config import ConfigError, ShardingStrategy
+from fsdp_lab.config import ActivationCheckpointingMode, ConfigError, ShardingStrategy
 from fsdp_lab.tools import cli, tune
+
+AC = ActivationCheckpointingMode
 
 
 def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
@@ -28,10 +30,10 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
     }
     # more activations, more memory; checkpointing saves some; the prior prefers no recompute
     by = {(c.strategy, c.ac, c.micro_batch): c for c in cpu if c.tensor == 1}
-    full = ShardingStrategy.full
-    assert by[full, "none", 4].plan_peak_bytes > by[full, "none", 1].plan_peak_bytes
-    assert by[full, "full", 4].plan_peak_bytes < by[full, "none", 4].plan_peak_bytes
-    assert by[full, "none", 4].prior < by[full, "full", 4].prior
+    full, none, ac_full = ShardingStrategy.full, AC.none, AC.full
+    assert by[full, none, 4].plan_peak_bytes > by[full, none, 1].plan_peak_bytes
+    assert by[full, ac_full, 4].plan_peak_bytes < by[full, none, 4].plan_peak_bytes
+    assert by[full, none, 4].prior < by[full, ac_full, 4].prior
 
 
 def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
@@ -40,7 +42,7 @@ def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
         8,
         tune.Grid.parse(None, "none,full", "2,8", "2"),  # --tensor 2, but the override holds 1
     )
-    assert {(c.strategy.name, c.ac, c.micro_batch) for c in cands} == {
+    assert {(c.strategy.name, c.ac.name, c.micro_batch) for c in cands} == {
         ("grad_op", ac, mb) for ac in ("none", "full") for mb in (2, 8)
     }
 
@@ -61,7 +63,7 @@ def test_a_bad_grid_is_one_line(args, message):
 
 
 def test_the_command_replaces_the_axes_the_overrides_held():
-    c = tune.Candidate(ShardingStrategy.no_shard, "full", False, 8)
+    c = tune.Candidate(ShardingStrategy.no_shard, AC.full, False, 8)
     cmd = tune.command(["sharding=full", "model.hidden_size=64", "trainer.seq_len=128"], c, [])
     assert cmd == (
         "python train.py model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
@@ -113,7 +115,7 @@ def test_keep_global_batch_makes_up_each_micro_batch_with_accumulation():
 
 def test_the_second_probe_is_the_best_of_another_tensor_parallel_degree():
     def cand(tensor, prior):
-        return tune.Candidate(ShardingStrategy.full, "none", False, 1, tensor=tensor, prior=prior)
+        return tune.Candidate(ShardingStrategy.full, AC.none, False, 1, tensor=tensor, prior=prior)
 
     a, b, c, d, e = cand(2, 1.0), cand(2, 1.1), cand(2, 1.2), cand(1, 1.5), cand(4, 1.3)
     assert tune.probe_order([c, d, a, b]) == [a, d, b, c]

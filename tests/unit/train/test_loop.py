@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import OptimImpl
+from fsdp_lab.config import OptimImpl, compose
 from fsdp_lab.data.loader import build_data
-from fsdp_lab.engine import fsdp, hardware
+from fsdp_lab.engine import fsdp
 from fsdp_lab.engine import model as model_lib
+from fsdp_lab.engine.hardware import devices
 from fsdp_lab.observe import metrics
 from fsdp_lab.tools import plan
 from fsdp_lab.train import loop
@@ -31,7 +32,7 @@ def gloo_group():
 
 def build_run(*overrides: str, implementation: OptimImpl | None = None):
     """The worker's recipe (model on meta, loss, FSDP2, optimizer, data) on this process."""
-    cfg = plan.compose(["hardware=cpu", "hardware.nproc_per_node=1", *overrides])
+    cfg = compose(["hardware=cpu", "hardware.nproc_per_node=1", *overrides])
     topo, _ = plan.topology(cfg)
     hf = model_lib.build_hf_config(cfg.model)
     meta = model_lib.build_meta_model(hf, cfg.model.task)
@@ -327,7 +328,7 @@ def test_step_clock_reads_cuda_events_only_at_a_boundary(monkeypatch):
             return 250.0
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    clock = hardware.StepClock(torch.device("cuda", 0))
+    clock = devices.StepClock(torch.device("cuda", 0))
     start, end = clock.mark(), clock.mark()
     assert len(recorded) == 2 and synced == []
     assert clock.seconds(start, end) == 0.25 and synced == [end]

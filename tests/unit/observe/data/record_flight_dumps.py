@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.engine import hardware
+from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.observe import flight
 
 OUT = Path(__file__).resolve().parent
@@ -27,7 +27,7 @@ def step(t):
 
 def main(rank, case, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    hardware.set_flight_recorder(100, None)
+    process_group.set_flight_recorder(100, None)
     timeout = datetime.timedelta(seconds=3)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
     t = torch.ones(10)
@@ -43,7 +43,7 @@ def main(rank, case, port):
             time.sleep(5)
     except RuntimeError as e:
         print(rank, str(e)[-80:])
-    flight.save(hardware.flight_records(), OUT / f"{case}_rank{rank}.flight.json", rank)
+    flight.save(process_group.flight_records(), OUT / f"{case}_rank{rank}.flight.json", rank)
     if case == "behind" and rank == 0:
         raw = torch._C._distributed_c10d._dump_fr_trace_json()
         (OUT / "behind_rank0.torch.json").write_bytes(raw)

@@ -1,0 +1,296 @@
+"""The device a run has and what it can do: resolved and checked before launch, then set
+up in each rank (its device, random state, batches, waits and step timing).
+
+The launcher calls the checks and ``device_summary`` too: nothing here before ``rank_device``
+starts the XLA runtime, which on a TPU host only one process may hold.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import time
+
+import torch
+
+from fsdp_lab.config import (
+    Backend,
+    ConfigError,
+    Dtype,
+    ExpertsImplementation,
+    HardwareConfig,
+    HardwareKind,
+)
+
+TORCH_DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
+
+# torch_xla pins the torch it was built against; this is the pair the tests run.
+XLA_PAIR = ("2.9.0", "2.9.0")  # (torch, torch-xla)
+
+XLA_INSTALL = (
+    f"pip install 'fsdp_lab[tpu]' (torch=={XLA_PAIR[0]} with torch-xla=={XLA_PAIR[1]}"
+    ", in an environment of its own; see the README)"
+)
+
+
+# ---- before launch: the device and what it can run ------------------------------------------
+def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
+    """auto becomes gpu when CUDA is usable, else cpu; an explicit gpu without CUDA is an error."""
+    match cfg.kind:
+        case HardwareKind.auto:
+            return HardwareKind.gpu if torch.cuda.is_available() else HardwareKind.cpu
+        case HardwareKind.cpu:
+            return HardwareKind.cpu
+        case HardwareKind.gpu:
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "hardware=gpu but CUDA is not available on this machine; use hardware=cpu "
+                    "(or hardware=auto)"
+                )
+            return HardwareKind.gpu
+        case HardwareKind.tpu:
+            check_xla_env()
+            return HardwareKind.tpu
+        case _:
+            raise ValueError(f"unknown hardware.kind {cfg.kind}")
+
+
+def check_xla_env() -> None:
+    """hardware=tpu needs torch_xla next to the exact torch it was built for, and a PJRT device
+    it can drive (TPU, or CPU for testing); PJRT_DEVICE defaults to TPU."""
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError(f"hardware=tpu needs torch_xla, which is not installed: {XLA_INSTALL}")
+    xla = importlib.metadata.version("torch_xla").split("+")[0]
+    base = torch.__version__.split("+")[0]
+    if xla.split(".")[:2] != base.split(".")[:2]:
+        raise ConfigError(
+            f"hardware=tpu: torch-xla {xla} needs torch {xla}, this environment has "
+            f"torch {base}; {XLA_INSTALL}"
+        )
+    os.environ.setdefault("PJRT_DEVICE", "TPU")
+    if os.environ["PJRT_DEVICE"] not in ("TPU", "CPU"):
+        raise ConfigError(
+            f"hardware=tpu with PJRT_DEVICE={os.environ['PJRT_DEVICE']}: use "
+            "PJRT_DEVICE=TPU (or CPU, XLA's CPU devices, for testing)"
+        )
+
+
+def xla_local_devices() -> int:
+    """XLA devices on this host, without starting the XLA runtime (on a TPU host only one
+    process may hold the chips, and the launcher's rank must be that one)."""
+    if os.environ.get("PJRT_DEVICE") == "CPU":
+        return int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_devices()
+
+
+def default_nproc_per_node(kind: HardwareKind) -> int:
+    match kind:
+        case HardwareKind.gpu:
+            return torch.cuda.device_count()
+        case HardwareKind.tpu:
+            return xla_local_devices()
+        case _:
+            return 2
+
+
+def processes_per_node(kind: HardwareKind, nproc_per_node: int) -> int:
+    """Processes to start per node: one per rank, except on tpu, where one SPMD process drives
+    every device of its host (each device is one data-parallel rank)."""
+    return 1 if kind is HardwareKind.tpu else nproc_per_node
+
+
+def check_nproc(kind: HardwareKind, nproc_per_node: int, chosen: Backend = Backend.auto) -> None:
+    """One rank per GPU under NCCL (it refuses two on one device); gloo lets ranks share."""
+    gpus = torch.cuda.device_count() if kind is HardwareKind.gpu else 0
+    if kind is HardwareKind.gpu and nproc_per_node > gpus and chosen is not Backend.gloo:
+        raise ConfigError(
+            f"hardware.nproc_per_node={nproc_per_node} but only {gpus} GPUs are visible; lower "
+            "hardware.nproc_per_node (one rank per GPU), or set hardware.backend=gloo to share "
+            "the GPUs among ranks (slow: for checking a sharded layout)"
+        )
+    if kind is HardwareKind.tpu and nproc_per_node != xla_local_devices():
+        raise ConfigError(
+            f"hardware.nproc_per_node={nproc_per_node} but this host has {xla_local_devices()} "
+            "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (with "
+            "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)"
+        )
+
+
+def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
+    """Fail before launch when the device cannot compute or reduce in ``dtype``.
+
+    gloo reduces fp16 and bf16 (checked on torch 2.13) and CPU kernels cover both; on GPU,
+    bf16 needs an Ampere-or-newer device (NCCL and the matmuls both rely on it).
+    """
+    if kind is HardwareKind.gpu and dtype is Dtype.bf16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"{setting}=bf16 but this GPU has no bf16 support; use precision=fp16 or fp32"
+        )
+
+
+def check_experts_implementation(kind: HardwareKind, implementation: ExpertsImplementation) -> None:
+    """Fail before launch on an experts kernel this device cannot run: ``grouped_mm`` calls
+    ``torch.nn.functional.grouped_mm`` (torch >= 2.9; a CPU kernel too), which XLA does not
+    lower."""
+    if implementation is not ExpertsImplementation.grouped_mm:
+        return
+    if kind is HardwareKind.tpu or not hasattr(torch.nn.functional, "grouped_mm"):
+        where = "hardware=tpu" if kind is HardwareKind.tpu else f"torch {torch.__version__}"
+        raise ConfigError(
+            f"model.experts_implementation=grouped_mm needs torch.nn.functional.grouped_mm "
+            f"(torch >= 2.9, not XLA), which {where} lacks; use eager or batched_mm"
+        )
+
+
+def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
+    """Why computing in ``dtype`` on this CPU is slow, or None. Without bf16/fp16 instructions
+    (AVX512-BF16, AMX; an AVX2 machine has neither) oneDNN falls back to generic kernels:
+    measured on a 2-core AVX2 EPYC, a bf16 matmul of 256x49152 by 49152x576 took 40 s, the
+    same in fp32 0.5 s, and a SmolLM2-135M step at 2x128 tokens 100 s in bf16."""
+    if kind is not HardwareKind.cpu or dtype not in (Dtype.bf16, Dtype.fp16):
+        return None
+    probe = {Dtype.bf16: "_is_mkldnn_bf16_supported", Dtype.fp16: "_is_mkldnn_fp16_supported"}
+    supported = getattr(torch.ops.mkldnn, probe[dtype], None)
+    if supported is None or supported():
+        return None
+    return (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {dtype.value} "
+        f"matmuls: {dtype.value} compute runs tens of times slower than fp32 here"
+    )
+
+
+def check_compile(kind: HardwareKind) -> None:
+    """torch.compile's CPU backend (inductor) builds C++; without a compiler it fails late."""
+    import shutil
+
+    if kind is HardwareKind.cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError(
+            "compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
+            "install one or set compile=false"
+        )
+
+
+def device_summary(kind: HardwareKind) -> str:
+    """The device in one line (the launch log and the report); never starts the XLA runtime
+    (the launcher calls it too)."""
+    if kind is HardwareKind.gpu:
+        return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    if kind is HardwareKind.tpu:
+        return (
+            f"tpu: {xla_local_devices()} XLA devices (PJRT_DEVICE="
+            f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD"
+        )
+    return f"cpu: {os.cpu_count()} cores"
+
+
+# ---- in a rank: its device, and work on it --------------------------------------------------
+def set_threads(cfg: HardwareConfig, nproc_per_node: int) -> int:
+    """Split the node's cores among its ranks: two threads per rank on two cores is slower."""
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
+    """One GPU per rank: the local rank's among the visible ones (under srun --gpus-per-task
+    each task sees only its own, device 0). On tpu the SPMD device, which stands for all of the
+    host's XLA devices: SPMD mode is switched on here, before any XLA tensor exists."""
+    if kind is HardwareKind.gpu:
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if kind is HardwareKind.tpu:
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        return torch_xla.device()
+    return torch.device("cpu")
+
+
+def xla_runtime_devices() -> int:
+    """Every XLA device the runtime drives (after ``rank_device``)."""
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def device_rng_state(device: torch.device) -> dict | None:
+    """The device's own random state beside torch's CPU one (None where it has none), tagged
+    with the device type: a checkpoint may be resumed on other hardware."""
+    if device.type == "cuda":
+        return {"type": "cuda", "state": torch.cuda.get_rng_state(device)}
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        return {"type": "xla", "state": xm.get_rng_state(device)}
+    return None
+
+
+def set_device_rng_state(device: torch.device, saved: dict | None) -> None:
+    """Restore a state saved on the same device type; another type's is left alone."""
+    if saved is None or saved["type"] != device.type:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(saved["state"], device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(saved["state"], device)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch onto the device without the host waiting: on GPU through pinned (page-locked)
+    host memory, whose copy runs asynchronously on the current stream (the caching host
+    allocator keeps the pinned buffer until the copy is done)."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def mark_step(device: torch.device) -> None:
+    """End of a unit of work (an optimizer step, an eval batch): XLA records operations lazily
+    and compiles and runs them as one graph here; eager devices have nothing to do."""
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (on XLA: run the pending graph and wait) so step times are real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        mark_step(device)
+        xm.wait_device_ops()
+
+
+class StepClock:
+    """Marks the start and end of steps without waiting for the device where it can: CUDA
+    events on GPU (read at a logging boundary: the GPU's time between the two marks, idle gaps
+    included); the host clock on CPU, whose operations run as they are called; on XLA a mark
+    runs the pending graph and waits (its graphs run asynchronously and have no events)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        if self.device.type == "xla":
+            synchronize(self.device)
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start

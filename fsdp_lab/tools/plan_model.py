@@ -1,0 +1,181 @@
+"""What ``fsdp-lab plan`` reads off a run's model built on meta (no weights, no device): its
+counts, FSDP units, every parameter's shape as a rank holds it before sharding, the layer
+shape its activations are counted from, and the loss."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fsdp_lab.config import Config, HardwareKind
+from fsdp_lab.config.losses import loss_of
+from fsdp_lab.engine.model import ModelCounts
+from fsdp_lab.tools import activation_memory, memory
+
+
+@dataclass(frozen=True)
+class ModelShape(ModelCounts):
+    """What the plan needs from the model (``ModelCounts`` and more), read off its meta-device
+    build."""
+
+    units: str  # wrap.summarize_units's line
+    num_units: int  # the root included
+    unit_classes: dict[str, int]
+    params: list[memory.ParamShape]  # as a rank holds them before FSDP (TP-split ones: its part)
+    layer: activation_memory.LayerShape
+    num_checkpointed: int  # decoder layers under activation checkpointing
+    last_checkpointed: bool  # the last layer among them (its recomputation adds to the peak)
+    vocab_source: str
+    loss: str  # the resolved loss.kind
+    loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
+    largest_converted: int = 0  # elements of the largest tensor transformers builds from several
+    notes: list[str] = field(default_factory=list)
+
+
+def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
+    """What a rank keeps of each TP-split parameter before FSDP shards it on the data-parallel
+    ranks: (elements, rows). A colwise layer keeps 1/tensor of its rows (weight and bias), a
+    rowwise one 1/tensor of its columns (its bias stays whole)."""
+    if parallel.tensor == 1:
+        return {}
+    from fsdp_lab.engine import tensor_parallel
+
+    tp, out = parallel.tensor, {}
+    for split in tensor_parallel.splits(model, tensor_parallel.check(model, parallel)):
+        w, bias = split.module.weight, split.module.bias
+        if split.splits_output:
+            out[id(w)] = (w.numel() // tp, w.shape[0] // tp)
+            if bias is not None:
+                out[id(bias)] = (bias.numel() // tp, bias.shape[0] // tp)
+        else:
+            out[id(w)] = (w.numel() // tp, w.shape[0])
+    return out
+
+
+def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
+    """id(expert parameter) -> the dim-1 sizes of its experts module's parameters (the MoE
+    layers' fused experts, which parallel.expert splits)."""
+    from fsdp_lab.engine.moe import moe_blocks
+
+    out = {}
+    for block in moe_blocks(model):
+        dims = tuple(q.shape[1] for q in block.experts.parameters())
+        out.update({id(q): dims for q in block.experts.parameters()})
+    return out
+
+
+def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
+    """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
+    from fsdp_lab.engine import activations, finetune, wrap
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.train import loss as loss_lib
+
+    hf_config, vocab_source = _hf_config(cfg)
+    model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
+    units = wrap.select_units(model, cfg.wrap)
+    params, tp_notes = _param_shapes(cfg, model, units)
+    layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
+    if any(not q.trainable for q in params):
+        notes.append(
+            f"finetune={cfg.finetune.method.name}: activations are counted as for full "
+            "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
+            "adds its adapters' small inputs)"
+        )
+    loss_row = loss_of(loss)
+    if loss_row.memory_as is not None:
+        notes.append(
+            f"loss={loss.name}: its working memory is estimated as loss={loss_row.memory_as.name}'s"
+        )
+    layers = finetune.blocks(model)
+    layer_ids = {id(m) for m in layers}
+    chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
+    if any(id(units[i]) not in layer_ids for i in chosen):
+        notes.append(
+            "activation checkpointing of units that are not decoder layers is not "
+            "modelled (use wrap=transformer for an estimate)"
+        )
+    return ModelShape(
+        **model_lib.count_model(model),
+        units=wrap.summarize_units(model, units),
+        num_units=len(units) + 1,
+        unit_classes=dict(Counter(type(u).__name__ for u in units)),
+        params=params,
+        layer=layer,
+        num_checkpointed=sum(id(units[i]) in layer_ids for i in chosen),
+        last_checkpointed=bool(layers) and any(units[i] is layers[-1] for i in chosen),
+        vocab_source=vocab_source,
+        loss=loss.name,
+        loss_chunk=loss_lib.tokens_per_chunk(cfg.loss, layer.vocab) if loss_row.fused else None,
+        largest_converted=_largest_converted(model),
+        notes=notes + tp_notes,
+    )
+
+
+def _hf_config(cfg: Config):
+    """The run's transformers config (a preset's vocabulary from the tokenizer, as the launcher
+    resolves it), checked as the launcher checks it, and where its vocabulary came from."""
+    from fsdp_lab.data import corpus
+    from fsdp_lab.engine import model as model_lib
+
+    tokenizer = corpus.load_tokenizer(cfg)
+    model_cfg = model_lib.resolve_vocab_size(cfg.model, tokenizer)
+    vocab_source = (
+        "model.vocab_size"
+        if cfg.model.vocab_size is not None
+        else "the model's config"
+        if cfg.model.arch is None
+        else f"the tokenizer ({type(tokenizer).__name__})"
+        if tokenizer is not None
+        else "synthetic data (256)"
+    )
+    hf_config = model_lib.build_hf_config(model_cfg)
+    model_lib.check_task(hf_config, cfg.model.task)
+    model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
+    return hf_config, vocab_source
+
+
+def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], list[str]]:
+    """Every parameter as a rank holds it before FSDP shards it (a TP-split one: its part),
+    with the unit that owns it (bottom-up, as ``fsdp.apply_fsdp`` shards them)."""
+    owner: dict[int, int] = {}
+    for index in reversed(range(len(units))):
+        for p in units[index].parameters():
+            owner.setdefault(id(p), index)
+    split = _tensor_parallel_shapes(model, cfg.parallel)  # id(param) -> (numel, dim0) on tp
+    notes = (
+        [
+            f"parallel.tensor={cfg.parallel.tensor}: model state is exact per rank; a layer's "
+            "saved activations are split as TP splits them (attention and MLP; the norms too "
+            "with sequence parallelism), the head's and the transients are counted whole"
+        ]
+        if split
+        else []
+    )
+    experts = _expert_dim1s(model)
+    params = [
+        memory.ParamShape(
+            numel=split.get(id(p), (p.numel(), 0))[0],
+            dim0=split.get(id(p), (0, p.shape[0] if p.ndim else 1))[1],
+            group=owner.get(id(p), -1),
+            trainable=p.requires_grad,
+            expert_dim1=p.shape[1] if id(p) in experts else 0,
+            module_dim1s=experts.get(id(p), ()),
+        )
+        for p in model.parameters()
+    ]
+    return params, notes
+
+
+def _largest_converted(model) -> int:
+    """Elements of the largest model tensor its checkpoint holds in other tensors (a Mixtral's
+    fused experts, one file tensor per expert): read whole on every rank, then sliced."""
+    from fsdp_lab.engine import conversion
+
+    plain = conversion.plain_meta(model)
+    sd = plain.state_dict()
+    largest = 0
+    for keys, save in conversion.plan_saving(plain, sd):
+        if list(save({k: sd[k] for k in keys})) != keys:
+            largest = max(largest, *(sd[k].numel() for k in keys))
+    return largest

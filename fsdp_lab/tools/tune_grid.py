@@ -1,0 +1,288 @@
+"""What `fsdp-lab tune` searches: the candidates (sharding x activation checkpointing x offload x
+micro-batch x TP degree x EP degree) the topology can run, each with the plan's peak, and the
+prior that orders them for probing. Nothing here runs a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from fsdp_lab.config import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    ConfigError,
+    HardwareKind,
+    OffloadConfig,
+    OffloadDevice,
+    ShardingStrategy,
+    compose,
+)
+from fsdp_lab.config.rules import validate
+from fsdp_lab.config.strategies import strategy_of
+from fsdp_lab.config.topology import dp_size
+from fsdp_lab.tools import plan
+from fsdp_lab.tools.plan_result import StrategyPlan
+
+AC = ActivationCheckpointingMode
+# The grid's checkpointing modes, least recomputation first (the order probes tie-break in).
+AC_MODES = (AC.none, AC.selective, AC.full)
+RECOMPUTE = {AC.none: 1.0, AC.selective: 1 + 1 / 6, AC.full: 4 / 3}  # of one fwd+bwd (3 units)
+# FLOPs per byte moved at which communication costs as much as compute, per device: a prior
+# for ordering probes only (the probes measure).
+FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
+OFFLOAD_PENALTY = 1.5  # offload=cpu on GPU: host AdamW and PCIe copies each step
+
+
+@dataclass
+class Candidate:
+    strategy: ShardingStrategy
+    ac: ActivationCheckpointingMode
+    offload: bool
+    micro_batch: int
+    tensor: int = 1  # parallel.tensor
+    expert: int = 1  # parallel.expert
+    grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
+    planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
+    plan_peak_bytes: int = 0  # the plan's tensors alone
+    prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
+    measured_bytes: int | None = None
+    tokens_per_s: float | None = None
+    verdict: str = "not probed"
+    run_dir: str | None = None
+
+    def overrides(self) -> list[str]:
+        """The config groups' options (``conf/<group>/<option>.yaml``, named as the enums'
+        members) and settings that make this candidate."""
+        offload = OffloadDevice.cpu if self.offload else OffloadDevice.none
+        return [
+            f"sharding={self.strategy.name}",
+            f"activation_checkpointing={self.ac.name}",
+            f"offload={offload.name}",
+            f"trainer.micro_batch_size={self.micro_batch}",
+            *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
+            *([f"parallel.expert={self.expert}"] if self.expert > 1 else []),
+            *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
+        ]
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.overrides())
+
+
+@dataclass
+class Grid:
+    """Axes restricted by the command line (--sharding, --checkpointing, --micro-batches,
+    --tensor; None: every value), and --keep-global-batch: every candidate trains on the
+    overrides' sequences per optimizer step (micro-batch x grad_accum_steps x data-parallel
+    ranks), its grad_accum_steps set to make up its micro-batch."""
+
+    strategies: list[ShardingStrategy] | None = None
+    checkpointing: list[ActivationCheckpointingMode] | None = None
+    micro_batches: list[int] | None = None
+    tensor: list[int] | None = None
+    keep_global_batch: bool = False
+    expert: list[int] | None = None  # --expert: EP degrees (MoE models; else 1 only)
+
+    @classmethod
+    def parse(
+        cls,
+        sharding: str | None,
+        checkpointing: str | None,
+        micro: str | None,
+        tensor: str | None = None,
+        keep_global_batch: bool = False,
+        expert: str | None = None,
+    ) -> Grid:
+        return cls(
+            strategies=_members(sharding, "--sharding", list(ShardingStrategy)),
+            checkpointing=_members(checkpointing, "--checkpointing", list(AC_MODES)),
+            micro_batches=_sizes(micro, "--micro-batches"),
+            tensor=_sizes(tensor, "--tensor"),
+            keep_global_batch=keep_global_batch,
+            expert=_sizes(expert, "--expert"),
+        )
+
+
+def _members(text: str | None, flag: str, allowed: list) -> list | None:
+    """A comma list of the enum members' names, as those members; None for no flag."""
+    if text is None:
+        return None
+    by_name = {member.name: member for member in allowed}
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in by_name for v in values):
+        raise ConfigError(f"{flag} {text}: use a comma list of {', '.join(by_name)}")
+    return [by_name[v] for v in values]
+
+
+def _sizes(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text}: use a comma list of sizes >= 1")
+    return values
+
+
+def override_key(override: str) -> str:
+    """``+trainer.seq_len=64`` -> ``trainer.seq_len``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _held(overrides: list[str], *keys: str) -> bool:
+    return any(override_key(o) in keys for o in overrides)
+
+
+def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> tuple:
+    """(strategies, checkpointing modes, offloads, micro-batches, TP degrees, EP degrees) to
+    enumerate: the grid's, or every value; an axis the overrides set is held at its value."""
+    strategies = grid.strategies or list(ShardingStrategy)
+    if _held(overrides, "sharding"):
+        strategies = [cfg.sharding.strategy]
+    acs = grid.checkpointing or list(AC_MODES)
+    if _held(overrides, "activation_checkpointing"):
+        acs = [cfg.activation_checkpointing.mode]
+    offloads = [cfg.offload.device is OffloadDevice.cpu]
+    if not _held(overrides, "offload") and topo.device is not HardwareKind.cpu:
+        offloads = [False, True]
+    batches = grid.micro_batches or [
+        2**i for i in range(max_micro_batch.bit_length()) if 2**i <= max_micro_batch
+    ]
+    if _held(overrides, "trainer.micro_batch_size"):
+        batches = [cfg.trainer.micro_batch_size]
+    tensors = grid.tensor or [t for t in (1, 2, 4, 8) if topo.nproc_per_node % t == 0]
+    if _held(overrides, "parallel.tensor"):
+        tensors = [cfg.parallel.tensor]
+    experts = grid.expert or [1, 2, 4, 8]  # those the model and ranks refuse are dropped
+    if _held(overrides, "parallel.expert"):
+        experts = [cfg.parallel.expert]
+    return strategies, acs, offloads, batches, tensors, experts
+
+
+def enumerate_candidates(
+    overrides: list[str], max_micro_batch: int, grid: Grid | None = None
+) -> tuple[list[Candidate], HardwareKind, int]:
+    """Every candidate the topology can run, with the plan's peak: (candidates, device, world
+    size). ``grid`` restricts the axes. Raises ConfigError for overrides the plan refuses."""
+    grid = grid or Grid()
+    cfg = compose(overrides)
+    topo, _ = plan.topology(cfg)
+    validate(cfg, topo)
+    strategies, acs, offloads, batches, tensors, experts = _axes(
+        cfg, topo, overrides, grid, max_micro_batch
+    )
+    rows = global_batch(cfg, topo) if grid.keep_global_batch else None
+    out, indivisible = [], set()
+    for ac, tp, ep in itertools.product(acs, tensors, experts):
+        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep)
+        if model_axes is None:
+            continue
+        base, facts = model_axes
+        for strategy, offload, mb in itertools.product(strategies, offloads, batches):
+            accum = base.trainer.grad_accum_steps
+            if rows is not None:
+                share = mb * dp_size(topo, tp)  # sequences per micro-step, all ranks
+                if rows % share:
+                    indivisible.add((mb, tp))  # it cannot make up the global batch
+                    continue
+                accum = rows // share
+            c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep)
+            c.grad_accum = accum if rows is not None else None
+            if _plan_peak(c, base, topo, facts, accum=accum):
+                c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
+                out.append(c)
+    if not out and indivisible:
+        raise ConfigError(_indivisible(batches, rows, dp_size(topo)))
+    return out, topo.device, topo.world_size
+
+
+def _plan_peak(c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int) -> bool:
+    """Set the candidate's plan peak; False where the plan refuses it or finds it cannot run."""
+    device = OffloadDevice.cpu if c.offload else OffloadDevice.none
+    variant = dataclasses.replace(
+        base,
+        offload=OffloadConfig(device=device),
+        trainer=dataclasses.replace(
+            base.trainer, micro_batch_size=c.micro_batch, grad_accum_steps=accum
+        ),
+    )
+    try:
+        s = plan.strategy_plan(variant, topo, facts, c.strategy)
+    except ConfigError:
+        return False
+    if not isinstance(s, StrategyPlan):
+        return False
+    c.plan_peak_bytes = s.peak
+    return True
+
+
+def _model_axes(cfg, topo, *, ac: ActivationCheckpointingMode, tensor: int, expert: int):
+    """(the config with these checkpointing, TP and EP settings, the plan's model facts), or
+    None where the rules or the model refuse them: a TP degree the heads do not divide, EP on
+    a dense model or with experts the degree does not divide."""
+    base = dataclasses.replace(
+        cfg,
+        activation_checkpointing=ActivationCheckpointingConfig(
+            mode=ac, every=cfg.activation_checkpointing.every
+        ),
+        parallel=dataclasses.replace(cfg.parallel, tensor=tensor, expert=expert),
+    )
+    try:
+        validate(base, topo)
+        facts = plan.inspect_model(base, topo.device)
+    except ConfigError:
+        return None
+    if expert > 1 and (not facts.layer.experts or facts.layer.experts % expert):
+        return None
+    return base, facts
+
+
+def _indivisible(batches: list[int], rows: int, dp: int) -> str:
+    return (
+        f"--keep-global-batch: no micro-batch tried ({', '.join(map(str, batches))}) makes up "
+        f"the global batch of {rows} sequences per step: {rows // dp} per data-parallel rank "
+        f"(more under TP); try --micro-batches that divide {rows // dp}"
+    )
+
+
+def global_batch(cfg, topo) -> int:
+    """Sequences per optimizer step: micro-batch x grad_accum_steps x data-parallel ranks."""
+    t = cfg.trainer
+    return t.micro_batch_size * t.grad_accum_steps * dp_size(topo, cfg.parallel.tensor)
+
+
+def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
+    """Relative time per token, for ordering probes: compute (6 FLOPs per parameter, times the
+    recomputation) plus bytes moved per token weighted by the device's FLOPs per byte: FSDP's
+    (4 bytes per parameter per communication unit, once per micro-batch) and TP's (two
+    all-reduces of the hidden state per layer, forward and backward)."""
+    w = FLOPS_PER_COMM_BYTE[topo.device]
+    dp = topo.world_size // c.tensor
+    traffic = strategy_of(c.strategy).traffic  # parameter bytes per micro-batch, in params
+    fsdp = 4 * traffic / (c.micro_batch * seq_len) if dp > 1 else 0
+    layer = facts.layer
+    tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
+    # EP: four all-to-alls of each token's top-k rows per MoE layer (dispatch and combine,
+    # forward and backward, fp32), and FSDP gathers 1/ep of the experts.
+    moe = 16 * layer.top_k * layer.hidden * layer.num_layers * (c.expert - 1) / c.expert
+    ep = moe / max(facts.total_params, 1)
+    experts = sum(p.numel for p in facts.params if p.expert_dim1) / max(facts.total_params, 1)
+    fsdp *= 1 - experts * (1 - 1 / c.expert)
+    penalty = OFFLOAD_PENALTY if c.offload else 1.0
+    return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp + ep)) * penalty
+
+
+def probe_order(candidates: list[Candidate]) -> list[Candidate]:
+    """By the prior, except that the second probe is the best of another tensor-parallel degree
+    than the first's: the prior's TP term is its crudest (it leaves out per-micro-batch
+    overheads, which made it rank TP 2 at micro-batch 1 over TP 1 at 4, measured 9x slower on
+    the tiny Llama). One probe, not one per degree: on 8 GPUs that would be all three."""
+    ranked = sorted(candidates, key=lambda c: (c.prior, c.planned_bytes))
+    other = next((c for c in ranked if ranked and c.tensor != ranked[0].tensor), None)
+    if other is None:
+        return ranked
+    return [ranked[0], other, *(c for c in ranked[1:] if c is not other)]
