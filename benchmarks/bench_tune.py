@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.tools import tune  # noqa: E402
+from fsdp_lab.tools import tune, tune_probes  # noqa: E402
 
 MODEL = [
     "hardware=cpu",
@@ -59,7 +59,7 @@ def main() -> None:
     budget_gib = a.budget_gib
     if budget_gib is None:
         c = by_name[DEFAULT]
-        fit = tune.predicted_bytes(c.plan_peak_bytes, baseline) + 16 * tune.MIB
+        fit = tune_probes.predicted_bytes(c.plan_peak_bytes, baseline) + 16 * tune.MIB
         budget_gib = round(fit / tune.GIB, 3)
     budget = int(budget_gib * tune.GIB)
     env = tune.MALLOC_ENV
@@ -102,7 +102,7 @@ def main() -> None:
     ]
     fits = {}
     for c in candidates:
-        planned = tune.predicted_bytes(c.plan_peak_bytes, result.baseline_bytes)
+        planned = tune_probes.predicted_bytes(c.plan_peak_bytes, result.baseline_bytes)
         values = tps[c.name]
         mean = statistics.mean(values) if values else None
         spread = (max(values) - min(values)) / mean if values and mean else None

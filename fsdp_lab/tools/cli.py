@@ -178,7 +178,8 @@ def _add_tune(sub, name: str) -> None:
 
 
 def _tune(args) -> int:
-    from fsdp_lab.tools.tune import Grid, tune_command
+    from fsdp_lab.tools.tune import tune_command
+    from fsdp_lab.tools.tune_grid import Grid
 
     return tune_command(
         args.overrides,

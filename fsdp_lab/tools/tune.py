@@ -49,37 +49,15 @@ from fsdp_lab.tools.tune_output import (
 )
 from fsdp_lab.tools.tune_probes import (
     GIB,
-    MALLOC_OVERRIDE,
     MIB,
     SAFETY,
     SLACK,
     command,
     host_overrides,
     predict,
-    predicted_bytes,
     probe,
     process_baseline_bytes,
 )
-
-# What callers use (the CLI, tests, benchmarks/bench_tune.py), from the modules that hold it.
-__all__ = [
-    "GIB",
-    "MALLOC_OVERRIDE",
-    "MIB",
-    "Candidate",
-    "Grid",
-    "TuneResult",
-    "command",
-    "enumerate_candidates",
-    "format_table",
-    "predicted_bytes",
-    "probe",
-    "probe_order",
-    "process_baseline_bytes",
-    "tune",
-    "tune_command",
-    "write_json",
-]
 
 
 @dataclass

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT, check_ok
 
-from fsdp_lab.tools import tune
+from fsdp_lab.tools import tune, tune_probes
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_tune_picks_the_fastest_probe_that_fits_and_its_command_reproduces(tmp_p
     candidates, device, _ = tune.enumerate_candidates(OVERRIDES, 32)
     baseline = tune.process_baseline_bytes(device)
     by_name = {(c.ac.name, c.micro_batch): c for c in candidates}
-    fit = tune.predicted_bytes(by_name["none", 8].plan_peak_bytes, baseline)
+    fit = tune_probes.predicted_bytes(by_name["none", 8].plan_peak_bytes, baseline)
     budget_gib = (fit + 24 * tune.MIB) / tune.GIB
     out = tmp_path / "tune"
     proc = fsdp_lab(

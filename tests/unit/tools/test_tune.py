@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_lab.config import ActivationCheckpointingMode, ConfigError, ShardingStrategy
-from fsdp_lab.tools import cli, tune
+from fsdp_lab.tools import cli, tune, tune_probes
 
 AC = ActivationCheckpointingMode
 
@@ -69,7 +69,7 @@ def test_the_command_replaces_the_axes_the_overrides_held():
         "python train.py model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
         "activation_checkpointing=full offload=none trainer.micro_batch_size=8"
     )
-    host = [tune.MALLOC_OVERRIDE]
+    host = [tune_probes.MALLOC_OVERRIDE]
     assert tune.command([], c, host).endswith(" hardware.malloc_mmap_threshold=131072")
 
 
