@@ -78,7 +78,7 @@ def main() -> None:
 
 def _compare(model, cfg, hf_config) -> dict:
     """Every tensor this rank holds against the whole model's same region."""
-    from fsdp_lab.engine import loading
+    from fsdp_lab.engine import conversion, loading
     from fsdp_lab.engine import model as model_lib
 
     if cfg.model.pretrained:
@@ -88,8 +88,8 @@ def _compare(model, cfg, hf_config) -> dict:
             hf_config, seed=cfg.seed, task=cfg.model.task, finetune_cfg=cfg.finetune
         ).state_dict()
     checked, bad = 0, []
-    for name, (_, _, t) in loading.owned_tensors(model).items():
-        key = loading.checkpoint_key(name)
+    for name, (_, _, t) in conversion.owned_tensors(model).items():
+        key = conversion.checkpoint_key(name)
         if key not in whole:  # adapters: drawn, not read
             continue
         local = t.to_local() if hasattr(t, "to_local") else t

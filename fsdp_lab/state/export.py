@@ -28,7 +28,7 @@ from fsdp_lab.config import (
     FinetuneMethod,
     ModelTask,
 )
-from fsdp_lab.engine import conversion, finetune, loading
+from fsdp_lab.engine import conversion, finetune
 from fsdp_lab.engine.model import (
     align_special_tokens,
     build_meta_model,
@@ -225,7 +225,7 @@ def export_model(
 def _stream_weights(plain, names: dict, read: Fetch, tmp: Path | None, max_bytes: int) -> None:
     """Every base tensor, one group at a time, through ``read`` into safetensors files under
     ``tmp`` (the writer's; None on the other ranks, which only take part in the reads)."""
-    base_keys = {loading.checkpoint_key(n): n for n in names if not conversion.is_adapter(n)}
+    base_keys = {conversion.checkpoint_key(n): n for n in names if not conversion.is_adapter(n)}
     groups = conversion.plan_saving(plain, list(base_keys))
     files = None
     if tmp is not None:
@@ -278,7 +278,7 @@ def _merging(fetch: Fetch, names: dict, cfg: Config, hf_config) -> Fetch:
     }
     parts = {}  # base weight's name -> (its layer, the names of the layer's adapter tensors)
     for name, layer in layers.items():
-        base = f"{name}{loading.LORA_BASE}.weight"
+        base = f"{name}{conversion.LORA_BASE}.weight"
         if base in names:
             parts[base] = (layer, sorted(n for n in names if n.startswith(name + ".lora_")))
 

@@ -44,7 +44,7 @@ def open_checkpoint(
         )
     hf_config = build_hf_config(cfg.model)
     model = model_on_meta(hf_config, cfg.model.task, cfg.finetune)
-    held, frozen = set(loading.owned_tensors(model)), None
+    held, frozen = set(conversion.owned_tensors(model)), None
     if not record["saved"]:
         held = set(finetune.trainable_names(model))
         frozen = _base_reader(path, record, model, cfg.seed, source)
@@ -77,7 +77,7 @@ def _base_reader(path: Path, record: dict, model, seed: int, source: str):
 def _checkpoint_fetch(model, fill, held: set[str], base) -> Fetch:
     """``fetch`` of a checkpoint in one process: the tensors it holds through its format's
     reader (``fill``), the others (a frozen base) from the base's files."""
-    names = loading.owned_tensors(model)
+    names = conversion.owned_tensors(model)
 
     def fetch(keys: list[str]) -> dict[str, torch.Tensor]:
         out = {
@@ -100,7 +100,7 @@ def load_checkpoint_weights(
     """(full model state dict, transformers config, run config) of a checkpoint, whole in this
     one process: for comparisons of small models (an export streams: ``export_checkpoint``)."""
     model, fetch, hf_config, cfg = open_checkpoint(path, verify, base=base)
-    names = loading.owned_tensors(model)
+    names = conversion.owned_tensors(model)
     values = fetch(list(names))
     sd = {key: values[key] for key in model.state_dict() if key in values}
     for group in tied_groups(model):  # a tied tensor under each of its names

@@ -70,7 +70,7 @@ def _add_export(sub, name: str) -> None:
 def _export(args) -> int:
     """A checkpoint as a Hugging Face directory, streamed a tensor group at a time."""
     from fsdp_lab.data.corpus import load_tokenizer
-    from fsdp_lab.engine import loading
+    from fsdp_lab.engine import conversion
     from fsdp_lab.state.export import ExportTarget, export_model
     from fsdp_lab.state.export_source import open_checkpoint
 
@@ -85,7 +85,7 @@ def _export(args) -> int:
     target = ExportTarget(
         args.out_dir, merge=args.merge, max_shard_size=args.max_shard_size, tokenizer=tokenizer
     )
-    out = export_model(loading.owned_tensors(model), fetch, target, cfg, hf_config, writer=True)
+    out = export_model(conversion.owned_tensors(model), fetch, target, cfg, hf_config, writer=True)
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 

@@ -44,7 +44,7 @@ def test_a_checkpoint_per_rank_cannot_read_goes_through_rank0_and_says_so(
     saved, gloo_group, monkeypatch, caplog
 ):
     def unplannable(*args):
-        raise loading.NotPerRank("transformers splits x into 2 tensors")
+        raise conversion.NotPerRank("transformers splits x into 2 tensors")
 
     monkeypatch.setattr(conversion, "plan_loading", unplannable)
     hf = model_lib.build_hf_config(ModelConfig(name_or_path=str(saved)))
