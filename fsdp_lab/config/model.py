@@ -50,7 +50,7 @@ class FinetuneMethod(enum.Enum):
 
 class QuantizeBase(enum.Enum):
     none = "none"
-    nf4 = "nf4"  # QLoRA's 4-bit NormalFloat base: not built (see rules)
+    nf4 = "nf4"  # QLoRA: the frozen base's linear layers in torchao's 4-bit NormalFloat
 
 
 @dataclass
@@ -122,7 +122,9 @@ class FinetuneConfig:
     v_proj]; all-linear: every linear layer but the head). None: PEFT's default for the
     architecture."""
     quantize_base: QuantizeBase = QuantizeBase.none
-    """lora: nf4 would hold the frozen base in 4 bits (QLoRA); not built, refused."""
+    """lora: nf4 holds the frozen base's block projections in 4-bit NormalFloat (QLoRA, torchao's
+    NF4Tensor: blocks of 64 with double-quantised scales, ~4.13 bits a parameter), sharded and
+    all-gathered in 4 bits; norms, embeddings, the head and the adapters keep their dtypes."""
 
 
 def check_model(m: ModelConfig) -> None:
@@ -205,10 +207,4 @@ def check_finetune(f: FinetuneConfig) -> None:
         raise ConfigError(
             "finetune.target_modules=[] names no module; list them (e.g. [q_proj,v_proj]) "
             "or set finetune.target_modules=null for PEFT's default"
-        )
-    if f.quantize_base is QuantizeBase.nf4:
-        raise ConfigError(
-            "finetune.quantize_base=nf4 (QLoRA) is not built: bitsandbytes' 4-bit weights are "
-            "not FSDP2-aware and torchao's NF4Tensor route is unverified here; set "
-            "finetune.quantize_base=none"
         )

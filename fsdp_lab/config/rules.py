@@ -14,6 +14,7 @@ from fsdp_lab.config.errors import ConfigError, positive
 from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.hardware import HardwareKind, check_hardware
 from fsdp_lab.config.losses import runs_on_xla
+from fsdp_lab.config.low_precision import check_low_precision
 from fsdp_lab.config.model import FinetuneMethod, ModelTask, check_finetune, check_model
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
@@ -249,6 +250,7 @@ def _check_token_data(cfg: Config) -> None:
 def validate(cfg: Config, topo: Topology) -> None:
     """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
     s = cfg.sharding
+    check_low_precision(cfg, topo)
     if topo.device is HardwareKind.tpu:
         refuse_for_xla(cfg)
     problem = profile_problem(

@@ -25,6 +25,13 @@ class Dtype(enum.Enum):
     fp16 = "fp16"
 
 
+class Float8Recipe(enum.Enum):
+    """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
+
+    tensorwise = "tensorwise"  # one scale per tensor; FSDP2 all-gathers the weights in float8
+    rowwise = "rowwise"  # one scale per row (more accurate, slower); bf16 all-gathers
+
+
 class WrapPolicy(enum.Enum):
     transformer = "transformer"
     size = "size"
@@ -109,6 +116,13 @@ class PrecisionConfig:
     tf32: bool = True
     """GPU only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
     fp32 accumulation; MFU then counts the TF32 peak). false: exact fp32 (slower)."""
+    float8_recipe: Optional[Float8Recipe] = None
+    """precision=float8: the blocks' linear layers compute in float8 through torchao
+    (tensorwise or rowwise scales); the rest in param_dtype (bf16). None: no float8."""
+    float8_all_gather: Optional[bool] = None
+    """float8: all-gather the float8 layers' weights in float8 (half of bf16's bytes), their
+    scales precomputed for every shard in one all-reduce after each optimizer step. None: on
+    for tensorwise; rowwise cannot."""
 
 
 @dataclass
@@ -169,6 +183,21 @@ def check_layout(p: ParallelConfig, w: WrapConfig, a: ActivationCheckpointingCon
 
 
 def check_precision(p: PrecisionConfig) -> None:
+    if p.float8_recipe is None and p.float8_all_gather is not None:
+        raise ConfigError(
+            "precision.float8_all_gather applies only to float8 training; set "
+            "precision=float8 (or precision.float8_recipe=tensorwise), or remove it"
+        )
+    if p.float8_recipe is Float8Recipe.rowwise and p.float8_all_gather:
+        raise ConfigError(
+            "precision.float8_all_gather=true needs precision.float8_recipe=tensorwise "
+            "(torchao all-gathers float8 weights with one scale per tensor only)"
+        )
+    if p.float8_recipe is not None and p.param_dtype is not Dtype.bf16:
+        raise ConfigError(
+            f"precision.float8_recipe computes around its float8 matmuls in bf16, not "
+            f"{p.param_dtype.name}; set precision.param_dtype=bf16 (precision=float8 does)"
+        )
     if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
         raise ConfigError(
             "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "

@@ -97,6 +97,7 @@ def apply_fsdp(
     offload_policy: OffloadPolicy | None,
     prefetch: PrefetchConfig,
     experts: ExpertUnits | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard the experts (with expert parallelism), each unit, then the root (which takes the
     parameters no unit claimed), then set the explicit prefetching.
@@ -111,7 +112,11 @@ def apply_fsdp(
     would divide by the expert mesh's size: so the divisor is set to dp, with sum reductions and
     a separate division where ranks exchange gradients (gloo has no PREMUL_SUM).
     """
-    kwargs = dict(mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    kwargs = dict(
+        mp_policy=mp_policy,
+        offload_policy=offload_policy or OffloadPolicy(),
+        ignored_params=ignored,
+    )
     for module in experts.modules if experts else []:
         fully_shard(
             module,
@@ -238,6 +243,11 @@ def build_model(
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
+    # float8 linears or an NF4 base (torchao's subclasses) before fully_shard shards them.
+    from fsdp_lab.engine import low_precision
+
+    lowp = low_precision.apply(model, cfg)
+    held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
     units = [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
@@ -255,8 +265,10 @@ def build_model(
         ),
         prefetch=cfg.sharding.prefetch,
         experts=experts,
+        ignored=held_whole,
     )
     model_lib.check_tied(model, tied)
+    low_precision.after_sharding(model, cfg, device)
     fingerprint = model_lib.materialize(
         model, device=device, source=source, offload=cfg.offload.device is OffloadDevice.cpu
     )
@@ -270,7 +282,26 @@ def build_model(
         checkpointed=checkpointed,
         device=device,
         frozen_fingerprint=fingerprint,
+        low_precision=_measured(model, lowp, held_whole),
+        post_step=low_precision.post_optimizer_step
+        if low_precision.float8_all_gather(cfg)
+        else None,
     )
+
+
+def _measured(model: nn.Module, record: dict | None, whole: set | None) -> dict | None:
+    """run.json's low-precision record, with an NF4 base's bytes on each rank and the NF4
+    parameters every rank holds whole."""
+    if record is None or record["format"] != "nf4":
+        return record
+    from fsdp_lab.engine import low_precision
+
+    mine = sum(low_precision.local_bytes(p) for p in model.parameters() if low_precision.is_nf4(p))
+    return {
+        **record,
+        "bytes_per_rank": process_group.gather_from_processes(mine),
+        "params_whole_on_every_rank": sum(p.numel() for p in whole or ()),
+    }
 
 
 def local_numel(module: nn.Module) -> int:
@@ -283,8 +314,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def nbytes(tensors) -> int:
-    """Bytes this rank stores of ``tensors`` (their local shards)."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+    """Bytes this rank stores of ``tensors`` (their local shards; an NF4 shard's own bytes)."""
+    from fsdp_lab.engine.low_precision import local_bytes
+
+    return sum(local_bytes(t) for t in tensors)
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -9,6 +9,7 @@ one entry per data-parallel rank (per XLA device on tpu).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -48,6 +49,13 @@ class ShardedModel(ABC):
     checkpoint_io: ShardedStateIO | None = None  # sharded checkpoints' io; None: DTensors
     param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
     frozen_fingerprint: str | None = None  # of the frozen base (loading.frozen_fingerprint)
+    low_precision: dict | None = None  # float8 / NF4 layers (engine.low_precision's record)
+    post_step: Callable[[nn.Module], None] | None = None  # after each optimizer step
+
+    def after_optimizer_step(self) -> None:
+        """What the engine does once the weights moved (float8: their scales, precomputed)."""
+        if self.post_step is not None:
+            self.post_step(self.model)
 
     @abstractmethod
     def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

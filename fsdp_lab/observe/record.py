@@ -112,6 +112,9 @@ class RunFacts:
     # Facts that exist only for some runs or from some point on: left out while unset.
     # XLA's sharding annotation per parameter:
     param_sharding: dict[str, str] | None = field(default=None, metadata=OMIT_NONE)
+    # precision=float8 / finetune.quantize_base=nf4: each linear layer's precision (a name
+    # pattern per layer of the stack), why a layer was kept, an NF4 base's bytes per rank:
+    low_precision: dict | None = field(default=None, metadata=OMIT_NONE)
     # checkpoint.export_hf: each rank's host RSS before exporting, and its peak while exporting
     export_start_rss_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)
     export_peak_rss_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)

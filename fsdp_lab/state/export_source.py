@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_lab.config import CheckpointVerify, Config, to_typed
-from fsdp_lab.engine import conversion, finetune, loading, weights
+from fsdp_lab.config import CheckpointVerify, Config, QuantizeBase, to_typed
+from fsdp_lab.engine import conversion, finetune, loading, low_precision, weights
 from fsdp_lab.engine.model import build_hf_config, model_on_meta, tied_groups
 from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.state import formats
@@ -49,7 +49,21 @@ def open_checkpoint(
         held = set(finetune.trainable_names(model))
         frozen = _base_reader(path, record, model, cfg.seed, source)
     fetch = _checkpoint_fetch(model, formats.format_of(path).tensor_reader(path), held, frozen)
+    if cfg.finetune.quantize_base is QuantizeBase.nf4:  # the base as the run held it
+        fetch = _dequantized_nf4(fetch, low_precision.base_weights(model))
     return model, fetch, hf_config, cfg
+
+
+def _dequantized_nf4(fetch: Fetch, quantized: set[str]) -> Fetch:
+    """A QLoRA run's base weights through NF4 and back: the values its model computed with."""
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        out = fetch(keys)
+        for key in quantized.intersection(out):
+            out[key] = low_precision.round_trip(out[key]).to(out[key].dtype)
+        return out
+
+    return read
 
 
 def _base_reader(path: Path, record: dict, model, seed: int, source: str):

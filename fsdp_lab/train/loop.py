@@ -203,6 +203,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
                 grad_clip=setup.grad_clip,
                 loss=state.loss,
             )
+            state.sharded.after_optimizer_step()  # float8: the next step's weight scales
             state.scheduler.step()
             if setup.trim_host_heap:  # freed tensors' pages back to the system, every step
                 memory.trim_host_heap()

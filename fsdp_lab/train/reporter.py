@@ -89,6 +89,7 @@ def collect_facts(cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
         peak_flops=model.peak_flops,
         transformers=transformers.__version__,
         param_sharding=sharded.param_specs,
+        low_precision=sharded.low_precision,
         active_params=active_params,
         experts=experts,
     )

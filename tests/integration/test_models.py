@@ -23,8 +23,9 @@ def facts(run_dir) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
-def save_tiny(path, *, arch: str = "llama", tied: bool = False, seed: int = 123):
-    """A small pretrained-looking directory: config, safetensors and a tokenizer."""
+def save_tiny(path, *, arch: str = "llama", tied: bool = False, seed: int = 123, **sizes):
+    """A small pretrained-looking directory: config, safetensors and a tokenizer (``sizes``:
+    config fields that differ from the tiny ones)."""
     from transformers import (
         ByT5Tokenizer,
         LlamaConfig,
@@ -49,6 +50,8 @@ def save_tiny(path, *, arch: str = "llama", tied: bool = False, seed: int = 123)
         bos_token_id=0,
         eos_token_id=1,
     )
+    for key, value in sizes.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = cls(config)
     model.save_pretrained(path)

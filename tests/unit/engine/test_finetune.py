@@ -88,7 +88,6 @@ def test_what_cannot_train_is_refused_naming_the_setting(cfg, fragment):
         ({"r": 0}, "finetune.r=0 must be > 0"),
         ({"dropout": 1.0}, "finetune.dropout=1.0"),
         ({"target_modules": []}, "names no module"),
-        ({"quantize_base": "nf4"}, r"\(QLoRA\) is not built"),
         ({"method": "full", "r": 16}, "finetune.r applies only to finetune=lora"),
         ({"method": "lora", "freeze_blocks": 1}, "applies only to finetune=freeze"),
         ({"method": "freeze"}, "freezes nothing"),

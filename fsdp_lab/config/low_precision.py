@@ -1,0 +1,74 @@
+"""The rules of torchao's low precision: float8 training (``precision.float8_recipe``) and an NF4
+frozen base (``finetune.quantize_base=nf4``, QLoRA). What is not verified with either is
+refused in one line saying what it would need; both need the ``torchao`` extra."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+from fsdp_lab.config.errors import ConfigError
+from fsdp_lab.config.hardware import HardwareKind
+from fsdp_lab.config.model import QuantizeBase, WeightLoading, is_hub_id
+from fsdp_lab.config.schema import Config
+from fsdp_lab.config.sharding import OffloadDevice
+from fsdp_lab.config.topology import Topology
+
+TORCHAO_EXTRA = "pip install 'fsdp_lab[torchao]' (torchao>=0.18)"
+
+
+def setting(cfg: Config) -> str | None:
+    """The low-precision setting a run asks for, as the user wrote it; None: neither."""
+    if cfg.finetune.quantize_base is QuantizeBase.nf4:
+        return "finetune.quantize_base=nf4"
+    if cfg.precision.float8_recipe is not None:
+        return f"precision.float8_recipe={cfg.precision.float8_recipe.name}"
+    return None
+
+
+def check_low_precision(cfg: Config, topo: Topology) -> None:
+    name = setting(cfg)
+    if name is None:
+        return
+    float8 = cfg.precision.float8_recipe is not None
+    nf4 = cfg.finetune.quantize_base is QuantizeBase.nf4
+    refused = (
+        (float8 and nf4, "float8 training: an NF4 base computes in bf16 (set one of the two)"),
+        (
+            cfg.parallel.tensor > 1,
+            f"parallel.tensor={cfg.parallel.tensor}: its DTensor layers would need torchao's "
+            "float8/NF4 tensor-parallel styles; set parallel.tensor=1",
+        ),
+        (
+            cfg.parallel.expert > 1,
+            f"parallel.expert={cfg.parallel.expert}: the experts are 3-D tensors, not linear "
+            "layers; set parallel.expert=1",
+        ),
+        (
+            cfg.offload.device is not OffloadDevice.none,
+            "offload=cpu: the host copy would need torchao's subclasses on the host optimizer "
+            "path; set offload=none",
+        ),
+        (
+            topo.device is HardwareKind.tpu,
+            "hardware=tpu: torchao's float8 and NF4 kernels are CUDA/CPU only; use "
+            "hardware=gpu or hardware=cpu",
+        ),
+    )
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{name} is not verified with {what}")
+    path = cfg.model.name_or_path if cfg.model.pretrained else None
+    if nf4 and cfg.model.loading is WeightLoading.rank0:
+        raise ConfigError(
+            "finetune.quantize_base=nf4: each rank quantises its own shards as it reads them, "
+            "which model.loading=rank0's broadcast of whole weights cannot; set "
+            "model.loading=per_rank"
+        )
+    if nf4 and path is not None and is_hub_id(path) and not Path(path).expanduser().exists():
+        raise ConfigError(
+            f"finetune.quantize_base=nf4: each rank quantises its own shards as it reads them "
+            f"from local files; download {path} to a directory and set model.name_or_path=DIR"
+        )
+    if find_spec("torchao") is None:
+        raise ConfigError(f"{name} needs torchao, which is not installed: {TORCHAO_EXTRA}")

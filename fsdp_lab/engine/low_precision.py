@@ -1,0 +1,355 @@
+"""Low precision from torchao, as tensor subclasses FSDP2 shards and all-gathers in their own
+bytes: float8 linear layers (``precision.float8_recipe``) and a frozen base in NF4
+(``finetune.quantize_base=nf4``, QLoRA).
+
+Both convert the meta model before ``fully_shard``, and only the layers a family's table row
+names (``config.families``: the blocks' projections) whose sizes the format takes; the rest
+keep their dtype, and ``apply`` returns what run.json records: each layer kind's precision,
+and why a layer was left out.
+
+- **float8** swaps the chosen ``nn.Linear`` for torchao's ``Float8Linear``. With float8
+  all-gathers their weights are ``WeightWithDynamicFloat8CastTensor``s: FSDP2 gathers 1 byte a
+  parameter, cast with a scale from the whole tensor (``post_optimizer_step`` precomputes every
+  layer's in one all-reduce after each step). gloo has no float8 dtype, so on the host the
+  all-gather travels as bytes (``ByteAllGather``).
+- **NF4** makes the chosen frozen weights ``NF4Tensor``s (blocks of 64 values with an absmax
+  each; those absmaxes double-quantised to int8 in blocks of 256 around their mean): 4 bits a
+  parameter plus 1/8 for the scales. Each rank quantises its own shard as it is filled
+  (``store_nf4``): the scales' mean, the only statistic of the whole tensor, is one all-reduce,
+  so every rank's bytes are those of the whole tensor quantised at once, at any world size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_lab.config import Config, Float8Recipe, QuantizeBase
+from fsdp_lab.config.families import family_of
+
+NF4_BLOCK = 64  # values per absmax scale
+NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
+NF4_SCALE_SPAN = NF4_BLOCK * NF4_SCALER_BLOCK  # values under one int8 block of scales
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+"""4 bits of data, an int8 scale per 64 values, an fp32 factor per 16384: ~4.13 bits."""
+FLOAT8_DIM = 16  # float8 matmuls need both dimensions to be multiples of this
+
+
+def nf4_api():
+    """(NF4Tensor, to_nf4): torchao 0.18 moved them under ``quantization``."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+    except ImportError:  # torchao < 0.18
+        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    return NF4Tensor, to_nf4
+
+
+def _kind(name: str) -> str:
+    """A layer's kind: the last part of its name (PEFT's ``base_layer`` is its wrapper's)."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+
+
+def _pattern(name: str) -> str:
+    """A layer's name with its block index as ``*``: one entry per layer of the stack."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which linear layers a format converts, and why each other one was left as it is."""
+
+    chosen: dict[str, nn.Linear]
+    kept: dict[str, str]  # layer name pattern -> reason
+
+
+def choose_linears(model: nn.Module, format_name: str, fits) -> Choice:
+    """The blocks' projections of the model's family (``low_precision_linears``) that
+    ``fits(weight) -> reason or None`` takes; adapters, the head and routers are kept."""
+    family = family_of(getattr(getattr(model, "config", None), "model_type", ""))
+    kinds = set(family.low_precision_linears) if family else set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    chosen: dict[str, nn.Linear] = {}
+    kept: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        reason = None
+        if ".lora_" in name:
+            reason = "a LoRA adapter: it trains in the compute dtype"
+        elif module is head:
+            reason = "the output head: its logits feed the loss"
+        elif _kind(name) not in kinds:
+            reason = (
+                f"not one of {family.model_type}'s block projections ({', '.join(sorted(kinds))})"
+                if kinds
+                else f"{format_name} has no layer list for this model type (config.families)"
+            )
+        else:
+            reason = fits(module)
+        if reason is None:
+            chosen[name] = module
+        else:
+            kept.setdefault(_pattern(name), reason)
+    return Choice(chosen, kept)
+
+
+def _float8_fits(module: nn.Linear) -> str | None:
+    out_f, in_f = module.weight.shape
+    if out_f % FLOAT8_DIM or in_f % FLOAT8_DIM:
+        return f"its size {out_f}x{in_f} is not a multiple of {FLOAT8_DIM} in both dimensions"
+    return None
+
+
+def _nf4_fits(module: nn.Linear) -> str | None:
+    if module.weight.requires_grad:
+        return "it trains (NF4 holds frozen weights only)"
+    rows, cols = module.weight.shape
+    if (rows * cols) % NF4_SCALE_SPAN:
+        return f"its {rows}x{cols} weight is not a whole number of NF4 scale blocks"
+    return None
+
+
+def shards_whole_blocks(weight: torch.Tensor, shard_ways: int) -> bool:
+    """Whether FSDP2 can split an NF4 weight's rows over ``shard_ways`` ranks into whole scale
+    blocks each (``NF4Tensor``'s split needs it); else every rank holds it whole, in 4 bits."""
+    rows, cols = weight.shape
+    return rows % shard_ways == 0 and (rows // shard_ways * cols) % NF4_SCALE_SPAN == 0
+
+
+def _record(choice: Choice, precision: str, kept_as: str, **facts) -> dict:
+    layers: dict[str, str] = {}
+    for name in choice.chosen:
+        layers[_pattern(name)] = precision
+    for pattern, reason in choice.kept.items():
+        layers.setdefault(pattern, f"{kept_as}: {reason}")
+    return {
+        "converted": len(choice.chosen),
+        "kinds": sorted({_kind(n) for n in choice.chosen}),
+        "layers": layers,
+        **facts,
+    }
+
+
+def apply(model: nn.Module, cfg: Config) -> dict | None:
+    """Convert the meta ``model``'s chosen linear layers (before ``fully_shard``); returns
+    run.json's ``low_precision`` record, or None when the run uses neither format."""
+    if cfg.finetune.quantize_base is QuantizeBase.nf4:
+        return _quantize_base(model)
+    if cfg.precision.float8_recipe is not None:
+        return _to_float8(model, cfg.precision.float8_recipe, float8_all_gather(cfg))
+    return None
+
+
+def float8_all_gather(cfg: Config) -> bool:
+    p = cfg.precision
+    if p.float8_recipe is None:
+        return False
+    if p.float8_all_gather is None:
+        return p.float8_recipe is Float8Recipe.tensorwise
+    return p.float8_all_gather
+
+
+def _no_layer(setting: str, choice: Choice) -> RuntimeError:
+    from fsdp_lab.config import ConfigError
+
+    why = "; ".join(f"{k}: {v}" for k, v in list(choice.kept.items())[:3])
+    return ConfigError(f"{setting} converts no layer of this model ({why}); remove it")
+
+
+def _to_float8(model: nn.Module, recipe: Float8Recipe, all_gather: bool) -> dict:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    choice = choose_linears(model, "float8", _float8_fits)
+    if not choice.chosen:
+        raise _no_layer(f"precision.float8_recipe={recipe.name}", choice)
+    config = Float8LinearConfig.from_recipe_name(recipe.value)
+    if all_gather:
+        import dataclasses
+
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    chosen = set(choice.chosen)
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen
+    )
+    gather = "float8 all-gather" if all_gather else "bf16 all-gather"
+    return _record(
+        choice,
+        f"float8 ({recipe.name}, {gather})",
+        "bf16",
+        format="float8",
+        recipe=recipe.name,
+        all_gather=all_gather,
+    )
+
+
+def _quantize_base(model: nn.Module) -> dict:
+    """The same layers at any world size (so the same model): one a shard axis cannot split
+    into whole scale blocks is held whole by every rank (``left_to_every_rank``)."""
+    _, to_nf4 = nf4_api()
+    choice = choose_linears(model, "nf4", _nf4_fits)
+    if not choice.chosen:
+        raise _no_layer("finetune.quantize_base=nf4", choice)
+    for module in choice.chosen.values():
+        # On meta: to_nf4 gives the subclass its shapes; the values come in store_nf4.
+        module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    params = sum(m.weight.numel() for m in choice.chosen.values())
+    return _record(
+        choice,
+        "nf4 (frozen, 4-bit NormalFloat, double-quantised scales)",
+        "not nf4",
+        format="nf4",
+        params=params,
+    )
+
+
+def left_to_every_rank(model: nn.Module, shard_ways: int) -> set[nn.Parameter] | None:
+    """The NF4 weights FSDP2 must not manage, which every rank holds whole (frozen: nothing
+    to reduce): those whose rows do not split into whole scale blocks per shard, and all of
+    them on a 1-rank shard axis (one rank, no_shard), where torch 2.13's 1-rank all-gather
+    shortcut takes only the first of an NF4 tensor's three all-gather inputs (a ValueError
+    in ``fsdp_post_all_gather``)."""
+    whole = {
+        p
+        for p in model.parameters()
+        if is_nf4(p) and (shard_ways == 1 or not shards_whole_blocks(p, shard_ways))
+    }
+    return whole or None
+
+
+# -- after fully_shard ----------------------------------------------------------------------------
+
+
+def after_sharding(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """gloo has no float8 dtype: on the host, every unit's all-gather travels as bytes."""
+    if not float8_all_gather(cfg) or device.type != "cpu":
+        return
+    for module in model.modules():
+        if hasattr(module, "set_custom_all_gather"):
+            module.set_custom_all_gather(_byte_all_gather())
+
+
+def _byte_all_gather():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class ByteAllGather(DefaultAllGather):
+        """FSDP2's all-gather of one flat buffer, viewed as bytes (gloo gathers no float8)."""
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            return dist.all_gather_single(
+                output_tensor.view(torch.uint8),
+                input_tensor.view(torch.uint8),
+                group=group,
+                async_op=async_op,
+            )
+
+    return ByteAllGather()
+
+
+def post_optimizer_step(model: nn.Module) -> None:
+    """float8 all-gathers: every float8 weight's scale from its new values, in one all-reduce
+    (else each unit's all-gather reduces its own amax)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -- NF4 shards ---------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard object itself (``to_local()`` gives a view, a new NF4 wrapper)."""
+    return getattr(t, "_local_tensor", t)
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(_local(t)).__name__ == "NF4Tensor"
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """What this rank's part of ``t`` occupies: an NF4 shard's data, scales and factors."""
+    local = _local(t)
+    if is_nf4(t):
+        inner, _ = local.__tensor_flatten__()
+        return sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in inner)
+    return local.numel() * local.element_size()
+
+
+def nf4_quantize(x: torch.Tensor, mean: torch.Tensor):
+    """(data, int8 scales, scale factors, lookup table) of ``x`` in torchao's NF4 layout, its
+    block absmaxes centred on ``mean`` (the whole tensor's, where ``x`` is one shard): torchao's
+    ``NF4Tensor.from_tensor`` with the mean given."""
+    nf4_tensor, _ = nf4_api()
+    flat = x.reshape(-1)
+    absmax = flat.view(-1, NF4_BLOCK).abs().amax(dim=1)
+    centred = (absmax - mean).view(-1, NF4_SCALER_BLOCK)
+    factor = 256 / (2 * centred.abs().amax(dim=1))
+    scales = (centred * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
+    lut = _nf4_table(x.dtype, x.device)
+    data = nf4_tensor.convert_to_norm_float_weight(x, absmax.numel(), NF4_BLOCK, lut)
+    return data, scales, factor.contiguous(), lut
+
+
+def _absmax_mean(x: torch.Tensor, *, distributed: bool) -> torch.Tensor:
+    """The mean of the whole tensor's block absmaxes (of all ranks' parts where
+    ``distributed``), summed in float64 so that the order of the sum (the world size) does not
+    move its last bit. Replicas add the same shares to both sums."""
+    absmax = x.reshape(-1, NF4_BLOCK).abs().amax(dim=1)
+    stats = torch.stack([absmax.double().sum(), torch.tensor(absmax.numel(), dtype=torch.float64)])
+    if distributed and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1]).to(x.dtype)
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """A whole weight as a run holds it in NF4, dequantised: what a merged export writes."""
+    nf4_tensor, _ = nf4_api()
+    x = x.contiguous()
+    tensor = nf4_tensor.from_tensor(x, NF4_BLOCK, NF4_SCALER_BLOCK)
+    data, scales, factor, lut = nf4_quantize(x, mean := _absmax_mean(x, distributed=False))
+    tensor.quantized_data, tensor.quantized_scalers = data, scales
+    tensor.quantization_factor, tensor.scaler_mean, tensor.nf4 = factor, mean, lut
+    return tensor.get_original_weight()
+
+
+def base_weights(model: nn.Module) -> set[str]:
+    """The names of the weights ``finetune.quantize_base=nf4`` holds in NF4 (a model with
+    its adapters, on meta or not): the same at any world size."""
+    return {f"{name}.weight" for name in choose_linears(model, "nf4", _nf4_fits).chosen}
+
+
+def _nf4_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 16 NormalFloat values, as torchao writes them into every NF4Tensor it builds."""
+    nf4_tensor, _ = nf4_api()
+    return nf4_tensor.from_tensor(torch.ones(2 * NF4_BLOCK, dtype=dtype), NF4_BLOCK, 2).nf4.to(
+        device
+    )
+
+
+def store_nf4(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Quantise this rank's part ``value`` of an NF4 weight into its shard. A collective: every
+    rank stores the same tensors in the same order."""
+    local = _local(target)
+    x = value.to(local.dtype).contiguous()
+    data, scales, factor, lut = nf4_quantize(x, mean := _absmax_mean(x, distributed=True))
+    with torch.no_grad():
+        local.quantized_data.copy_(data)
+        local.quantized_scalers.copy_(scales)
+        local.quantization_factor.copy_(factor)
+    # to_empty leaves these two on meta: they are attributes, not sharded storage.
+    local.scaler_mean = mean.to(x.device)
+    local.nf4 = lut.to(x.device)
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight's values in its dtype, sharded as it is (a DTensor stays one)."""
+    local = _local(t).get_original_weight()
+    if not hasattr(t, "_local_tensor"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
