@@ -14,6 +14,29 @@ from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import OffloadDevice
 from fsdp_lab.config.topology import Topology
 
+NF4_BLOCK = 64  # values per absmax scale
+NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
+NF4_SCALE_SPAN = NF4_BLOCK * NF4_SCALER_BLOCK  # values under one int8 block of scales
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / NF4_SCALE_SPAN
+"""4 bits of data, an int8 scale per 64 values, an fp32 factor per 16384: ~4.13 bits."""
+NF4_TENSOR_BYTES = 4 + 16 * 4  # and each tensor's fp32 mean and 16-value lookup table
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes an NF4 tensor (or shard) of ``numel`` values occupies: data, scales, factors."""
+    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // NF4_SCALE_SPAN) + NF4_TENSOR_BYTES
+
+
+def nf4_splits(rows: int, cols: int, shard_ways: int) -> bool:
+    """Whether FSDP2 can split an NF4 weight's rows over ``shard_ways`` ranks into whole scale
+    blocks each (``NF4Tensor``'s split needs it); else every rank holds it whole, in 4 bits."""
+    return (
+        shard_ways > 1
+        and rows % shard_ways == 0
+        and (rows // shard_ways * cols) % NF4_SCALE_SPAN == 0
+    )
+
+
 TORCHAO_EXTRA = "pip install 'fsdp_lab[torchao]' (torchao>=0.18)"
 
 

@@ -30,12 +30,13 @@ from torch import nn
 
 from fsdp_lab.config import Config, Float8Recipe, QuantizeBase
 from fsdp_lab.config.families import family_of
+from fsdp_lab.config.low_precision import (
+    NF4_BLOCK,
+    NF4_SCALE_SPAN,
+    NF4_SCALER_BLOCK,
+    nf4_splits,
+)
 
-NF4_BLOCK = 64  # values per absmax scale
-NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
-NF4_SCALE_SPAN = NF4_BLOCK * NF4_SCALER_BLOCK  # values under one int8 block of scales
-NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
-"""4 bits of data, an int8 scale per 64 values, an fp32 factor per 16384: ~4.13 bits."""
 FLOAT8_DIM = 16  # float8 matmuls need both dimensions to be multiples of this
 
 
@@ -112,13 +113,6 @@ def _nf4_fits(module: nn.Linear) -> str | None:
     if (rows * cols) % NF4_SCALE_SPAN:
         return f"its {rows}x{cols} weight is not a whole number of NF4 scale blocks"
     return None
-
-
-def shards_whole_blocks(weight: torch.Tensor, shard_ways: int) -> bool:
-    """Whether FSDP2 can split an NF4 weight's rows over ``shard_ways`` ranks into whole scale
-    blocks each (``NF4Tensor``'s split needs it); else every rank holds it whole, in 4 bits."""
-    rows, cols = weight.shape
-    return rows % shard_ways == 0 and (rows // shard_ways * cols) % NF4_SCALE_SPAN == 0
 
 
 def _record(choice: Choice, precision: str, kept_as: str, **facts) -> dict:
@@ -213,11 +207,7 @@ def left_to_every_rank(model: nn.Module, shard_ways: int) -> set[nn.Parameter] |
     them on a 1-rank shard axis (one rank, no_shard), where torch 2.13's 1-rank all-gather
     shortcut takes only the first of an NF4 tensor's three all-gather inputs (a ValueError
     in ``fsdp_post_all_gather``)."""
-    whole = {
-        p
-        for p in model.parameters()
-        if is_nf4(p) and (shard_ways == 1 or not shards_whole_blocks(p, shard_ways))
-    }
+    whole = {p for p in model.parameters() if is_nf4(p) and not nf4_splits(*p.shape, shard_ways)}
     return whole or None
 
 

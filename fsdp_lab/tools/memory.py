@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_lab.config.low_precision import nf4_bytes, nf4_splits
 from fsdp_lab.config.topology import expert_shard_dim
 from fsdp_lab.tools.activation_memory import FP32, LayerShape
 
@@ -39,6 +40,9 @@ class ParamShape:
     # (config.topology.expert_shard_dim). 0 and (): not an expert parameter.
     expert_dim1: int = 0
     module_dim1s: tuple[int, ...] = ()
+    # How it is stored and gathered (engine.low_precision): fp32 (gathered in param_dtype);
+    # float8 (an fp32 master, gathered in 1 byte); nf4 (frozen, 4.13 bits, gathered as such).
+    storage: str = "fp32"
 
     @property
     def row(self) -> int:
@@ -73,6 +77,8 @@ def shard_elements(p: ParamShape, shard_size: int, shard_rank: int, ep: int = 1)
     experts are split over ep first, and FSDP shards the rank's E/ep of them over the other
     shard_size/ep ranks, on the dim ``config.topology.expert_shard_dim`` says (as the engine
     does)."""
+    if p.storage == "nf4" and not nf4_splits(p.dim0, p.row, shard_size):
+        return p.numel, p.numel  # every rank holds it whole (engine.low_precision)
     if not p.expert_dim1 or ep == 1:
         dim, ways, index, numel = p.dim0, shard_size, shard_rank, p.numel
     else:
@@ -90,15 +96,18 @@ def rank_state(
     """Exact bytes one rank holds when each parameter is sharded over ``shard_size`` ranks
     (expert parameters: see ``shard_elements``); only trainable parameters have gradients and
     optimizer state."""
-    local = padded = local_t = padded_t = 0
+    local = padded = local_t = padded_t = nf4 = 0
     for p in params:
         mine, first = shard_elements(p, shard_size, shard_rank, ep)
+        if p.storage == "nf4":  # frozen, evenly split or whole: no padding
+            nf4 += nf4_bytes(mine)
+            continue
         local, padded = local + mine, padded + first
         if p.trainable:
             local_t, padded_t = local_t + mine, padded_t + first
     grad_padding = FP32 * (padded_t - local_t)
     return StateBytes(
-        params=FP32 * local,
+        params=FP32 * local + nf4,
         grads=FP32 * local_t,
         optimizer=2 * FP32 * local_t + ADAM_STEP_BYTES * sum(p.trainable for p in params),
         padding=FP32 * (padded - local) + grad_padding,
@@ -142,17 +151,29 @@ def zero_paper(
 
 
 def group_numels(
-    params: list[ParamShape], shard_size: int, *, trainable_only: bool = False, ep: int = 1
+    params: list[ParamShape],
+    shard_size: int,
+    *,
+    trainable_only: bool = False,
+    ep: int = 1,
+    param_bytes: int = 0,
 ) -> dict[int, int]:
     """Elements each FSDP unit all-gathers (its unsharded params, padded to shard_size chunks);
     ``trainable_only``: those it reduce-scatters gradients of. With expert parallelism a rank
-    gathers only its E/ep experts (their own unit, counted with the layer's)."""
+    gathers only its E/ep experts (their own unit, counted with the layer's). With
+    ``param_bytes``, a float8 or NF4 parameter counts as the param_dtype elements its bytes
+    make (an NF4 one every rank holds whole is not gathered)."""
     out: dict[int, int] = {}
     for p in params:
         if trainable_only and not p.trainable:
             continue
         ways = shard_size // ep if p.expert_dim1 and ep > 1 else shard_size
-        out[p.group] = out.get(p.group, 0) + shard_elements(p, shard_size, 0, ep)[1] * ways
+        numel = shard_elements(p, shard_size, 0, ep)[1] * ways
+        if param_bytes and p.storage != "fp32":
+            whole = p.storage == "nf4" and not nf4_splits(p.dim0, p.row, shard_size)
+            size = 0 if whole else nf4_bytes(numel) if p.storage == "nf4" else numel
+            numel = -(-size // param_bytes)
+        out[p.group] = out.get(p.group, 0) + numel
     return out
 
 

@@ -196,7 +196,7 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         cpu_kernels=topo.device is HardwareKind.cpu,
     )
     trans = memory.transient(
-        memory.group_numels(facts.params, shard, ep=ep),
+        memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
         grad_groups=memory.group_numels(facts.params, shard, trainable_only=True, ep=ep),
         reshard=reshard,
         param_bytes=b,

@@ -66,12 +66,13 @@ def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
 
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
-    from fsdp_lab.engine import activations, finetune, wrap
+    from fsdp_lab.engine import activations, finetune, low_precision, wrap
     from fsdp_lab.engine import model as model_lib
     from fsdp_lab.train import loss as loss_lib
 
     hf_config, vocab_source = _hf_config(cfg)
     model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    lowp = low_precision.apply(model, cfg)  # as engine.fsdp converts it, on meta
     loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     params, tp_notes = _param_shapes(cfg, model, units)
@@ -81,6 +82,17 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
             f"finetune={cfg.finetune.method.name}: activations are counted as for full "
             "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
             "adds its adapters' small inputs)"
+        )
+    if lowp is not None:
+        notes.append(
+            f"{lowp['format']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
+            + (
+                " held in NF4 (4.13 bits a parameter) and gathered as such"
+                if lowp["format"] == "nf4"
+                else " gathered in float8 (1 byte a parameter)"
+                if lowp.get("all_gather")
+                else " computing in float8, gathered in param_dtype"
+            )
         )
     loss_row = loss_of(loss)
     if loss_row.memory_as is not None:
@@ -161,10 +173,20 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
             trainable=p.requires_grad,
             expert_dim1=p.shape[1] if id(p) in experts else 0,
             module_dim1s=experts.get(id(p), ()),
+            storage=_storage(p),
         )
         for p in model.parameters()
     ]
     return params, notes
+
+
+def _storage(p) -> str:
+    """How a parameter is stored and gathered (``memory.ParamShape.storage``)."""
+    from fsdp_lab.engine import low_precision
+
+    if low_precision.is_nf4(p):
+        return "nf4"
+    return "float8" if type(p).__name__ == "WeightWithDynamicFloat8CastTensor" else "fp32"
 
 
 def _largest_converted(model) -> int:

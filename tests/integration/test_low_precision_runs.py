@@ -19,8 +19,9 @@ import torch
 from conftest import check_ok, run_python, train
 from test_models import save_tiny
 
-from fsdp_lab.engine.low_precision import NF4_BYTES_PER_PARAM
+from fsdp_lab.config.low_precision import NF4_BYTES_PER_PARAM
 from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.tools import plan
 
 pytestmark = pytest.mark.slow
 
@@ -162,6 +163,13 @@ def test_qlora_is_the_same_at_every_world_size_in_4_bits_per_rank(runs, nf4_base
         for got in record["bytes_per_rank"]:
             assert per_rank <= got <= per_rank + tables, (got, per_rank)
         assert record["layers"]["lm_head"].startswith("not nf4: the output head")
+    # And fsdp-lab plan predicted each rank's bytes exactly, NF4 shards included.
+    for run_dir, world, strategy in ((two, 2, "full"), (four, 4, "hybrid_zero2")):
+        args = ["hardware=cpu", *qlora(nf4_base), *layout(world, strategy)]
+        want = plan.build_plan(args).to_json()
+        want = want["strategies"][want["chosen"]]["per_rank"]
+        for measured, planned in zip(facts(run_dir)["state_bytes_per_rank"], want, strict=True):
+            assert measured == {k: planned[k] for k in measured}
 
 
 def test_qlora_resumes_exactly_and_exports_the_run_s_own_model(runs, tokens, nf4_base, tmp_path):

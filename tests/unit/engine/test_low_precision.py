@@ -115,4 +115,4 @@ def test_the_per_shard_quantiser_gives_torchaos_bytes():
     diff = low_precision.round_trip(w) - want.get_original_weight()
     assert diff.abs().max() <= w.abs().max() / 64
     # 4 bits a parameter, an int8 scale per 64 and an fp32 factor per 16384.
-    assert pytest.approx(4.127, abs=1e-3) == low_precision.NF4_BYTES_PER_PARAM * 8
+    assert pytest.approx(4.127, abs=1e-3) == rules.NF4_BYTES_PER_PARAM * 8
