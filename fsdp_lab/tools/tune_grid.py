@@ -13,9 +13,12 @@ from fsdp_lab.config import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     ConfigError,
+    Dtype,
+    Float8Recipe,
     HardwareKind,
     OffloadConfig,
     OffloadDevice,
+    QuantizeBase,
     ShardingStrategy,
     compose,
 )
@@ -32,6 +35,7 @@ RECOMPUTE = {AC.none: 1.0, AC.selective: 1 + 1 / 6, AC.full: 4 / 3}  # of one fw
 # FLOPs per byte moved at which communication costs as much as compute, per device: a prior
 # for ordering probes only (the probes measure).
 FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
+FLOAT8_COMPUTE = 0.78  # float8 linears: torchtitan's Llama-3.1-8B ran 1.28x the bf16 tokens/s
 OFFLOAD_PENALTY = 1.5  # offload=cpu on GPU: host AdamW and PCIe copies each step
 
 
@@ -44,6 +48,7 @@ class Candidate:
     tensor: int = 1  # parallel.tensor
     expert: int = 1  # parallel.expert
     grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
+    float8: bool = False  # float8 linears on bf16 (proposed on a GPU where torchao is installed)
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
     plan_peak_bytes: int = 0  # the plan's tensors alone
     prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
@@ -64,6 +69,7 @@ class Candidate:
             *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
             *([f"parallel.expert={self.expert}"] if self.expert > 1 else []),
             *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
+            *(["precision.float8_recipe=tensorwise"] if self.float8 else []),
         ]
 
     @property
@@ -160,7 +166,26 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     experts = grid.expert or [1, 2, 4, 8]  # those the model and ranks refuse are dropped
     if _held(overrides, "parallel.expert"):
         experts = [cfg.parallel.expert]
-    return strategies, acs, offloads, batches, tensors, experts
+    return strategies, acs, offloads, batches, tensors, experts, _float8_axis(cfg, topo, overrides)
+
+
+def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
+    """float8 is tried beside a bf16 run's own precision on a GPU (float8 matmuls need one: on
+    a CPU they are emulated, slower) where torchao is installed, unless the overrides chose
+    float8 or an NF4 base themselves."""
+    from importlib.util import find_spec
+
+    p = cfg.precision
+    if (
+        topo.device is HardwareKind.gpu
+        and not _held(overrides, "precision.float8_recipe", "precision.float8_all_gather")
+        and cfg.finetune.quantize_base is QuantizeBase.none
+        and p.param_dtype is Dtype.bf16
+        and p.float8_recipe is None
+        and find_spec("torchao") is not None
+    ):
+        return [False, True]
+    return [False]  # as the overrides say (float8 too, where they chose it)
 
 
 def enumerate_candidates(
@@ -172,13 +197,13 @@ def enumerate_candidates(
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    strategies, acs, offloads, batches, tensors, experts = _axes(
+    strategies, acs, offloads, batches, tensors, experts, float8s = _axes(
         cfg, topo, overrides, grid, max_micro_batch
     )
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
-    for ac, tp, ep in itertools.product(acs, tensors, experts):
-        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep)
+    for ac, tp, ep, f8 in itertools.product(acs, tensors, experts, float8s):
+        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep, float8=f8)
         if model_axes is None:
             continue
         base, facts = model_axes
@@ -190,7 +215,7 @@ def enumerate_candidates(
                     indivisible.add((mb, tp))  # it cannot make up the global batch
                     continue
                 accum = rows // share
-            c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep)
+            c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8)
             c.grad_accum = accum if rows is not None else None
             if _plan_peak(c, base, topo, facts, accum=accum):
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
@@ -220,10 +245,17 @@ def _plan_peak(c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int) 
     return True
 
 
-def _model_axes(cfg, topo, *, ac: ActivationCheckpointingMode, tensor: int, expert: int):
-    """(the config with these checkpointing, TP and EP settings, the plan's model facts), or
-    None where the rules or the model refuse them: a TP degree the heads do not divide, EP on
-    a dense model or with experts the degree does not divide."""
+def _model_axes(
+    cfg, topo, *, ac: ActivationCheckpointingMode, tensor: int, expert: int, float8: bool = False
+):
+    """(the config with these checkpointing, TP, EP and float8 settings, the plan's model
+    facts), or None where the rules or the model refuse them: a TP degree the heads do not
+    divide, EP on a dense model or with experts the degree does not divide, float8 with
+    either."""
+    if float8 and cfg.precision.float8_recipe is None:
+        cfg = dataclasses.replace(
+            cfg, precision=dataclasses.replace(cfg.precision, float8_recipe=Float8Recipe.tensorwise)
+        )
     base = dataclasses.replace(
         cfg,
         activation_checkpointing=ActivationCheckpointingConfig(
@@ -273,7 +305,8 @@ def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
     experts = sum(p.numel for p in facts.params if p.expert_dim1) / max(facts.total_params, 1)
     fsdp *= 1 - experts * (1 - 1 / c.expert)
     penalty = OFFLOAD_PENALTY if c.offload else 1.0
-    return (6 * RECOMPUTE[c.ac] + w * (fsdp + tp + ep)) * penalty
+    compute = 6 * RECOMPUTE[c.ac] * (FLOAT8_COMPUTE if c.float8 else 1.0)
+    return (compute + w * (fsdp + tp + ep)) * penalty
 
 
 def probe_order(candidates: list[Candidate]) -> list[Candidate]:

@@ -36,6 +36,26 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
     assert by[full, none, 4].prior < by[full, ac_full, 4].prior
 
 
+def test_a_bf16_gpu_run_is_offered_float8_where_torchao_is_installed():
+    pytest.importorskip("torchao")
+    args = ["hardware=gpu", "hardware.nproc_per_node=2", "precision=bf16"]
+    cands, _, _ = tune.enumerate_candidates(args, 2)
+    f8 = [c for c in cands if c.float8]
+    # every bf16 candidate once more in float8, but with TP or offload (refused with float8)
+    plain = [c for c in cands if not c.float8 and c.tensor == 1 and not c.offload]
+    assert f8 and len(f8) == len(plain) and not any(c.tensor > 1 or c.offload for c in f8)
+    assert "precision.float8_recipe=tensorwise" in f8[0].overrides()
+    twin = next(c for c in cands if not c.float8 and c.overrides() == f8[0].overrides()[:-1])
+    assert f8[0].prior < twin.prior  # the prior expects float8 matmuls to be faster
+    # fp32 runs, CPU runs and runs that chose their precision's float8 setting are not.
+    for other in (
+        ["hardware=gpu", "hardware.nproc_per_node=2"],
+        ["hardware=cpu", "precision=bf16"],
+        [*args, "precision.float8_recipe=rowwise"],
+    ):
+        assert not any(c.float8 for c in tune.enumerate_candidates(other, 2)[0])
+
+
 def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
     cands, _, _ = tune.enumerate_candidates(
         ["hardware=cpu", "sharding=grad_op", "parallel.tensor=1"],
