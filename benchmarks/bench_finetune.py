@@ -1,8 +1,11 @@
-"""Full fine-tuning, frozen blocks and LoRA side by side: step time, peak RSS and state bytes.
+"""Full fine-tuning, frozen blocks, LoRA and QLoRA side by side: step time, peak RSS and state
+bytes.
 
     python scripts/prepare_smollm2.py          # once: SmolLM2-135M-Instruct, offline
-    python benchmarks/bench_finetune.py        # full, freeze (half the blocks), lora r=8/16/64
+    python benchmarks/bench_finetune.py        # full, freeze (half the blocks), lora r=8/16/64,
+                                               # qlora r=8 (an NF4 base; needs torchao)
     python benchmarks/bench_finetune.py --steps 10 --seq 256
+    python benchmarks/bench_finetune.py --only "lora r=8,qlora r=8"
 
 Each variant fine-tunes the same pretrained model on the same Shakespeare batches on 2 CPU
 ranks (fp32, sharding=full). Figures per rank: the median step time after the first, the peak
@@ -41,6 +44,7 @@ def variants(num_blocks: int) -> dict[str, list[str]]:
             f"lora r={r}": ["finetune=lora", f"finetune.r={r}", f"finetune.alpha={2 * r}"]
             for r in (8, 16, 64)
         },
+        "qlora r=8": ["finetune=qlora", "finetune.r=8", "finetune.alpha=16"],
     }
 
 
@@ -89,21 +93,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument(
+        "--only", help="comma-separated variant names (the first is the ratios' basis)"
+    )
     a = parser.parse_args()
     config = json.loads((Path(a.model) / "config.json").read_text())
-    results = {}
+    results, chosen = {}, variants(config["num_hidden_layers"])
+    if a.only:
+        chosen = {name: chosen[name] for name in a.only.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in variants(config["num_hidden_layers"]).items():
+        for name, overrides in chosen.items():
             results[name] = run(Path(tmp), name, overrides, a)
             print(f"  {name}: done", file=sys.stderr)
-    full = results["full"]
+    basis = next(iter(results))
+    full = results[basis]
     print(
         f"{Path(a.model).name}, 2 CPU ranks, sharding=full, fp32, {a.batch} x {a.seq} tokens per "
         f"rank per step, median of steps 2-{a.steps}"
     )
     print(
-        "| finetune | trainable | step (s) | x full | peak RSS per rank (MB) | x full "
-        "| state per rank (MB) | x full |"
+        f"| finetune | trainable | step (s) | x {basis} | peak RSS per rank (MB) | x {basis} "
+        f"| state per rank (MB) | x {basis} |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():

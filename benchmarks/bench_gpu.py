@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py                       # 160M and 1B Llama, seq 2048, bf16
     python benchmarks/bench_gpu.py --models 160m --steps 40 --sides fsdp_lab,hf_docs
     python benchmarks/bench_gpu.py --models 160m --batch 8 --seq 1024   # the first GPU run's shape
+    python benchmarks/bench_gpu.py --models 1b --sides fsdp_lab,fsdp_lab_float8   # float8 vs bf16
 
 Every side trains the same Llama (random init), batch, sequence length, precision (bf16 compute,
 fp32 master weights and reduction) and optimizer (AdamW, clipping at 1.0), one after another on
@@ -12,6 +13,7 @@ the same device, each in its own processes:
 | --------------- | ---------------------------------------------------------------------- |
 | fsdp_lab        | ``train.py`` with its defaults plus compile=true (the GPU recipes')    |
 | fsdp_lab_chunked| the same with loss=chunked (where liger-kernel is not installed)       |
+| fsdp_lab_float8 | the same with float8 linears and all-gathers (precision=float8's)      |
 | fsdp_lab_before | ``train.py`` as before this benchmark existed: loss=hf, foreach AdamW,  |
 |                 | a host sync every step (log_every=1), no compile                        |
 | hf_docs         | Trainer as transformers' FSDP guide sets it up (FSDP2, bf16, SDPA)      |
@@ -47,7 +49,15 @@ MODELS = {
     "160m": dict(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=2816, vocab=32000, batch=16),
     "1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, batch=8),
 }
-SIDES = ("fsdp_lab", "fsdp_lab_chunked", "fsdp_lab_before", "hf_docs", "hf_fast", "ceiling")
+SIDES = (
+    "fsdp_lab",
+    "fsdp_lab_chunked",
+    "fsdp_lab_float8",
+    "fsdp_lab_before",
+    "hf_docs",
+    "hf_fast",
+    "ceiling",
+)
 
 
 def model_args(m: dict, a) -> list[str]:
@@ -64,6 +74,11 @@ def run_fsdp_lab(m: dict, a, tmp: Path, *, side: str) -> dict:
     speed = {
         "fsdp_lab": ["compile=true", f"trainer.log_every={a.warmup}"],
         "fsdp_lab_chunked": ["compile=true", f"trainer.log_every={a.warmup}", "loss=chunked"],
+        "fsdp_lab_float8": [
+            "compile=true",
+            f"trainer.log_every={a.warmup}",
+            "precision.float8_recipe=tensorwise",
+        ],
         "fsdp_lab_before": [
             "loss=hf",
             "optim.implementation=foreach",
@@ -194,7 +209,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 try:
                     match side:
-                        case "fsdp_lab" | "fsdp_lab_chunked" | "fsdp_lab_before":
+                        case (
+                            "fsdp_lab" | "fsdp_lab_chunked" | "fsdp_lab_float8" | "fsdp_lab_before"
+                        ):
                             r = run_fsdp_lab(m, a, Path(tmp) / key, side=side)
                         case "hf_docs" | "hf_fast":
                             r = run_torchrun(

@@ -5,11 +5,10 @@ refused in one line saying what it would need; both need the ``torchao`` extra."
 from __future__ import annotations
 
 from importlib.util import find_spec
-from pathlib import Path
 
 from fsdp_lab.config.errors import ConfigError
 from fsdp_lab.config.hardware import HardwareKind
-from fsdp_lab.config.model import QuantizeBase, WeightLoading, is_hub_id
+from fsdp_lab.config.model import QuantizeBase, WeightLoading
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import OffloadDevice
 from fsdp_lab.config.topology import Topology
@@ -81,17 +80,11 @@ def check_low_precision(cfg: Config, topo: Topology) -> None:
     for bad, what in refused:
         if bad:
             raise ConfigError(f"{name} is not verified with {what}")
-    path = cfg.model.name_or_path if cfg.model.pretrained else None
     if nf4 and cfg.model.loading is WeightLoading.rank0:
         raise ConfigError(
             "finetune.quantize_base=nf4: each rank quantises its own shards as it reads them, "
             "which model.loading=rank0's broadcast of whole weights cannot; set "
             "model.loading=per_rank"
-        )
-    if nf4 and path is not None and is_hub_id(path) and not Path(path).expanduser().exists():
-        raise ConfigError(
-            f"finetune.quantize_base=nf4: each rank quantises its own shards as it reads them "
-            f"from local files; download {path} to a directory and set model.name_or_path=DIR"
         )
     if find_spec("torchao") is None:
         raise ConfigError(f"{name} needs torchao, which is not installed: {TORCHAO_EXTRA}")

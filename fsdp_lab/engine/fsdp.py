@@ -87,6 +87,7 @@ def expert_placement(module: nn.Module, shards: int):
     return lambda param: Shard(dim)
 
 
+# Many parameters: the model, its units and each policy fully_shard takes (keyword-only).
 def apply_fsdp(
     model: nn.Module,
     units: list[nn.Module],
@@ -229,10 +230,11 @@ def build_model(
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
     whole model."""
-    from fsdp_lab.engine import activations, precision, wrap
+    from fsdp_lab.engine import activations, low_precision, precision, wrap
     from fsdp_lab.engine import model as model_lib
 
     model, kind, tensor = meta_model, topo.device, cfg.parallel.tensor
+    offload = cfg.offload.device is OffloadDevice.cpu
     tied = model_lib.tied_groups(model)
     mesh = build_mesh(cfg.sharding, topo, device_type=device.type, tensor=tensor)
     dp_mesh = data_parallel_mesh(mesh)
@@ -243,10 +245,7 @@ def build_model(
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
-    # float8 linears or an NF4 base (torchao's subclasses) before fully_shard shards them.
-    from fsdp_lab.engine import low_precision
-
-    lowp = low_precision.apply(model, cfg)
+    lowp = low_precision.apply(model, cfg)  # torchao's float8 or NF4, sharded as themselves
     held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
     units = [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
@@ -260,18 +259,14 @@ def build_model(
         mesh=dp_mesh,
         reshard_after_forward=reshard_after_forward(cfg.sharding),
         mp_policy=precision.build_mp_policy(cfg.precision),
-        offload_policy=build_offload_policy(
-            cfg.offload.device is OffloadDevice.cpu, pin_memory=memory.pin_memory(kind)
-        ),
+        offload_policy=build_offload_policy(offload, pin_memory=memory.pin_memory(kind)),
         prefetch=cfg.sharding.prefetch,
         experts=experts,
         ignored=held_whole,
     )
     model_lib.check_tied(model, tied)
     low_precision.after_sharding(model, cfg, device)
-    fingerprint = model_lib.materialize(
-        model, device=device, source=source, offload=cfg.offload.device is OffloadDevice.cpu
-    )
+    fingerprint = model_lib.materialize(model, device=device, source=source, offload=offload)
     model_lib.check_tied(model, tied)
     return Fsdp2Model(
         model=model,
@@ -283,9 +278,7 @@ def build_model(
         device=device,
         frozen_fingerprint=fingerprint,
         low_precision=_measured(model, lowp, held_whole),
-        post_step=low_precision.post_optimizer_step
-        if low_precision.float8_all_gather(cfg)
-        else None,
+        post_step=low_precision.post_step(cfg),
     )
 
 

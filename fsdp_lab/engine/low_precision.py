@@ -240,6 +240,11 @@ def _byte_all_gather():
     return ByteAllGather()
 
 
+def post_step(cfg: Config):
+    """What the engine runs after each optimizer step (``ShardedModel.post_step``), or None."""
+    return post_optimizer_step if float8_all_gather(cfg) else None
+
+
 def post_optimizer_step(model: nn.Module) -> None:
     """float8 all-gathers: every float8 weight's scale from its new values, in one all-reduce
     (else each unit's all-gather reduces its own amax)."""

@@ -307,6 +307,14 @@ def materialize(
             loading.check_filled(model)
             return fingerprint
         except loading.NotPerRank as e:
+            from fsdp_lab.engine import low_precision
+
+            if any(low_precision.is_nf4(p) for p in model.parameters()):
+                raise ConfigError(
+                    f"finetune.quantize_base=nf4: each rank quantises its own shards as it "
+                    f"reads them, and {source.pretrained} cannot be read per rank ({e}); "
+                    "convert it with save_pretrained to a directory, or use finetune=lora"
+                ) from e
             if dist.get_rank() == 0:
                 log.warning(
                     "%s cannot be read per rank (%s): rank 0 reads the whole model and "
