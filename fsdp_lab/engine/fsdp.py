@@ -285,7 +285,7 @@ def build_model(
 def _measured(model: nn.Module, record: dict | None, whole: set | None) -> dict | None:
     """run.json's low-precision record, with an NF4 base's bytes on each rank and the NF4
     parameters every rank holds whole."""
-    if record is None or record["format"] != "nf4":
+    if record is None or record["scheme"] != "nf4":
         return record
     from fsdp_lab.engine import low_precision
 

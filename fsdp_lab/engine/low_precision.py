@@ -175,7 +175,7 @@ def _to_float8(model: nn.Module, recipe: Float8Recipe, all_gather: bool) -> dict
         choice,
         f"float8 ({recipe.name}, {gather})",
         "bf16",
-        format="float8",
+        scheme="float8",
         recipe=recipe.name,
         all_gather=all_gather,
     )
@@ -196,7 +196,7 @@ def _quantize_base(model: nn.Module) -> dict:
         choice,
         "nf4 (frozen, 4-bit NormalFloat, double-quantised scales)",
         "not nf4",
-        format="nf4",
+        scheme="nf4",
         params=params,
     )
 

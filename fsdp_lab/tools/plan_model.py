@@ -85,10 +85,10 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         )
     if lowp is not None:
         notes.append(
-            f"{lowp['format']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
+            f"{lowp['scheme']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
             + (
                 " held in NF4 (4.13 bits a parameter) and gathered as such"
-                if lowp["format"] == "nf4"
+                if lowp["scheme"] == "nf4"
                 else " gathered in float8 (1 byte a parameter)"
                 if lowp.get("all_gather")
                 else " computing in float8, gathered in param_dtype"

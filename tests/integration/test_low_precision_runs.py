@@ -105,7 +105,7 @@ def test_float8_is_the_same_at_every_world_size_and_tracks_bf16(runs):
     assert relative(losses(four), want) <= EXACT
     # Which layers are float8: the blocks' seven projections; the head stays bf16.
     record = facts(one)["low_precision"]
-    assert record["format"] == "float8" and record["all_gather"] is True
+    assert record["scheme"] == "float8" and record["all_gather"] is True
     assert record["converted"] == 14 and "q_proj" in record["kinds"]
     assert record["layers"]["model.layers.*.mlp.down_proj"].startswith("float8 (tensorwise")
     assert record["layers"]["lm_head"].startswith("bf16: the output head")
@@ -153,7 +153,7 @@ def test_qlora_is_the_same_at_every_world_size_in_4_bits_per_rank(runs, nf4_base
     attention = 2 * 4 * 64 * 256
     for run_dir, shards in ((one, 1), (two, 2), (four, 2)):
         record = facts(run_dir)["low_precision"]
-        assert record["format"] == "nf4" and record["converted"] == 14
+        assert record["scheme"] == "nf4" and record["converted"] == 14
         assert record["params_whole_on_every_rank"] == (
             record["params"] if shards == 1 else attention
         )
