@@ -34,7 +34,7 @@ test-fast: lint
 # PyPI has), then runs tests/integration/test_tpu.py there.
 test-tpu:
 	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
-	@$(XLA_VENV)/bin/python -m pip install -q -e ".[xla-cpu,dev]"
+	@$(XLA_VENV)/bin/python -m pip install -q -e ".[xla-cpu,test]"
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/integration/test_tpu.py
 
 bench: setup
