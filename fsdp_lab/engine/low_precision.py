@@ -36,6 +36,7 @@ from fsdp_lab.config.low_precision import (
     NF4_SCALER_BLOCK,
     nf4_splits,
 )
+from fsdp_lab.engine.hardware import memory
 
 FLOAT8_DIM = 16  # float8 matmuls need both dimensions to be multiples of this
 
@@ -338,6 +339,10 @@ def store_nf4(target: torch.Tensor, value: torch.Tensor) -> None:
     # to_empty leaves these two on meta: they are attributes, not sharded storage.
     local.scaler_mean = mean.to(x.device)
     local.nf4 = lut.to(x.device)
+    # The quantiser's host temporaries (a few times the shard, 1-23 MB at 1.1B) stay below
+    # glibc's mmap threshold and fragment its heap: measured at 1.1B on 2 ranks, a load peak of
+    # 2.73 GB per rank for 0.51 GB of shards; returning them after each tensor, 1.19 GB.
+    memory.trim_host_heap()
 
 
 def dequantized(t: torch.Tensor) -> torch.Tensor:
