@@ -277,24 +277,9 @@ def build_model(
         checkpointed=checkpointed,
         device=device,
         frozen_fingerprint=fingerprint,
-        low_precision=_measured(model, lowp, held_whole),
+        low_precision=low_precision.measured(model, lowp, held_whole),
         post_step=low_precision.post_step(cfg),
     )
-
-
-def _measured(model: nn.Module, record: dict | None, whole: set | None) -> dict | None:
-    """run.json's low-precision record, with an NF4 base's bytes on each rank and the NF4
-    parameters every rank holds whole."""
-    if record is None or record["scheme"] != "nf4":
-        return record
-    from fsdp_lab.engine import low_precision
-
-    mine = sum(low_precision.local_bytes(p) for p in model.parameters() if low_precision.is_nf4(p))
-    return {
-        **record,
-        "bytes_per_rank": process_group.gather_from_processes(mine),
-        "params_whole_on_every_rank": sum(p.numel() for p in whole or ()),
-    }
 
 
 def local_numel(module: nn.Module) -> int:
@@ -308,7 +293,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def nbytes(tensors) -> int:
     """Bytes this rank stores of ``tensors`` (their local shards; an NF4 shard's own bytes)."""
-    from fsdp_lab.engine.low_precision import local_bytes
+    from fsdp_lab.engine.nf4 import local_bytes
 
     return sum(local_bytes(t) for t in tensors)
 

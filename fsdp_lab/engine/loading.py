@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.engine import low_precision
+from fsdp_lab.engine import nf4
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.conversion import LORA_BASE, NotPerRank, checkpoint_key, owned_tensors
 
@@ -77,9 +77,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _store(target: torch.Tensor, region_value: torch.Tensor) -> None:
     """Copy this rank's part (already sliced) into ``target``'s storage; an NF4 weight's part
-    is quantised into it (``low_precision.store_nf4``, a collective)."""
-    if low_precision.is_nf4(target):
-        low_precision.store_nf4(target, region_value.reshape(_local(target).shape))
+    is quantised into it (``nf4.store_nf4``, a collective)."""
+    if nf4.is_nf4(target):
+        nf4.store_nf4(target, region_value.reshape(_local(target).shape))
         return
     local = _local(target)
     if local.numel():
@@ -296,8 +296,8 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
     tensors)."""
     from torch.distributed.tensor import DTensor
 
-    if low_precision.is_nf4(t):  # its values, gathered in the NF4 tensor's dtype
-        t = low_precision.dequantized(t)
+    if nf4.is_nf4(t):  # its values, gathered in the NF4 tensor's dtype
+        t = nf4.dequantized(t)
     if not isinstance(t, DTensor):
         return t
     local = t.to_local()

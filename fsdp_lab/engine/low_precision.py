@@ -12,11 +12,10 @@ and why a layer was left out.
   parameter, cast with a scale from the whole tensor (``post_optimizer_step`` precomputes every
   layer's in one all-reduce after each step). gloo has no float8 dtype, so on the host the
   all-gather travels as bytes (``ByteAllGather``).
-- **NF4** makes the chosen frozen weights ``NF4Tensor``s (blocks of 64 values with an absmax
-  each; those absmaxes double-quantised to int8 in blocks of 256 around their mean): 4 bits a
-  parameter plus 1/8 for the scales. Each rank quantises its own shard as it is filled
-  (``store_nf4``): the scales' mean, the only statistic of the whole tensor, is one all-reduce,
-  so every rank's bytes are those of the whole tensor quantised at once, at any world size.
+- **NF4** makes the chosen frozen weights ``NF4Tensor``s on meta, 4 bits a parameter plus 1/8
+  for the scales; each rank quantises its own shard as it is filled (``engine.nf4``). A weight
+  whose rows do not split into whole scale blocks per shard is held whole by every rank
+  (``left_to_every_rank``), so the same layers are NF4 at any world size.
 """
 
 from __future__ import annotations
@@ -30,24 +29,11 @@ from torch import nn
 
 from fsdp_lab.config import Config, Float8Recipe, QuantizeBase
 from fsdp_lab.config.families import family_of
-from fsdp_lab.config.low_precision import (
-    NF4_BLOCK,
-    NF4_SCALE_SPAN,
-    NF4_SCALER_BLOCK,
-    nf4_splits,
-)
-from fsdp_lab.engine.hardware import memory
+from fsdp_lab.config.low_precision import NF4_SCALE_SPAN, nf4_splits
+from fsdp_lab.engine.hardware import process_group
+from fsdp_lab.engine.nf4 import is_nf4, local_bytes, nf4_api
 
 FLOAT8_DIM = 16  # float8 matmuls need both dimensions to be multiples of this
-
-
-def nf4_api():
-    """(NF4Tensor, to_nf4): torchao 0.18 moved them under ``quantization``."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
-    except ImportError:  # torchao < 0.18
-        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-    return NF4Tensor, to_nf4
 
 
 def _kind(name: str) -> str:
@@ -202,6 +188,12 @@ def _quantize_base(model: nn.Module) -> dict:
     )
 
 
+def base_weights(model: nn.Module) -> set[str]:
+    """The names of the weights ``finetune.quantize_base=nf4`` holds in NF4 (a model with
+    its adapters, on meta or not): the same at any world size."""
+    return {f"{name}.weight" for name in choose_linears(model, "nf4", _nf4_fits).chosen}
+
+
 def left_to_every_rank(model: nn.Module, shard_ways: int) -> set[nn.Parameter] | None:
     """The NF4 weights FSDP2 must not manage, which every rank holds whole (frozen: nothing
     to reduce): those whose rows do not split into whole scale blocks per shard, and all of
@@ -254,102 +246,25 @@ def post_optimizer_step(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-# -- NF4 shards ---------------------------------------------------------------------------------
+# -- what the plan and run.json read ------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard object itself (``to_local()`` gives a view, a new NF4 wrapper)."""
-    return getattr(t, "_local_tensor", t)
+def storage(p: torch.Tensor) -> str:
+    """How a parameter is stored and gathered (``tools.memory.ParamShape.storage``): nf4, float8
+    (its weight subclass with float8 all-gathers) or fp32."""
+    if is_nf4(p):
+        return "nf4"
+    return "float8" if type(p).__name__ == "WeightWithDynamicFloat8CastTensor" else "fp32"
 
 
-def is_nf4(t: torch.Tensor) -> bool:
-    return type(_local(t)).__name__ == "NF4Tensor"
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    """What this rank's part of ``t`` occupies: an NF4 shard's data, scales and factors."""
-    local = _local(t)
-    if is_nf4(t):
-        inner, _ = local.__tensor_flatten__()
-        return sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in inner)
-    return local.numel() * local.element_size()
-
-
-def nf4_quantize(x: torch.Tensor, mean: torch.Tensor):
-    """(data, int8 scales, scale factors, lookup table) of ``x`` in torchao's NF4 layout, its
-    block absmaxes centred on ``mean`` (the whole tensor's, where ``x`` is one shard): torchao's
-    ``NF4Tensor.from_tensor`` with the mean given."""
-    nf4_tensor, _ = nf4_api()
-    flat = x.reshape(-1)
-    absmax = flat.view(-1, NF4_BLOCK).abs().amax(dim=1)
-    centred = (absmax - mean).view(-1, NF4_SCALER_BLOCK)
-    factor = 256 / (2 * centred.abs().amax(dim=1))
-    scales = (centred * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
-    lut = _nf4_table(x.dtype, x.device)
-    data = nf4_tensor.convert_to_norm_float_weight(x, absmax.numel(), NF4_BLOCK, lut)
-    return data, scales, factor.contiguous(), lut
-
-
-def _absmax_mean(x: torch.Tensor, *, distributed: bool) -> torch.Tensor:
-    """The mean of the whole tensor's block absmaxes (of all ranks' parts where
-    ``distributed``), summed in float64 so that the order of the sum (the world size) does not
-    move its last bit. Replicas add the same shares to both sums."""
-    absmax = x.reshape(-1, NF4_BLOCK).abs().amax(dim=1)
-    stats = torch.stack([absmax.double().sum(), torch.tensor(absmax.numel(), dtype=torch.float64)])
-    if distributed and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
-    return (stats[0] / stats[1]).to(x.dtype)
-
-
-def round_trip(x: torch.Tensor) -> torch.Tensor:
-    """A whole weight as a run holds it in NF4, dequantised: what a merged export writes."""
-    nf4_tensor, _ = nf4_api()
-    x = x.contiguous()
-    tensor = nf4_tensor.from_tensor(x, NF4_BLOCK, NF4_SCALER_BLOCK)
-    data, scales, factor, lut = nf4_quantize(x, mean := _absmax_mean(x, distributed=False))
-    tensor.quantized_data, tensor.quantized_scalers = data, scales
-    tensor.quantization_factor, tensor.scaler_mean, tensor.nf4 = factor, mean, lut
-    return tensor.get_original_weight()
-
-
-def base_weights(model: nn.Module) -> set[str]:
-    """The names of the weights ``finetune.quantize_base=nf4`` holds in NF4 (a model with
-    its adapters, on meta or not): the same at any world size."""
-    return {f"{name}.weight" for name in choose_linears(model, "nf4", _nf4_fits).chosen}
-
-
-def _nf4_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 16 NormalFloat values, as torchao writes them into every NF4Tensor it builds."""
-    nf4_tensor, _ = nf4_api()
-    return nf4_tensor.from_tensor(torch.ones(2 * NF4_BLOCK, dtype=dtype), NF4_BLOCK, 2).nf4.to(
-        device
-    )
-
-
-def store_nf4(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Quantise this rank's part ``value`` of an NF4 weight into its shard. A collective: every
-    rank stores the same tensors in the same order."""
-    local = _local(target)
-    x = value.to(local.dtype).contiguous()
-    data, scales, factor, lut = nf4_quantize(x, mean := _absmax_mean(x, distributed=True))
-    with torch.no_grad():
-        local.quantized_data.copy_(data)
-        local.quantized_scalers.copy_(scales)
-        local.quantization_factor.copy_(factor)
-    # to_empty leaves these two on meta: they are attributes, not sharded storage.
-    local.scaler_mean = mean.to(x.device)
-    local.nf4 = lut.to(x.device)
-    # The quantiser's host temporaries (a few times the shard, 1-23 MB at 1.1B) stay below
-    # glibc's mmap threshold and fragment its heap: measured at 1.1B on 2 ranks, a load peak of
-    # 2.73 GB per rank for 0.51 GB of shards; returning them after each tensor, 1.19 GB.
-    memory.trim_host_heap()
-
-
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    """An NF4 weight's values in its dtype, sharded as it is (a DTensor stays one)."""
-    local = _local(t).get_original_weight()
-    if not hasattr(t, "_local_tensor"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+def measured(model: nn.Module, record: dict | None, whole: set | None) -> dict | None:
+    """run.json's record (``apply``'s), with an NF4 base's bytes on each rank and the NF4
+    parameters every rank holds whole; a collective."""
+    if record is None or record["scheme"] != "nf4":
+        return record
+    mine = sum(local_bytes(p) for p in model.parameters() if is_nf4(p))
+    return {
+        **record,
+        "bytes_per_rank": process_group.gather_from_processes(mine),
+        "params_whole_on_every_rank": sum(p.numel() for p in whole or ()),
+    }

@@ -307,9 +307,9 @@ def materialize(
             loading.check_filled(model)
             return fingerprint
         except loading.NotPerRank as e:
-            from fsdp_lab.engine import low_precision
+            from fsdp_lab.engine import nf4
 
-            if any(low_precision.is_nf4(p) for p in model.parameters()):
+            if any(nf4.is_nf4(p) for p in model.parameters()):
                 raise ConfigError(
                     f"finetune.quantize_base=nf4: each rank quantises its own shards as it "
                     f"reads them, and {source.pretrained} cannot be read per rank ({e}); "

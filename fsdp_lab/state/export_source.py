@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import CheckpointVerify, Config, QuantizeBase, to_typed
-from fsdp_lab.engine import conversion, finetune, loading, low_precision, weights
+from fsdp_lab.engine import conversion, finetune, loading, low_precision, nf4, weights
 from fsdp_lab.engine.model import build_hf_config, model_on_meta, tied_groups
 from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.state import formats
@@ -60,7 +60,7 @@ def _dequantized_nf4(fetch: Fetch, quantized: set[str]) -> Fetch:
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
         out = fetch(keys)
         for key in quantized.intersection(out):
-            out[key] = low_precision.round_trip(out[key]).to(out[key].dtype)
+            out[key] = nf4.round_trip(out[key]).to(out[key].dtype)
         return out
 
     return read

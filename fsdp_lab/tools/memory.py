@@ -71,14 +71,19 @@ def chunk_rows(dim0: int, num_chunks: int, index: int) -> int:
     return max(0, min(size, dim0 - index * size))
 
 
+def _held_whole(p: ParamShape, shard_size: int) -> bool:
+    """An NF4 parameter every rank holds whole, outside FSDP (``engine.low_precision``)."""
+    return p.storage == "nf4" and not nf4_splits(p.dim0, p.row, shard_size)
+
+
 def shard_elements(p: ParamShape, shard_size: int, shard_rank: int, ep: int = 1) -> tuple[int, int]:
     """(this rank's elements of ``p``, chunk 0's: what FSDP2 pads every shard's storage to).
     With expert parallelism (``ep`` > 1, innermost on the shard axis) an expert parameter's
     experts are split over ep first, and FSDP shards the rank's E/ep of them over the other
     shard_size/ep ranks, on the dim ``config.topology.expert_shard_dim`` says (as the engine
     does)."""
-    if p.storage == "nf4" and not nf4_splits(p.dim0, p.row, shard_size):
-        return p.numel, p.numel  # every rank holds it whole (engine.low_precision)
+    if _held_whole(p, shard_size):
+        return p.numel, p.numel
     if not p.expert_dim1 or ep == 1:
         dim, ways, index, numel = p.dim0, shard_size, shard_rank, p.numel
     else:
@@ -170,7 +175,7 @@ def group_numels(
         ways = shard_size // ep if p.expert_dim1 and ep > 1 else shard_size
         numel = shard_elements(p, shard_size, 0, ep)[1] * ways
         if param_bytes and p.storage != "fp32":
-            whole = p.storage == "nf4" and not nf4_splits(p.dim0, p.row, shard_size)
+            whole = _held_whole(p, shard_size)
             size = 0 if whole else nf4_bytes(numel) if p.storage == "nf4" else numel
             numel = -(-size // param_bytes)
         out[p.group] = out.get(p.group, 0) + numel

@@ -150,6 +150,8 @@ def _hf_config(cfg: Config):
 def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], list[str]]:
     """Every parameter as a rank holds it before FSDP shards it (a TP-split one: its part),
     with the unit that owns it (bottom-up, as ``fsdp.apply_fsdp`` shards them)."""
+    from fsdp_lab.engine import low_precision
+
     owner: dict[int, int] = {}
     for index in reversed(range(len(units))):
         for p in units[index].parameters():
@@ -173,20 +175,11 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
             trainable=p.requires_grad,
             expert_dim1=p.shape[1] if id(p) in experts else 0,
             module_dim1s=experts.get(id(p), ()),
-            storage=_storage(p),
+            storage=low_precision.storage(p),
         )
         for p in model.parameters()
     ]
     return params, notes
-
-
-def _storage(p) -> str:
-    """How a parameter is stored and gathered (``memory.ParamShape.storage``)."""
-    from fsdp_lab.engine import low_precision
-
-    if low_precision.is_nf4(p):
-        return "nf4"
-    return "float8" if type(p).__name__ == "WeightWithDynamicFloat8CastTensor" else "fp32"
 
 
 def _largest_converted(model) -> int:

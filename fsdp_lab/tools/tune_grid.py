@@ -18,7 +18,6 @@ from fsdp_lab.config import (
     HardwareKind,
     OffloadConfig,
     OffloadDevice,
-    QuantizeBase,
     ShardingStrategy,
     compose,
 )
@@ -171,18 +170,14 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
 
 def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
     """float8 is tried beside a bf16 run's own precision on a GPU (float8 matmuls need one: on
-    a CPU they are emulated, slower) where torchao is installed, unless the overrides chose
-    float8 or an NF4 base themselves."""
-    from importlib.util import find_spec
-
+    a CPU they are emulated, slower), unless the overrides chose it themselves. What the rules
+    refuse with it (no torchao, an NF4 base, TP, offload) ``_model_axes`` and the plan drop."""
     p = cfg.precision
     if (
         topo.device is HardwareKind.gpu
         and not _held(overrides, "precision.float8_recipe", "precision.float8_all_gather")
-        and cfg.finetune.quantize_base is QuantizeBase.none
         and p.param_dtype is Dtype.bf16
         and p.float8_recipe is None
-        and find_spec("torchao") is not None
     ):
         return [False, True]
     return [False]  # as the overrides say (float8 too, where they chose it)

@@ -11,7 +11,7 @@ from fsdp_lab.config import ConfigError, HardwareKind, compose
 from fsdp_lab.config import low_precision as rules
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.engine import low_precision
+from fsdp_lab.engine import low_precision, nf4
 from fsdp_lab.engine import model as model_lib
 
 pytest.importorskip("torchao")
@@ -91,28 +91,26 @@ def test_nf4_quantises_the_frozen_projections_and_keeps_the_adapters():
     )
     assert "a LoRA adapter" in record["layers"]["model.layers.*.self_attn.q_proj.lora_A.default"]
     q = model.model.layers[0].self_attn.q_proj
-    assert low_precision.is_nf4(q.base_layer.weight) and not q.base_layer.weight.requires_grad
-    assert q.lora_A["default"].weight.requires_grad and not low_precision.is_nf4(
-        model.lm_head.weight
-    )
+    assert nf4.is_nf4(q.base_layer.weight) and not q.base_layer.weight.requires_grad
+    assert q.lora_A["default"].weight.requires_grad and not nf4.is_nf4(model.lm_head.weight)
     model, cfg = meta_model(*QLORA, "model.intermediate_size=128")  # no 16384-value weight
     with pytest.raises(ConfigError, match="converts no layer of this model"):
         low_precision.apply(model, cfg)
 
 
 def test_the_per_shard_quantiser_gives_torchaos_bytes():
-    _, to_nf4 = low_precision.nf4_api()
+    _, to_nf4 = nf4.nf4_api()
     w = torch.randn(256, 128, generator=torch.Generator().manual_seed(0)) * 0.02
     want = to_nf4(w)
-    data, scales, factor, lut = low_precision.nf4_quantize(w, want.scaler_mean)
+    data, scales, factor, lut = nf4.nf4_quantize(w, want.scaler_mean)
     assert torch.equal(data, want.quantized_data) and torch.equal(scales, want.quantized_scalers)
     assert torch.equal(factor, want.quantization_factor) and torch.equal(lut, want.nf4)
     # Each half quantised with the whole tensor's mean is the whole tensor's half.
-    top = low_precision.nf4_quantize(w[:128], want.scaler_mean)
+    top = nf4.nf4_quantize(w[:128], want.scaler_mean)
     assert torch.equal(top[0], want.quantized_data[: want.quantized_data.numel() // 2])
     # The whole tensor's dequantised values (its mean summed in float64, as the shards' is: a
     # scale may round the other way than under torchao's float32 mean, by one int8 step).
-    diff = low_precision.round_trip(w) - want.get_original_weight()
+    diff = nf4.round_trip(w) - want.get_original_weight()
     assert diff.abs().max() <= w.abs().max() / 64
     # 4 bits a parameter, an int8 scale per 64 and an fp32 factor per 16384.
     assert pytest.approx(4.127, abs=1e-3) == rules.NF4_BYTES_PER_PARAM * 8
