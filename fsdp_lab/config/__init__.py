@@ -19,6 +19,7 @@ from fsdp_lab.config.data import (
     TrainOn,
 )
 from fsdp_lab.config.errors import ConfigError, first_line
+from fsdp_lab.config.evaluation import HARNESS_EXTRA, EvalConfig
 from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod
 from fsdp_lab.config.load import compose, register_schema, to_typed
 from fsdp_lab.config.model import (
@@ -61,6 +62,7 @@ from fsdp_lab.config.training import (
 )
 
 __all__ = [
+    "HARNESS_EXTRA",
     "ActivationCheckpointingConfig",
     "ActivationCheckpointingMode",
     "Backend",
@@ -73,6 +75,7 @@ __all__ = [
     "DataConfig",
     "DataKind",
     "Dtype",
+    "EvalConfig",
     "ExpertsImplementation",
     "FinetuneConfig",
     "FinetuneMethod",

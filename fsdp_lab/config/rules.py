@@ -11,6 +11,7 @@ from __future__ import annotations
 from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
 from fsdp_lab.config.data import DataKind, check_data
 from fsdp_lab.config.errors import ConfigError, positive
+from fsdp_lab.config.evaluation import check_eval
 from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.hardware import HardwareKind, check_hardware
 from fsdp_lab.config.losses import runs_on_xla
@@ -46,6 +47,7 @@ def check_fields(cfg: Config) -> None:
     _check_checkpoint(cfg.checkpoint)
     check_precision(cfg.precision)
     check_finetune(cfg.finetune)
+    check_eval(cfg.eval)
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
@@ -118,6 +120,11 @@ def _xla_run_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
     checkpoints, fine-tuning, hosts)."""
     s = cfg.sharding
     return (
+        (
+            cfg.eval.prompts is not None or bool(cfg.eval.harness_tasks),
+            "eval.prompts or eval.harness_tasks: generation recompiles at every new length "
+            "on XLA; remove them and score the export with `fsdp-lab eval RUN_DIR` instead",
+        ),
         (
             s.prefetch.forward != 0 or s.prefetch.backward != 1,
             "sharding.prefetch: the XLA "

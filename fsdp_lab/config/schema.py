@@ -17,6 +17,7 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from fsdp_lab.config.data import DataConfig
+from fsdp_lab.config.evaluation import EvalConfig
 from fsdp_lab.config.hardware import HardwareConfig
 from fsdp_lab.config.model import FinetuneConfig, ModelConfig
 from fsdp_lab.config.profiling import ProfileConfig
@@ -37,6 +38,7 @@ class Objective(enum.Enum):
     val_loss = "val_loss"  # the last validation loss (minimize)
     best_val_loss = "best_val_loss"  # the lowest validation loss of the run (minimize)
     tokens_per_s = "tokens_per_s"  # median steady-state throughput, all ranks (maximize)
+    harness = "harness"  # the last lm-eval score eval.objective_metric names (maximize)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: Dict[str, Any] = field(default_factory=dict)
     """The trackers beside metrics.jsonl, one key each (conf/logger/: wandb, tensorboard, mlflow;
     logger=[wandb,tensorboard] for several, logger=none for none), each with a `tracker` naming
@@ -70,7 +73,8 @@ class Config:
     the latest complete checkpoint of."""
     objective: Objective = Objective.val_loss
     """What the run returns to a search (hydra/sweeper=study, hparams_search=...): val_loss (the
-    last validation loss), best_val_loss, or tokens_per_s (to maximize)."""
+    last validation loss), best_val_loss, tokens_per_s (to maximize), or harness (an lm-eval score
+of eval.harness_tasks, eval.objective_metric names which; to maximize)."""
     seed: int = 0
     """Seeds the model init (done once, on rank 0) and the data; the same seed gives the same run
     whatever the world size or strategy."""

@@ -194,6 +194,16 @@ def _messages(value, column: str, where) -> list[dict]:
     return out
 
 
+def render_prompt(messages: list[dict], fmt: ChatFormat, where: Callable[[], str]) -> str:
+    """A conversation as the model is asked to continue it: rendered with the template's
+    generation prompt (eval.prompts' chat prompts)."""
+    try:
+        checked = _messages(messages, "messages", where)
+    except ConfigError as e:  # named by where(), not by data.files
+        raise ConfigError(str(e).removeprefix("data.files: ")) from None
+    return _render(checked, fmt, True, where)
+
+
 def _render(messages: list[dict], fmt: ChatFormat, generation: bool, where) -> str:
     """What ``tokenizer.apply_chat_template(messages, tokenize=False)`` renders: the same
     renderer, with the special tokens as template variables."""

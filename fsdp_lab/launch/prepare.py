@@ -82,12 +82,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     files = weights.local_files(cfg.model.name_or_path) if cfg.model.pretrained else None
-    if tokenizer is not None and len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-            f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
-            f"model.vocab_size>={len(tokenizer)}"
-        )
+    _check_vocab(tokenizer, hf_config)
     if cfg.data.kind is not DataKind.synthetic:
         # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
         # before any rank starts, and the ranks find the result in the cache.
@@ -103,6 +98,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
                 "data.validation_fraction=%s leaves no validation blocks: no evaluation",
                 cfg.data.validation_fraction,
             )
+    cfg = _check_eval(cfg, tokenizer, hf_config)
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
     meta_model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
@@ -119,6 +115,34 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         expert_parallel.check(meta_model, cfg.parallel.expert)
     wrap.select_units(meta_model, cfg.wrap)
     return cfg, meta_model
+
+
+def _check_vocab(tokenizer, hf_config) -> None:
+    if tokenizer is not None and len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer) or set "
+            f"model.vocab_size>={len(tokenizer)}"
+        )
+
+
+def _check_eval(cfg: Config, tokenizer, hf_config) -> Config:
+    """eval.prompts read and rendered, eval.harness_tasks found and loaded, once here: a bad
+    prompt file or task fails before any rank starts. Returns the config with the prompt file
+    and the task folder as absolute paths (a rank may start elsewhere)."""
+    from fsdp_lab.train.evaluation import check_eval_setup
+
+    e = cfg.eval
+    check_eval_setup(cfg, tokenizer, hf_config)
+    paths = {}
+    if isinstance(e.prompts, str):
+        paths["prompts"] = str(Path(e.prompts).expanduser().resolve())
+    if e.harness_tasks:
+        from fsdp_lab.train.harness import HarnessTasks, include_dir
+
+        paths["harness_include_path"] = include_dir(e.harness_include_path)
+        HarnessTasks.of(dataclasses.replace(e, **paths)).check()
+    return dataclasses.replace(cfg, eval=dataclasses.replace(e, **paths))
 
 
 def _check_weights(meta_model: torch.nn.Module, files, path: str) -> None:

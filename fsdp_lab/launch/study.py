@@ -54,6 +54,7 @@ DIRECTION = {
     Objective.val_loss: "minimize",
     Objective.best_val_loss: "minimize",
     Objective.tokens_per_s: "maximize",
+    Objective.harness: "maximize",  # accuracy, exact match
 }
 
 
@@ -143,7 +144,12 @@ class StudySweeper(OptunaSweeperImpl):
 def _checked_objective(config, directions: list[str]) -> Objective:
     """``objective=``, refused where the search could not read it or would go the wrong way."""
     objective = sweep.objective_of(config)
-    if objective is not Objective.tokens_per_s and not config.trainer.eval_every:
+    if objective is Objective.harness and not config.eval.harness_tasks:
+        raise ConfigError(
+            "objective=harness needs eval.harness_tasks (the scores it reads); set "
+            "eval.harness_tasks=[task] and eval.objective_metric=task/metric"
+        )
+    if objective in (Objective.val_loss, Objective.best_val_loss) and not config.trainer.eval_every:
         raise ConfigError(
             f"objective={objective.name} needs validation but trainer.eval_every=0: set "
             "trainer.eval_every (validation also runs after the last step) or "

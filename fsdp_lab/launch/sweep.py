@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError, Objective
 from fsdp_lab.launch import run
@@ -79,7 +79,8 @@ class SweepJobs:
         self.trials = self.trials or trial
         code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
         if code == 0:
-            return objective_value(run_dir, objective_of(dict_cfg))
+            metric = OmegaConf.select(dict_cfg, "eval.objective_metric")
+            return objective_value(run_dir, objective_of(dict_cfg), metric)
         if not multirun or code in (preempt.EXIT_CODE, 130):
             sys.exit(code)
         name = " ".join(JobRecord.from_dict(job).overrides) if job else str(run_dir)
@@ -115,10 +116,11 @@ def objective_of(config: DictConfig) -> Objective:
         ) from None
 
 
-def objective_value(run_dir: Path, objective: Objective) -> float | None:
-    """The run's result that ``objective`` names (run.json's), None if it recorded none."""
+def objective_value(run_dir: Path, objective: Objective, metric: str | None = None) -> float | None:
+    """The run's result that ``objective`` names (run.json's), None if it recorded none;
+    objective=harness: the score ``metric`` (eval.objective_metric) names."""
     results = rundir.read_run_file(run_dir).results
-    return results.objective(objective) if results is not None else None
+    return results.objective(objective, metric) if results is not None else None
 
 
 def _record_failure(run_dir: Path, code: int, config_error: str | None, job: dict | None) -> str:

@@ -13,7 +13,9 @@ from tqdm import tqdm
 
 from fsdp_lab.observe.record import (
     EvalRecord,
+    HarnessRecord,
     RunResults,
+    SampleRecord,
     StepRecord,
     split_of,
     step_of,
@@ -117,10 +119,11 @@ def tracker_history(path: Path) -> list[dict]:
 
 @dataclass
 class MetricRows:
-    """A metrics.jsonl's train and val rows, typed, in the order written."""
+    """A metrics.jsonl's train, val and harness rows, typed, in the order written."""
 
     train: list[StepRecord] = field(default_factory=list)
     val: list[EvalRecord] = field(default_factory=list)
+    harness: list[HarnessRecord] = field(default_factory=list)
 
 
 def read_rows(path: Path, *, whole_lines_only: bool = False) -> MetricRows:
@@ -148,7 +151,22 @@ def read_rows(path: Path, *, whole_lines_only: bool = False) -> MetricRows:
                 rows.train.append(StepRecord.from_dict(row))
             case EvalRecord.SPLIT:
                 rows.val.append(EvalRecord.from_dict(row))
+            case HarnessRecord.SPLIT:
+                rows.harness.append(HarnessRecord.from_dict(row))
     return rows
+
+
+def read_samples(path: Path) -> list[SampleRecord]:
+    """samples.jsonl's lines (none without the file; a line cut short by a kill is skipped)."""
+    if not path.is_file():
+        return []
+    samples = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            samples.append(SampleRecord.from_dict(json.loads(line)))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return samples
 
 
 def step_of_line(line: str) -> int | None:
@@ -162,10 +180,15 @@ class RunSummary:
     def __init__(self) -> None:
         self._train: list[StepRecord] = []
         self._val: list[EvalRecord] = []
+        self._harness: HarnessRecord | None = None  # the last
 
-    def add(self, record: StepRecord | EvalRecord) -> None:
-        """A train or val record (a profile window's record is run.json's `profile`)."""
-        (self._val if isinstance(record, EvalRecord) else self._train).append(record)
+    def add(self, record: StepRecord | EvalRecord | HarnessRecord) -> None:
+        """A train, val or harness record (a profile window's record is run.json's
+        `profile`)."""
+        if isinstance(record, HarnessRecord):
+            self._harness = record
+        else:
+            (self._val if isinstance(record, EvalRecord) else self._train).append(record)
 
     def results(self) -> RunResults:
         """Steady-state figures are medians over this attempt's steps after its first (which
@@ -183,7 +206,19 @@ class RunSummary:
             median_step_time_s=_median([r.step_time_s for r in steady]),
             median_mfu=_median([r.mfu for r in steady]),
             peak_mem_bytes=max((r.peak_mem_bytes for r in train), default=None),
+            **harness_results(self._harness),
         )
+
+
+def harness_results(record: HarnessRecord | None) -> dict:
+    """RunResults' harness fields from the last harness record ({} without one)."""
+    if record is None:
+        return {}
+    return {
+        "harness": record.scores,
+        "harness_step": record.step,
+        "harness_source": record.source,
+    }
 
 
 def _median(values: list[float | None]) -> float | None:

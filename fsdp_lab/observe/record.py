@@ -9,6 +9,8 @@ it, ``from_dict`` reads one back. Other packages read the fields, never the keys
 - ``StepRecord``, ``EvalRecord``: a row of metrics.jsonl, one per optimizer step (``"split":
   "train"``) and one per evaluation (``"val"``). A profiled window's row (``"profile"``) is
   ``observe.profile.summary.metrics_record``'s.
+- ``HarnessRecord``: a row of metrics.jsonl (``"harness"``) per lm-eval evaluation;
+  ``SampleRecord``: a line of samples.jsonl, one prompt's completion at one evaluation.
 - ``JobRecord``: the launcher's record of a job (``launch.sweep.job_info``), run.json's ``job``.
 
 ``from_dict`` takes what any version of fsdp_lab wrote: a key the file lacks reads None (or its
@@ -163,6 +165,11 @@ class RunResults:
     median_mfu: float | None = None
     peak_mem_bytes: int | None = None  # the highest over steps and ranks
     total_time_s: float | None = field(default=None, metadata=OMIT_NONE)  # once it ended
+    # eval.harness_tasks (or fsdp-lab eval): the last lm-eval scores, `task/metric` -> value,
+    # the step they were taken at and on what (the sharded model, or an export):
+    harness: dict[str, float] | None = field(default=None, metadata=OMIT_NONE)
+    harness_step: int | None = field(default=None, metadata=OMIT_NONE)
+    harness_source: str | None = field(default=None, metadata=OMIT_NONE)
 
     def to_dict(self) -> dict:
         return _to_dict(self)
@@ -176,9 +183,14 @@ class RunResults:
         ended."""
         return {**self.to_dict(), **RunRecord(step=step).to_dict()}
 
-    def objective(self, objective: Objective) -> float | None:
-        """What train.py returns to a sweeper for ``objective=``; None if the run has none."""
-        value = getattr(self, objective_result(objective))
+    def objective(self, objective: Objective, metric: str | None = None) -> float | None:
+        """What train.py returns to a sweeper for ``objective=``; None if the run has none.
+        objective=harness: the score ``metric`` names (``task/metric``; None: the first)."""
+        if objective is Objective.harness:
+            scores = self.harness or {}
+            value = scores.get(metric) if metric else next(iter(scores.values()), None)
+        else:
+            value = getattr(self, objective_result(objective))
         return float(value) if isinstance(value, int | float) else None
 
 
@@ -191,6 +203,8 @@ def objective_result(objective: Objective) -> str:
             return "best_val_loss"
         case Objective.tokens_per_s:
             return "median_tokens_per_s"
+        case Objective.harness:
+            return "harness"
         case _:
             raise ValueError(f"objective={objective}: no result names it")
 
@@ -324,6 +338,44 @@ class EvalRecord(_Row):
     val_ppl: float | None = None
     val_tokens: int | None = None
     eval_time_s: float | None = None
+
+
+@dataclass
+class HarnessRecord(_Row):
+    """One lm-evaluation-harness evaluation (eval.harness_tasks, or fsdp-lab eval)."""
+
+    SPLIT: ClassVar[str] = "harness"
+    scores: dict[str, float] | None = None  # `task/metric` -> value (lm-eval's metric names)
+    harness_time_s: float | None = None
+    source: str | None = None  # "sharded": the model being trained; "export": its hf/ export
+
+
+@dataclass
+class SamplesRecord(_Row):
+    """One evaluation's generations (eval.prompts), in numbers; their text is samples.jsonl's."""
+
+    SPLIT: ClassVar[str] = "samples"
+    prompts: int | None = None
+    new_tokens: int | None = None  # generated over all prompts (EOS not counted)
+    samples_time_s: float | None = None  # every rank's share, in lockstep: the slowest rank's
+
+
+@dataclass
+class SampleRecord:
+    """A line of samples.jsonl: one prompt's completion at one evaluation (eval.prompts)."""
+
+    step: int
+    index: int  # the prompt's place in eval.prompts
+    prompt: str
+    output: str
+    tokens: int  # new tokens generated (EOS not counted)
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SampleRecord:
+        return _from_dict(cls, data)
 
 
 def record_keys() -> frozenset[str]:

@@ -18,6 +18,7 @@ from fsdp_lab.observe.record import RunRecord
 
 CONFIG_FILE, METRICS_FILE, RUN_FILE, LOG_DIR = "config.yaml", "metrics.jsonl", "run.json", "logs"
 HF_EXPORT_DIR = "hf"
+SAMPLES_FILE = "samples.jsonl"  # eval.prompts' completions, one line per prompt and evaluation
 STUDY_FILE = "study.json"  # a sweep dir's Optuna study (hydra/sweeper=study), see launch.study
 
 

@@ -10,6 +10,7 @@ fsdp-lab profile RUN_DIR               # profile=trace: where each step's time w
 fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
 fsdp-lab data prepare OVERRIDES...     # a run's corpus tokenised into the cache, no run
 fsdp-lab data preview OVERRIDES... -n 3 # data=chat: the first rows, learned spans marked
+fsdp-lab eval RUN_DIR --tasks T1,T2    # lm-evaluation-harness scores of a run's export
 """
 
 from __future__ import annotations
@@ -275,6 +276,18 @@ def _data(args) -> int:
 
 # Each command: (its argparse sub-parser, what it runs). Imports happen when a command runs,
 # so `fsdp-lab plan` does not load the checkpoint code, nor `export` the planner.
+def _add_eval(sub, name: str) -> None:
+    from fsdp_lab.tools import evaluate
+
+    evaluate.add_parser(sub, name)
+
+
+def _eval(args) -> int:
+    from fsdp_lab.tools import evaluate
+
+    return evaluate.run(args)
+
+
 COMMANDS = {
     "export": (_add_export, _export),
     "verify": (_add_verify, _verify),
@@ -284,6 +297,7 @@ COMMANDS = {
     "report": (_add_report, _report),
     "profile": (_add_profile, _profile),
     "data": (_add_data, _data),
+    "eval": (_add_eval, _eval),
 }
 
 

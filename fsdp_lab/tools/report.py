@@ -22,10 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe import rundir, trackers
-from fsdp_lab.observe.loggers import MetricRows, read_rows
+from fsdp_lab.observe.loggers import MetricRows, read_rows, read_samples
 from fsdp_lab.observe.profile.result import ProfileResult, StepBreakdown
 from fsdp_lab.observe.record import JobRecord, RunRecord, RunResults, StepRecord
-from fsdp_lab.observe.rundir import METRICS_FILE, RUN_FILE, STUDY_FILE, write_atomic
+from fsdp_lab.observe.rundir import (
+    METRICS_FILE,
+    RUN_FILE,
+    SAMPLES_FILE,
+    STUDY_FILE,
+    write_atomic,
+)
 from fsdp_lab.tools.report_plots import write_plots
 from fsdp_lab.tools.report_render import Figures, Job, render_markdown
 
@@ -83,7 +89,8 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         fallback = sweep_overrides[num] if 0 <= num < len(sweep_overrides) else None
         options = job_options(run.job_record, fallback, base_choices)
         rows = _rows(d / METRICS_FILE)
-        jobs.append(Job(d.name, run, options, rows.train, rows.val))
+        samples = read_samples(d / SAMPLES_FILE)
+        jobs.append(Job(d.name, run, options, rows.train, rows.val, samples))
     return jobs
 
 
@@ -205,6 +212,7 @@ def summarize(job: Job) -> Figures:
     steady = [r for r in train if r.step not in warm] or train
     losses, val_losses = _numbers(r.loss for r in train), _numbers(r.val_loss for r in job.val)
     steps = _numbers(r.step for r in train)
+    last = max((s.step for s in job.samples), default=None)
     return Figures(
         steps=int(steps[-1]) if steps else run.step,
         tokens_per_s=_median(r.tokens_per_s for r in steady),
@@ -214,7 +222,17 @@ def summarize(job: Job) -> Figures:
         val_loss=val_losses[-1] if val_losses else None,
         mfu=_median(r.mfu for r in steady),
         profile=_profile(run.facts.profile if run.facts else None),
+        harness=_harness(run.results),
+        sample=next((s.output for s in job.samples if s.step == last), None),
     )
+
+
+def _harness(results: RunResults | None) -> dict[str, float]:
+    """run.json's last harness scores (`task/metric` -> value); {} without any."""
+    scores = results.harness if results is not None else None
+    if not isinstance(scores, dict):
+        return {}
+    return {str(k): float(v) for k, v in scores.items() if _numbers([v])}
 
 
 def _profile(section) -> StepBreakdown | None:

@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.observe.profile.result import StepBreakdown
-from fsdp_lab.observe.record import EvalRecord, RunRecord, StepRecord
+from fsdp_lab.observe.record import EvalRecord, RunRecord, SampleRecord, StepRecord
 
 THROUGHPUT_PNG, LOSS_PNG = "throughput_vs_memory.png", "loss_curves.png"
 STEP_BREAKDOWN_PNG = "step_breakdown.png"  # only where a job ran with profile=trace
@@ -33,6 +33,7 @@ class Job:
     options: dict[str, str]  # its group choices and overrides, key -> value; {} if unknown
     train: list[StepRecord]  # metrics.jsonl records, one per optimizer step
     val: list[EvalRecord]  # one per evaluation
+    samples: list[SampleRecord] = field(default_factory=list)  # samples.jsonl (eval.prompts)
 
     @property
     def status(self) -> str:
@@ -52,6 +53,8 @@ class Figures:
     mfu: float | None  # median after the first step; None where the device has no peak FLOPs
     # profile=trace's mean step over its window and ranks; None for a job not profiled
     profile: StepBreakdown | None = None
+    harness: dict[str, float] = field(default_factory=dict)  # the last lm-eval scores
+    sample: str | None = None  # the last evaluation's first generation (eval.prompts)
 
 
 # Long: report.md's sections in the order a reader meets them.
@@ -94,6 +97,8 @@ def render_markdown(
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
     has_profile = any(f.profile is not None for f in figures)
+    scores = list(dict.fromkeys(name for f in figures for name in f.harness))
+    has_sample = any(f.sample is not None for f in figures)
     header = [
         "job",
         *varying,
@@ -107,6 +112,7 @@ def render_markdown(
     ]
     header += ["val loss"] * has_val + ["MFU"] * has_mfu
     header += [name for name, _ in PROFILE_COLUMNS] * has_profile
+    header += scores + ["first sample"] * has_sample
     if study:
         header.append(f"objective ({study.get('objective')})")
     lines += [_row(header), _row(["---"] * len(header))]
@@ -125,10 +131,13 @@ def render_markdown(
         ]
         cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
         cells += _profile_cells(f.profile) * has_profile
+        cells += [_fmt(f.harness.get(name), "{:.4f}") for name in scores]
+        cells += [_sample_cell(f.sample)] * has_sample
         if study:
             cells.append(_fmt(values.get(job.name), "{:.6g}"))
         lines.append(_row(cells))
-    lines += ["", *NOTES, *[PROFILE_NOTE] * has_profile, ""]
+    notes = [*NOTES, *[PROFILE_NOTE] * has_profile, *[HARNESS_NOTE] * bool(scores)]
+    lines += ["", *notes, *[SAMPLE_NOTE] * has_sample, ""]
     lines += [
         f"![throughput vs peak memory]({THROUGHPUT_PNG})",
         "",
@@ -177,6 +186,26 @@ PROFILE_NOTE = (
     "(the profiled steps, which carry the profiler's own cost: a few % above step time). "
     "Per FSDP unit: `fsdp-lab profile JOB_DIR`."
 )
+
+
+HARNESS_NOTE = (
+    "- **task/metric** (eval.harness_tasks, or `fsdp-lab eval`): lm-evaluation-harness's "
+    "score of the job's model, the last one its run.json holds (lm-eval's `acc,none` is "
+    "`acc`; a filter's score is `metric/filter`)."
+)
+SAMPLE_NOTE = (
+    "- **first sample**: the first prompt's completion at the job's last evaluation "
+    "(eval.prompts; every one is in the job's samples.jsonl)."
+)
+SAMPLE_CHARS = 60  # of a generation, in the table
+
+
+def _sample_cell(text: str | None) -> str:
+    """A generation on one line, cut short; "-" for none."""
+    if text is None:
+        return "-"
+    flat = " ".join(text.split())
+    return flat[: SAMPLE_CHARS - 1] + "…" if len(flat) > SAMPLE_CHARS else flat
 
 
 def _profile_cells(profile: StepBreakdown | None) -> list[str]:

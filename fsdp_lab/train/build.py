@@ -32,6 +32,8 @@ from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
 from fsdp_lab.train import loss as loss_lib
+from fsdp_lab.train.evaluation import BoundaryEvals
+from fsdp_lab.train.generate import Lockstep
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
@@ -75,6 +77,7 @@ class TrainState:
     tokens_seen: int  # before start_step (a resumed run's)
     tokens_per_step: int  # every position of every row of a global batch (throughput, MFU)
     eval_batches: int  # per evaluation; 0: no evaluation
+    evals: BoundaryEvals | None = None  # generations and harness scores (eval.*); None: neither
 
 
 # Long: the state's pieces in the order each needs the ones before it.
@@ -136,6 +139,12 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         * t.grad_accum_steps
         * t.seq_len,
         eval_batches=data.num_val_batches(t.eval_batches) if t.eval_every else 0,
+    )
+    state.evals = BoundaryEvals.of(
+        cfg,
+        tokenizer,
+        facts.hf_config,
+        Lockstep(rank=data.dp_rank, size=data.dp_size, device=ctx.device),
     )
     _resume(cfg, state)
     return state

@@ -30,7 +30,9 @@ from fsdp_lab.observe.profile.result import RankProfile
 from fsdp_lab.train.loss import Loss
 
 if TYPE_CHECKING:
+    from fsdp_lab.observe.record import SampleRecord
     from fsdp_lab.train.build import TrainState
+    from fsdp_lab.train.evaluation import HarnessScores
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,10 @@ class Recorder(Protocol):
 
     def validation(self, step: int, result: EvalResult) -> None: ...
 
+    def samples(self, step: int, samples: list[SampleRecord], time_s: float) -> None: ...
+
+    def harness(self, step: int, result: HarnessScores) -> None: ...
+
     def profile(self, ranks: list[RankProfile], *, analysis_s: float) -> None: ...
 
 
@@ -172,7 +178,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
     after the same step.
     """
     t, ckpt, model = setup.trainer, state.checkpointer, state.sharded.model
-    if state.eval_batches and state.start_step == 0:
+    if state.start_step == 0:
         _evaluate_at(state, setup, 0)
     model.train()
     window = StepWindow(setup.device, tokens_per_step=state.tokens_per_step)
@@ -224,7 +230,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
             moe=result.moe,
         )
         profiled = prof.step(done)  # the profile's window ended: on every rank
-        evaluates = bool(state.eval_batches) and (done % t.eval_every == 0 or done == t.max_steps)
+        evaluates = _evaluates(state, t, done)
         saves = ckpt.should_save(done)
         if done % t.log_every and done != t.max_steps and not (evaluates or saves or profiled):
             continue
@@ -273,18 +279,43 @@ def tokens_seen(state: TrainState, step: int) -> int:
     return state.tokens_seen + (step - state.start_step) * state.tokens_per_step
 
 
-def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
-    result = evaluate(
-        state.sharded.model,
-        state.data,
-        loss=state.loss,
-        num_batches=state.eval_batches,
-        device=setup.device,
-        place=state.sharded.place_batch,
-        replicas=setup.replicas,
+def _validates(state: TrainState, t: TrainerConfig, step: int) -> bool:
+    """Validation loss at step 0 (a fresh run), every eval_every steps and after the last."""
+    return bool(state.eval_batches) and (step % t.eval_every == 0 or step == t.max_steps)
+
+
+def _evaluates(state: TrainState, t: TrainerConfig, step: int) -> bool:
+    """Any evaluation at this step: validation, generations or harness scores."""
+    evals = state.evals
+    return _validates(state, t, step) or (
+        evals is not None and (evals.samples_due(step) or evals.harness_due(step))
     )
-    if setup.reporter is not None:
-        setup.reporter.validation(step, result)
+
+
+def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
+    """Every evaluation due at ``step``, on every rank (each forward is a collective)."""
+    model, reporter, evals = state.sharded.model, setup.reporter, state.evals
+    if _validates(state, setup.trainer, step):
+        result = evaluate(
+            model,
+            state.data,
+            loss=state.loss,
+            num_batches=state.eval_batches,
+            device=setup.device,
+            place=state.sharded.place_batch,
+            replicas=setup.replicas,
+        )
+        if reporter is not None:
+            reporter.validation(step, result)
+    if evals is not None and evals.samples_due(step):
+        started = time.perf_counter()
+        samples = evals.generate(model, step)
+        if reporter is not None:
+            reporter.samples(step, samples, time.perf_counter() - started)
+    if evals is not None and evals.harness_due(step):
+        scores = evals.score(model)
+        if reporter is not None:
+            reporter.harness(step, scores)
 
 
 @dataclass

@@ -9,6 +9,7 @@ with the run's status. The records are ``observe.record``'s dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -23,19 +24,31 @@ from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary, tracke
 from fsdp_lab.observe.profile.recorder import PROFILE_DIR
 from fsdp_lab.observe.profile.result import ProfileResult, RankProfile
 from fsdp_lab.observe.profile.summary import TIMELINE_PNG, metrics_record, summary_line
-from fsdp_lab.observe.record import EvalRecord, JobRecord, RunFacts, RunRecord, StepRecord
+from fsdp_lab.observe.record import (
+    EvalRecord,
+    HarnessRecord,
+    JobRecord,
+    RunFacts,
+    RunRecord,
+    SampleRecord,
+    SamplesRecord,
+    StepRecord,
+)
 from fsdp_lab.observe.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
     RUN_FILE,
+    SAMPLES_FILE,
     read_run_file,
     write_run_file,
 )
 from fsdp_lab.observe.trackers import RunInfo, TrackerSet
 from fsdp_lab.observe.trackers.base import flatten, redact
 from fsdp_lab.train.build import RankContext, TrainState
+from fsdp_lab.train.evaluation import HarnessScores
 
 log = logging.getLogger("fsdp_lab")
+SAMPLE_LOG_CHARS = 120  # of the first sample's output, in the log line of an evaluation
 
 
 def collect_facts(cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
@@ -154,7 +167,7 @@ class Reporter:
             cfg, run_dir, facts, trackers=trackers, start_step=state.start_step, job=claimed.job
         )
 
-    def _emit(self, records: list[StepRecord] | list[EvalRecord]) -> None:
+    def _emit(self, records: list[StepRecord] | list[EvalRecord] | list[HarnessRecord]) -> None:
         self._write_rows([r.to_dict() for r in records])
         for record in records:
             self.summary.add(record)
@@ -200,6 +213,47 @@ class Reporter:
             result.loss,
             result.perplexity,
             result.tokens,
+        )
+
+    def samples(self, step: int, samples: list[SampleRecord], time_s: float) -> None:
+        """One evaluation's generations: appended to samples.jsonl (a resumed run continues
+        it), sent to every tracker, their count and time a metrics.jsonl row, the first one in
+        the log."""
+        rows = [s.to_dict() for s in samples]
+        with (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        tokens = sum(s.tokens for s in samples)
+        self._write_rows(
+            [SamplesRecord(step, len(samples), tokens, samples_time_s=time_s).to_dict()]
+        )
+        self.trackers.log_samples(rows, step)
+        first = " ".join(samples[0].output.split()) if samples else ""
+        log.info(
+            "step %d: %d samples, %d new tokens in %.1f s (%s); the first: %s",
+            step,
+            len(samples),
+            tokens,
+            time_s,
+            SAMPLES_FILE,
+            first[:SAMPLE_LOG_CHARS] + ("…" if len(first) > SAMPLE_LOG_CHARS else ""),
+        )
+
+    def harness(self, step: int, result: HarnessScores) -> None:
+        """lm-eval's scores of the model being trained: a metrics.jsonl row, the trackers,
+        run.json's results at the end."""
+        scores = result.flat()
+        self._emit(
+            [
+                HarnessRecord(
+                    step=step, scores=scores, harness_time_s=result.time_s, source="sharded"
+                )
+            ]
+        )
+        log.info(
+            "step %d: harness %s (%.1f s)",
+            step,
+            ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
+            result.time_s,
         )
 
     def profile(self, ranks: list[RankProfile], *, analysis_s: float) -> None:

@@ -67,6 +67,7 @@ NOT_RUN = {
     "from-accelerate": "needs accelerate's YAML, which the docs name by path",
     "data": "tokenises a corpus the docs name by path",
     "profile": "needs a profiled run's traces, which the docs name by path",
+    "eval": "needs a run's export or a model directory, which the docs name by path",
 }
 # Commands skipped (pytest shows each with its reason): only what cannot even be composed here,
 # such as an example that names a config the reader writes first. Keyed by the start of the

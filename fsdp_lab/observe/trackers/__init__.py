@@ -139,6 +139,10 @@ class TrackerSet:
             if mine:
                 self._call(name, lambda t, mine=mine: _send(t, mine))
 
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        """One evaluation's generations (samples.jsonl's lines) to every tracker."""
+        self._each(lambda t: t.log_samples(samples, step))
+
     def finish(self, *, status: str, summary: dict, files: list[Path]) -> None:
         """The run's files and summary; every tracker closed."""
         clean = {k: v for k, v in summary.items() if v is not None}

@@ -91,6 +91,11 @@ class Tracker(abc.ABC):
     def flush(self) -> None:  # noqa: B027 - optional: for trackers that send in batches
         """The end of a logging window: send what ``log_metrics`` buffered."""
 
+    def log_samples(self, samples: list[dict], step: int) -> None:  # noqa: B027 - optional
+        """One evaluation's generations (eval.prompts): samples.jsonl's lines at ``step``, each
+        with its prompt, output and token count. fsdp_lab's trackers keep them as a table (W&B),
+        text artifacts (MLflow) or text (TensorBoard); samples.jsonl has them either way."""
+
     def log_files(self, paths: list[Path]) -> None:  # noqa: B027 - optional: some keep no files
         """Files of the finished run (run.json, config.yaml) as the tracker's artifacts."""
 
@@ -121,12 +126,21 @@ def settings_of(tracker_cls: type[Tracker], raw: dict) -> Any:
 def metrics_of(record: dict) -> dict[str, float]:
     """A metrics.jsonl record as trackers' numbers: `train/<key>` for a step (peak memory in
     GiB, per rank up to 8 ranks), `val/loss`, `val/ppl`, `val/tokens` for an evaluation,
+    `harness/<task>/<metric>` for lm-eval's scores, `samples/new_tokens` and `samples/time_s`
+    for an evaluation's generations,
     `profile/<time or share>` for a profiled window (profile=trace)."""
     if record["split"] == "profile":  # a profiled window's means (profile=trace)
         return {
             f"profile/{k}": v
             for k, v in record.items()
             if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+    if record["split"] == "harness":  # lm-eval's scores, task/metric
+        return {f"harness/{name}": v for name, v in (record.get("scores") or {}).items()}
+    if record["split"] == "samples":  # eval.prompts: the generations' cost (text: log_samples)
+        return {
+            "samples/new_tokens": record["new_tokens"],
+            "samples/time_s": record["samples_time_s"],
         }
     if record["split"] != "train":
         return {

@@ -131,6 +131,11 @@ class MlflowTracker(Tracker):
         for i in range(0, len(pending), _MAX_METRICS):
             self._client.log_batch(self._run_id, metrics=pending[i : i + _MAX_METRICS])
 
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        """One text artifact per evaluation: samples/step_<step>.jsonl (samples.jsonl's lines)."""
+        text = "".join(json.dumps(s) + "\n" for s in samples)
+        self._client.log_text(self._run_id, text, f"samples/step_{step:07d}.jsonl")
+
     def log_files(self, paths: list[Path]) -> None:
         for path in paths:
             self._client.log_artifact(self._run_id, str(path))

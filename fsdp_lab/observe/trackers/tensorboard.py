@@ -69,6 +69,12 @@ class TensorBoardTracker(Tracker):
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, global_step=step)
 
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        """Each prompt's completion as text (`samples/<index>`), at the evaluation's step."""
+        for s in samples:
+            text = f"prompt: {s['prompt']}\n\noutput ({s['tokens']} tokens): {s['output']}"
+            self._writer.add_text(f"samples/{s['index']}", text, global_step=step)
+
     def finish(self, *, status: str, summary: dict) -> None:
         self._writer.add_text("summary", json.dumps({"status": status, **summary}, indent=1))
         self._writer.close()

@@ -93,6 +93,9 @@ class WandbSettings:
             raise ValueError(f"init_timeout_s={self.init_timeout_s}: must be positive")
 
 
+SAMPLE_COLUMNS = ("step", "index", "prompt", "output", "tokens")  # samples.jsonl's keys
+
+
 class WandbTracker(Tracker):
     """Rank 0's W&B run."""
 
@@ -101,6 +104,7 @@ class WandbTracker(Tracker):
 
     def __init__(self, run, info: dict, run_dir: Path) -> None:
         self._run, self._run_dir = run, run_dir
+        self._samples: list[list] = []  # every evaluation's so far: each table logs them all
         self._info = info  # kept in run.json: id, mode, project, group, name
 
     @property
@@ -168,6 +172,16 @@ class WandbTracker(Tracker):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
+
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        """A `samples` table of every evaluation's generations so far (W&B keeps each logged
+        table as a version; the last holds the whole run's, as TRL's completions table)."""
+        import wandb
+
+        self._samples += [[s[c] for c in SAMPLE_COLUMNS] for s in samples]
+        self._run.log(
+            {"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=self._samples)}, step=step
+        )
 
     def log_files(self, paths: list[Path]) -> None:
         """The run's files (run.json, config.yaml, profile=trace's traces and timeline) as one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import ROOT
 from hydra import compose, initialize_config_dir
@@ -287,3 +289,18 @@ def test_one_data_file_needs_no_brackets():
     ]
     with pytest.raises(ConfigError, match=r"data\.files=3 must be a path or a list of paths"):
         to_typed(compose_cfg("data=text", "data.files=3"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("eval.max_new_tokens=0", "eval.max_new_tokens=0 must be"),
+        ("eval.temperature=-1", "eval.temperature=-1.0 must be >= 0"),
+        ("eval.top_p=0", "eval.top_p=0.0 must be in"),
+        ("eval.harness_every=-2", "eval.harness_every=-2 must be >= 0"),
+        ("eval.harness_include_path=tasks", "eval.harness_tasks is empty"),
+    ],
+)
+def test_bad_eval_fields_are_one_line(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        to_typed(compose_cfg(override))

@@ -189,6 +189,24 @@ def test_mfu_gets_a_column_when_recorded(tmp_path):
     assert [r["MFU"] for r in rows] == ["25.0%", "-"]
 
 
+def test_harness_scores_and_the_first_sample_get_columns(tmp_path):
+    write_job(tmp_path, 0, steps=3, harness={"arc_easy/acc": 0.5, "lab_gen/exact_match": 0.25})
+    write_job(tmp_path, 1, steps=3, harness={"arc_easy/acc": 0.75})  # scored on one task
+    write_job(tmp_path, 2, steps=3)  # no eval.harness_tasks
+    long = "To be, or not to be:\nthat is the question. " * 4
+    for step, text in ((0, "before"), (3, long)):
+        with (tmp_path / "0" / "samples.jsonl").open("a") as f:
+            sample = {"step": step, "index": 0, "prompt": "Hamlet:", "output": text, "tokens": 9}
+            f.write(json.dumps(sample) + "\n")
+    header, rows = read_table(write_report(tmp_path)[0])
+    assert header[-3:] == ["arc_easy/acc", "lab_gen/exact_match", "first sample"]
+    assert [r["arc_easy/acc"] for r in rows] == ["0.5000", "0.7500", "-"]
+    assert [r["lab_gen/exact_match"] for r in rows] == ["0.2500", "-", "-"]
+    first = rows[0]["first sample"]  # the last evaluation's, on one line, cut short
+    assert first.startswith("To be, or not to be: that is") and first.endswith("…")
+    assert len(first) <= 60 and rows[1]["first sample"] == "-"
+
+
 def test_an_old_sweep_without_job_records_reads_multirun_yaml(tmp_path):
     for num in range(4):
         job_dir = write_job(tmp_path, num, steps=2)

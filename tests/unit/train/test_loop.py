@@ -103,6 +103,7 @@ def train_state(sharded, optimizer, scheduler, data, loss, *, checkpointer, toke
         tokens_seen=0,
         tokens_per_step=tokens_per_step,
         eval_batches=0,
+        evals=None,
     )
 
 
