@@ -45,6 +45,7 @@ bench: setup
 	$(PY) benchmarks/bench_loading.py
 	$(PY) benchmarks/bench_activation_checkpointing.py
 	$(PY) benchmarks/bench_finetune.py
+	$(PY) benchmarks/bench_eval.py
 	$(PY) benchmarks/bench_data.py
 	$(PY) benchmarks/bench_profile.py
 	$(PY) benchmarks/bench_host_memory.py

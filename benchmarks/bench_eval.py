@@ -79,6 +79,7 @@ def run(tmp: Path, name: str, a) -> dict:
             "eval.harness_include_path=tests/harness_tasks",
             "checkpoint=none",
             "logger=none",
+            f"eval.keep_gathered={str(a.keep_gathered).lower()}",
             *overrides,
         ],
         cwd=ROOT,
@@ -113,6 +114,9 @@ def main() -> None:
     p.add_argument("--only", choices=sorted(MODELS), help="one model only")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--gpu", action="store_true", help="hardware=gpu, precision=bf16")
+    p.add_argument(
+        "--keep-gathered", action="store_true", help="eval.keep_gathered=true: gather once"
+    )
     a = p.parse_args()
     names = [a.only] if a.only else list(MODELS)
     print(

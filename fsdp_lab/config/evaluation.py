@@ -31,6 +31,10 @@ class EvalConfig:
     world size and on every evaluation from the same weights."""
     batch_size: int = 8
     """Prompts (or harness requests) per forward on each data-parallel rank."""
+    keep_gathered: bool = False
+    """Generations and harness scores gather each FSDP unit's weights once, not at every
+    forward (one a token): much faster, but every rank holds the whole model's weights (in
+    param_dtype) meanwhile, as sharding=no_shard does. false: the memory of training."""
     harness_tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks (names or groups) scored on the model being trained, on
     every rank in lockstep (no export): e.g. [hellaswag,arc_easy] where the hub is reachable,

@@ -48,6 +48,19 @@ def check_fields(cfg: Config) -> None:
     check_precision(cfg.precision)
     check_finetune(cfg.finetune)
     check_eval(cfg.eval)
+    _check_eval_layout(cfg)
+
+
+def _check_eval_layout(cfg: Config) -> None:
+    """Generation's sequences grow a token at a time: sequence parallelism cannot split them."""
+    e = cfg.eval
+    if (e.prompts is not None or e.harness_tasks) and cfg.parallel.sequence_parallel:
+        what = "eval.prompts" if e.prompts is not None else "eval.harness_tasks"
+        raise ConfigError(
+            f"{what} with parallel.sequence_parallel=true: generation feeds one token at a "
+            "time, which cannot be split over the tensor-parallel ranks; set "
+            "parallel.sequence_parallel=false, or score the export with `fsdp-lab eval`"
+        )
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:

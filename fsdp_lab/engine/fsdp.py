@@ -10,6 +10,8 @@ knows of either.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -190,6 +193,41 @@ class Fsdp2Model(ShardedModel):
                 out[name] = whole.cpu()
             del whole
         return out if rank0 else None
+
+    @contextlib.contextmanager
+    def weights_kept_gathered(self, enabled: bool = True) -> Iterator[None]:
+        """Every FSDP unit keeps its weights unsharded after its first forward in the block (as
+        ``reshard_after_forward=False`` does) and reshards them at its end, restoring each
+        unit's own setting: generation's forwards then all-gather once, not once a token. The
+        whole model's weights (in param_dtype) stay on every rank meanwhile, as sharding=no_shard
+        holds them."""
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if not enabled or not units:
+            yield
+            return
+        # FSDP2 has a setter and no getter: each unit's setting is saved from its state.
+        saved = []
+        for unit in units:
+            state = unit._get_fsdp_state()
+            group = state._fsdp_param_group
+            saved.append(
+                (
+                    state,
+                    state._auto_reshard_after_forward,
+                    group,
+                    group.post_forward_mesh_info if group is not None else None,
+                )
+            )
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+            for state, auto, group, info in saved:
+                state._auto_reshard_after_forward = auto
+                if group is not None:
+                    group.post_forward_mesh_info = info
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (

@@ -8,8 +8,9 @@ one entry per data-parallel rank (per XLA device on tpu).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -51,6 +52,13 @@ class ShardedModel(ABC):
     frozen_fingerprint: str | None = None  # of the frozen base (loading.frozen_fingerprint)
     low_precision: dict | None = None  # float8 / NF4 layers (engine.low_precision's record)
     post_step: Callable[[nn.Module], None] | None = None  # after each optimizer step
+
+    @contextlib.contextmanager
+    def weights_kept_gathered(self, enabled: bool = True) -> Iterator[None]:
+        """Within the block, many small forwards (generation's, one token at a time) gather
+        each unit's weights once instead of at every forward, where the engine can (FSDP2);
+        the weights are sharded again after it. This default: as every forward does."""
+        yield
 
     def after_optimizer_step(self) -> None:
         """What the engine does once the weights moved (float8: their scales, precomputed)."""

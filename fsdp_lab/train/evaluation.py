@@ -99,6 +99,7 @@ class BoundaryEvals:
         self.decoding = Decoding.of(tokenizer, hf_config) if tokenizer is not None else None
         self.sampling = Sampling(e.max_new_tokens, e.temperature, e.top_p, e.seed)
         self.lock, self.batch_size = lock, e.batch_size
+        self.keep_gathered = e.keep_gathered
         self._eval_every, self._max_steps = t.eval_every, t.max_steps
         self._harness = None
         if e.harness_tasks:

@@ -102,11 +102,11 @@ class ShardedLM(TemplateLM):
         pad = self.decoding.pad_id
         ids = torch.tensor([x + [pad] * (width - len(x)) for x in inputs])
         logits = self.model(input_ids=ids.to(self.lock.device)).logits
-        logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
         out = []
-        for (index, whole, continuation), row in zip(rows, logprobs, strict=False):
+        for (index, whole, continuation), row in zip(rows, logits, strict=False):
+            # The continuation's positions only, in fp32: not a B x T x V fp32 copy.
             n = len(continuation)
-            picked = row[len(whole) - n : len(whole)]
+            picked = F.log_softmax(row[len(whole) - n : len(whole)].float(), dim=-1).cpu()
             target = torch.tensor(continuation)
             greedy = bool((picked.argmax(dim=-1) == target).all())
             total = float(picked.gather(1, target[:, None]).sum())

@@ -307,15 +307,18 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
         )
         if reporter is not None:
             reporter.validation(step, result)
-    if evals is not None and evals.samples_due(step):
-        started = time.perf_counter()
-        samples = evals.generate(model, step)
-        if reporter is not None:
-            reporter.samples(step, samples, time.perf_counter() - started)
-    if evals is not None and evals.harness_due(step):
-        scores = evals.score(model)
-        if reporter is not None:
-            reporter.harness(step, scores)
+    if evals is None:
+        return
+    with state.sharded.weights_kept_gathered(evals.keep_gathered):
+        if evals.samples_due(step):
+            started = time.perf_counter()
+            samples = evals.generate(model, step)
+            if reporter is not None:
+                reporter.samples(step, samples, time.perf_counter() - started)
+        if evals.harness_due(step):
+            scores = evals.score(model)
+            if reporter is not None:
+                reporter.harness(step, scores)
 
 
 @dataclass

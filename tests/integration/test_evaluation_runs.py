@@ -118,7 +118,12 @@ def outputs_at(run_dir, step: int) -> list[str]:
     "overrides",
     [
         ("hardware.nproc_per_node=1",),
-        ("hardware.nproc_per_node=4", "sharding=hybrid", "finetune=lora"),
+        (
+            "hardware.nproc_per_node=4",
+            "sharding=hybrid",
+            "finetune=lora",
+            "eval.keep_gathered=true",
+        ),
         ("hardware.nproc_per_node=4", "sharding=full", "parallel.tensor=2"),
     ],
     ids=["1-rank", "4-hybrid-lora", "4-tp2"],
@@ -132,7 +137,8 @@ def test_greedy_samples_equal_generate_on_the_whole_model(llama, tmp_path, overr
 
 def test_expert_parallel_samples_equal_generate(moe, tmp_path):
     run_dir = tmp_path / "run"
-    check_ok(train(run_dir, *base(moe), "hardware.nproc_per_node=2", "parallel.expert=2"))
+    ep = ("hardware.nproc_per_node=2", "parallel.expert=2", "eval.keep_gathered=true")
+    check_ok(train(run_dir, *base(moe), *ep))
     assert outputs_at(run_dir, 0) == reference(moe)
 
 

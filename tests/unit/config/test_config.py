@@ -299,8 +299,12 @@ def test_one_data_file_needs_no_brackets():
         ("eval.top_p=0", "eval.top_p=0.0 must be in"),
         ("eval.harness_every=-2", "eval.harness_every=-2 must be >= 0"),
         ("eval.harness_include_path=tasks", "eval.harness_tasks is empty"),
+        (
+            "eval.prompts=[hi] parallel.sequence_parallel=true",
+            "set parallel.sequence_parallel=false",
+        ),
     ],
 )
 def test_bad_eval_fields_are_one_line(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        to_typed(compose_cfg(override))
+        to_typed(compose_cfg(*override.split()))
