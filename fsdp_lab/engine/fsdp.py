@@ -205,28 +205,27 @@ class Fsdp2Model(ShardedModel):
         if not enabled or not units:
             yield
             return
-        # FSDP2 has a setter and no getter: each unit's setting is saved from its state.
+        # FSDP2 has a setter and no getter: each unit's setting is saved from its state, once
+        # the root's first-forward set-up (which sets the root's own) has run.
+        self.model._get_fsdp_state()._lazy_init()
         saved = []
         for unit in units:
             state = unit._get_fsdp_state()
-            group = state._fsdp_param_group
-            saved.append(
-                (
-                    state,
-                    state._auto_reshard_after_forward,
-                    group,
-                    group.post_forward_mesh_info if group is not None else None,
-                )
-            )
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in [state._fsdp_param_group] if g is not None]
+            infos = [(g, g.post_forward_mesh_info) for g in groups]
+            saved.append((state, getattr(state, "_auto_reshard_after_forward", None), infos))
             unit.set_reshard_after_forward(False, recurse=False)
         try:
             yield
         finally:
             for unit in units:
                 unit.reshard()
-            for state, auto, group, info in saved:
-                state._auto_reshard_after_forward = auto
-                if group is not None:
+            for state, auto, infos in saved:
+                if auto is not None:
+                    state._auto_reshard_after_forward = auto
+                for group, info in infos:
                     group.post_forward_mesh_info = info
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

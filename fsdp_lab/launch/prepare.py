@@ -134,6 +134,14 @@ def _check_eval(cfg: Config, tokenizer, hf_config) -> Config:
 
     e = cfg.eval
     check_eval_setup(cfg, tokenizer, hf_config)
+    if e.keep_gathered and (e.prompts is not None or e.harness_tasks):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not hasattr(FSDPModule, "set_reshard_after_forward"):
+            raise ConfigError(
+                "eval.keep_gathered=true needs FSDP2's set_reshard_after_forward (torch>=2.7); "
+                "upgrade torch or set eval.keep_gathered=false"
+            )
     paths = {}
     if isinstance(e.prompts, str):
         paths["prompts"] = str(Path(e.prompts).expanduser().resolve())
@@ -207,6 +215,7 @@ def _resume_point(
     _claim_run_dir(run_dir, continuing=continuing, job=job)
     if continuing:
         logged = _truncate_metrics(run_dir / rundir.METRICS_FILE, step)
+        _truncate_metrics(run_dir / rundir.SAMPLES_FILE, step)  # eval.prompts' completions
         # A tracker keeps what it logged past the checkpoint; the reporter sends a continued
         # tracker only the steps after it, so a resumed tracker run has every step once.
         rundir.update_run_file(run_dir, logged_through_step=max(logged, step))
@@ -217,8 +226,8 @@ def _resume_point(
 
 
 def _truncate_metrics(path: Path, step: int) -> int:
-    """Drop records of steps after the checkpoint: they are about to be run again. Returns the
-    last step the file had (0 if none)."""
+    """Drop records of steps after the checkpoint (metrics.jsonl's, samples.jsonl's): they are
+    about to be run again. Returns the last step the file had (0 if none)."""
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)

@@ -144,11 +144,18 @@ class StudySweeper(OptunaSweeperImpl):
 def _checked_objective(config, directions: list[str]) -> Objective:
     """``objective=``, refused where the search could not read it or would go the wrong way."""
     objective = sweep.objective_of(config)
-    if objective is Objective.harness and not config.eval.harness_tasks:
-        raise ConfigError(
-            "objective=harness needs eval.harness_tasks (the scores it reads); set "
-            "eval.harness_tasks=[task] and eval.objective_metric=task/metric"
-        )
+    if objective is Objective.harness:
+        tasks, metric = list(config.eval.harness_tasks), config.eval.get("objective_metric")
+        if not tasks:
+            raise ConfigError(
+                "objective=harness needs eval.harness_tasks (the scores it reads); set "
+                "eval.harness_tasks=[task] and eval.objective_metric=task/metric"
+            )
+        if metric is not None and metric.split("/")[0] not in tasks:
+            raise ConfigError(
+                f"eval.objective_metric={metric} names no task of eval.harness_tasks={tasks}; "
+                f"give it as task/metric, e.g. {tasks[0]}/acc"
+            )
     if objective in (Objective.val_loss, Objective.best_val_loss) and not config.trainer.eval_every:
         raise ConfigError(
             f"objective={objective.name} needs validation but trainer.eval_every=0: set "

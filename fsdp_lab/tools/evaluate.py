@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks names no task; give e.g. --tasks hellaswag,arc_easy")
+    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}={value} must be >= 1")
     run_dir, model_dir = _source(Path(args.path))
     harness = HarnessTasks(tasks, include_dir(args.include_path), args.limit, args.num_fewshot)
     harness.task_manager()  # an unknown task fails before the model is read
@@ -80,6 +83,13 @@ def _source(path: Path) -> tuple[Path | None, Path]:
                 f"{path} is a run dir without a Hugging Face export ({rundir.HF_EXPORT_DIR}/): "
                 f"write one with `fsdp-lab export {path} {model_dir}` (or train with "
                 "checkpoint.export_hf=true)"
+            )
+        status = rundir.read_run_file(path).status
+        if status in ("starting", "running"):
+            raise ConfigError(
+                f"{path} is still {status} (run.json): its run.json and trackers are the run's "
+                f"to write; score its export once it ended, or a copy: `fsdp-lab eval "
+                f"{model_dir} ...`"
             )
         return path, model_dir
     if not any((path / f).is_file() for f in MODEL_FILES):

@@ -68,6 +68,18 @@ class Lockstep:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
+    def check_same(self, value: str, what: str) -> None:
+        """Every process holds the same ``value`` (a digest of work each must do alike); one
+        that differs would score or step apart from the others: fail on all of them."""
+        if not dist.is_initialized():
+            return
+        values = process_group.gather_from_processes(value)
+        if len(set(values)) > 1:
+            raise RuntimeError(
+                f"the ranks hold different {what} ({len(set(values))} versions over "
+                f"{len(values)} ranks); every rank must build them alike"
+            )
+
     def gather(self, mine: list[tuple[int, object]]) -> list:
         """Every rank's (index, result) pairs as one list in index order (a TP group's copies
         counted once), on every process."""

@@ -128,9 +128,10 @@ class HarnessTasks:
                 bootstrap_iters=0,
                 log_samples=False,
                 verbosity="ERROR",
-                random_seed=0,
-                numpy_random_seed=0,
-                torch_random_seed=0,
+                # Not the global generators: training's dropout and data draw from them.
+                random_seed=None,
+                numpy_random_seed=None,
+                torch_random_seed=None,
                 fewshot_random_seed=0,
             )
         return {

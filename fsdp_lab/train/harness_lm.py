@@ -13,6 +13,8 @@ Imports lm-eval: reached only through ``train.harness`` once lm-eval is known to
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
@@ -74,6 +76,7 @@ class ShardedLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """(log P(continuation | context), whether it is the greedy continuation) of each
         request; this rank computes its share, then every rank has every answer."""
+        self._check(requests)
         indexed = list(enumerate(requests))
         mine = self.lock.share(indexed)
         mine.sort(key=lambda item: -len(item[1][1] + item[1][2]))  # similar lengths batch
@@ -88,6 +91,20 @@ class ShardedLM(TemplateLM):
         finally:
             self.model.train(was_training)
         return self.lock.gather(answers)
+
+    def _check(self, requests) -> None:
+        """On every rank alike (the same requests everywhere): continuations HFLM would refuse
+        fail here on all ranks, not on the one that holds them; and the requests are the same
+        on every rank (a rank's own answers would otherwise be gathered under others' order)."""
+        for _, context, continuation in requests:
+            if not context or not continuation or len(continuation) > self._max_length:
+                raise ConfigError(
+                    f"a harness request has a context of {len(context)} and a continuation of "
+                    f"{len(continuation)} tokens (the model takes {self._max_length}); check "
+                    "the task's doc_to_text and doc_to_choice"
+                )
+        digest = hashlib.sha256(repr([r[1:] for r in requests]).encode()).hexdigest()
+        self.lock.check_same(digest, "harness requests")
 
     @torch.no_grad()
     def _score(self, batch) -> list[tuple[int, tuple[float, bool]]]:
@@ -107,7 +124,7 @@ class ShardedLM(TemplateLM):
             # The continuation's positions only, in fp32: not a B x T x V fp32 copy.
             n = len(continuation)
             picked = F.log_softmax(row[len(whole) - n : len(whole)].float(), dim=-1).cpu()
-            target = torch.tensor(continuation)
+            target = torch.tensor(continuation, dtype=torch.long)
             greedy = bool((picked.argmax(dim=-1) == target).all())
             total = float(picked.gather(1, target[:, None]).sum())
             out.append((index, (total, greedy)))
@@ -142,6 +159,8 @@ class ShardedLM(TemplateLM):
             by_kwargs.setdefault(repr(sorted(gen_kwargs.items())), []).append(
                 (n, context, gen_kwargs)
             )
+        digest = hashlib.sha256(repr([r.args for r in requests]).encode()).hexdigest()
+        self.lock.check_same(digest, "harness generation requests")
         results: dict[int, str] = {}
         # Every rank holds the same requests, so the groups come in the same order on all.
         for group in by_kwargs.values():
@@ -163,11 +182,15 @@ class ShardedLM(TemplateLM):
             temperature=float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0,
             top_p=float(kwargs.get("top_p") or 1.0),
         )
-        requests = [Request(n, self.tok_encode(context)[-room:]) for n, context, _ in group]
+        requests = [
+            Request(n, self.tok_encode(context)[-room:] or [self.prefix_token_id])
+            for n, context, _ in group
+        ]
         decode = self.decoding.text
 
         def stop(index: int, tokens: list[int]) -> bool:
-            text = decode(tokens)
+            # Raw, as HFLM's stop check decodes: a stop string may be a special token.
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
             return any(s in text for s in until)
 
         mine = self.lock.share(requests)

@@ -180,6 +180,8 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
     t, ckpt, model = setup.trainer, state.checkpointer, state.sharded.model
     if state.start_step == 0:
         _evaluate_at(state, setup, 0)
+        if state.evals is not None and state.evals.harness_due(0):
+            _score_at(state, setup, 0)
     model.train()
     window = StepWindow(setup.device, tokens_per_step=state.tokens_per_step)
 
@@ -256,6 +258,9 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
             # Saved, or skipped under on_save_error=continue: not tried twice at one step.
             ckpt.save(done, tokens_seen(state, done))
             saved_step = done
+        # 5) Harness scores, after the checkpoint: a long or failing task loses no step.
+        if state.evals is not None and state.evals.harness_due(done):
+            _score_at(state, setup, done)
         if stop and done < t.max_steps:
             return LoopEnd(last, preempted=True, saved_step=saved_step)
     return LoopEnd(last, preempted=False, saved_step=saved_step)
@@ -293,7 +298,8 @@ def _evaluates(state: TrainState, t: TrainerConfig, step: int) -> bool:
 
 
 def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
-    """Every evaluation due at ``step``, on every rank (each forward is a collective)."""
+    """Validation and generations due at ``step``, on every rank (each forward is a
+    collective); harness scores come after the step's checkpoint (``_score_at``)."""
     model, reporter, evals = state.sharded.model, setup.reporter, state.evals
     if _validates(state, setup.trainer, step):
         result = evaluate(
@@ -309,16 +315,22 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
             reporter.validation(step, result)
     if evals is None:
         return
-    with state.sharded.weights_kept_gathered(evals.keep_gathered):
-        if evals.samples_due(step):
-            started = time.perf_counter()
+    if evals.samples_due(step):
+        started = time.perf_counter()
+        with state.sharded.weights_kept_gathered(evals.keep_gathered):
             samples = evals.generate(model, step)
-            if reporter is not None:
-                reporter.samples(step, samples, time.perf_counter() - started)
-        if evals.harness_due(step):
-            scores = evals.score(model)
-            if reporter is not None:
-                reporter.harness(step, scores)
+        if reporter is not None:
+            reporter.samples(step, samples, time.perf_counter() - started)
+
+
+def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
+    """lm-eval's scores of the model being trained, on every rank (after the step's
+    checkpoint)."""
+    evals = state.evals
+    with state.sharded.weights_kept_gathered(evals.keep_gathered):
+        scores = evals.score(state.sharded.model)
+    if setup.reporter is not None:
+        setup.reporter.harness(step, scores)
 
 
 @dataclass

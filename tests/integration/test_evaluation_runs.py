@@ -292,11 +292,19 @@ def test_bad_eval_settings_fail_in_one_line_before_any_rank(llama, tmp_path, ove
     assert not (tmp_path / "run" / "logs").exists()  # no rank started
 
 
-def test_eval_cli_refuses_a_run_dir_without_an_export(tmp_path):
+@pytest.mark.parametrize(
+    ("status", "export", "message"),
+    [("completed", False, "fsdp-lab export {run_dir}"), ("running", True, "is still running")],
+)
+def test_eval_cli_refuses_a_run_dir_without_an_export_or_still_running(
+    llama, tmp_path, status, export, message
+):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "run.json").write_text('{"status": "completed"}')
+    (run_dir / "run.json").write_text(json.dumps({"status": status}))
+    if export:
+        save_tiny(run_dir / "hf")
     proc = run_python(["-m", "fsdp_lab.tools.cli", "eval", str(run_dir), "--tasks", TASKS])
     assert proc.returncode == 2, proc.stderr
-    assert f"fsdp-lab export {run_dir}" in proc.stderr.replace("\n", " ")
-    assert not (run_dir / "hf").exists()
+    assert message.format(run_dir=run_dir) in proc.stderr.replace("\n", " ")
+    assert json.loads((run_dir / "run.json").read_text()) == {"status": status}

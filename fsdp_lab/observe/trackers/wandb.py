@@ -96,6 +96,14 @@ class WandbSettings:
 SAMPLE_COLUMNS = ("step", "index", "prompt", "output", "tokens")  # samples.jsonl's keys
 
 
+def _kept_samples(run_dir: Path) -> list[list]:
+    """samples.jsonl's rows as the `samples` table's (a resumed run's table goes on)."""
+    from fsdp_lab.observe.loggers import read_samples
+    from fsdp_lab.observe.rundir import SAMPLES_FILE
+
+    return [[getattr(x, c) for c in SAMPLE_COLUMNS] for x in read_samples(run_dir / SAMPLES_FILE)]
+
+
 class WandbTracker(Tracker):
     """Rank 0's W&B run."""
 
@@ -168,6 +176,8 @@ class WandbTracker(Tracker):
         }
         tracker = cls(wb_run, info, run.run_dir)
         tracker.continues = resume is not None  # resume="allow" with the earlier run's id
+        if tracker.continues:  # the table goes on from the samples the attempt before kept
+            tracker._samples = _kept_samples(run.run_dir)
         return tracker
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -63,3 +63,25 @@ def test_a_study_another_sweep_is_writing_is_refused_as_such(tmp_path):
             study._open_study(sweeper(), tmp_path, ["minimize"], Objective.val_loss)
     finally:
         writer.execute("ROLLBACK")
+
+
+def test_objective_harness_needs_tasks_maximizes_and_reads_the_named_score(tmp_path):
+    import json
+
+    from omegaconf import OmegaConf
+
+    from fsdp_lab.launch import sweep
+
+    config = OmegaConf.create(
+        {"objective": "harness", "eval": {"harness_tasks": []}, "trainer": {"eval_every": 0}}
+    )
+    with pytest.raises(ConfigError, match=r"objective=harness needs eval\.harness_tasks"):
+        study._checked_objective(config, ["maximize"])
+    config.eval.harness_tasks = ["lab_facts_mc"]
+    with pytest.raises(ConfigError, match=r"set hydra\.sweeper\.direction=maximize"):
+        study._checked_objective(config, ["minimize"])
+    assert study._checked_objective(config, ["maximize"]) is Objective.harness
+    scores = {"lab_facts_mc/acc": 0.5, "lab_facts_mc/acc_norm": 0.75}
+    (tmp_path / "run.json").write_text(json.dumps({"status": "completed", "harness": scores}))
+    assert sweep.objective_value(tmp_path, Objective.harness, "lab_facts_mc/acc_norm") == 0.75
+    assert sweep.objective_value(tmp_path, Objective.harness) == 0.5

@@ -30,3 +30,31 @@ def test_a_task_yaml_that_does_not_parse_is_an_unknown_task_in_one_line(tmp_path
     message = str(e.value)
     assert "unknown task broken" in message and str(tmp_path) in message
     assert "does not parse" in message and "\n" not in message
+
+
+def test_a_request_the_model_cannot_take_fails_in_one_line_before_any_forward():
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    from fsdp_lab.train.evaluation import Decoding
+    from fsdp_lab.train.generate import Lockstep
+    from fsdp_lab.train.harness_lm import ShardedLM
+
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    tok = ByT5Tokenizer(extra_ids=0)
+    lm = ShardedLM(
+        LlamaForCausalLM(config), Decoding.of(tok, config), lock=Lockstep(), batch_size=2
+    )
+    good = (("a", "b"), [5, 6], [7])
+    assert len(lm._loglikelihood_tokens([good])) == 1
+    for bad in ((("a", ""), [5], []), (("a", "b" * 20), [5], list(range(20)))):
+        with pytest.raises(ConfigError, match="a harness request has a context of") as e:
+            lm._loglikelihood_tokens([good, bad])
+        assert "\n" not in str(e.value)
