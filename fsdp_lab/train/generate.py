@@ -185,8 +185,20 @@ def _forward(model, ids, mask, positions, cache) -> torch.Tensor:
         position_ids=positions,
         use_cache=True,
         **{_cache_keyword(model): cache},
+        **_last_logits_only(model),
     )
     return output.logits[:, -1, :].float()
+
+
+def _last_logits_only(model: nn.Module) -> dict:
+    """``logits_to_keep=1`` where the forward takes it (transformers' causal LMs, fsdp_lab's
+    fused-loss forward): a prompt's prefill then makes one position's logits, not B x T x V."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
 def _cache_keyword(model: nn.Module) -> str:

@@ -205,13 +205,16 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
             compiled=compiled,
         )
 
-    def forward(self, input_ids=None, labels=None, loss_reduction: str = "mean", **kwargs):
+    def forward(
+        self, input_ids=None, labels=None, loss_reduction: str = "mean", logits_to_keep=0, **kwargs
+    ):
         from transformers.modeling_outputs import CausalLMOutput
 
         hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
         head = self.get_output_embeddings()
-        if labels is None:
-            return CausalLMOutput(logits=head(hidden))
+        if labels is None:  # logits_to_keep: the last positions only, as transformers' (decoding)
+            kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+            return CausalLMOutput(logits=head(kept))
         return CausalLMOutput(loss=head(hidden, shifted_targets(labels), loss_reduction))
 
     head.forward = types.MethodType(head_forward, head)
