@@ -142,15 +142,14 @@ def _check_eval(cfg: Config, tokenizer, hf_config) -> Config:
                 "eval.keep_gathered=true needs FSDP2's set_reshard_after_forward (torch>=2.7); "
                 "upgrade torch or set eval.keep_gathered=false"
             )
-    paths = {}
     if isinstance(e.prompts, str):
-        paths["prompts"] = str(Path(e.prompts).expanduser().resolve())
+        e = dataclasses.replace(e, prompts=str(Path(e.prompts).expanduser().resolve()))
     if e.harness_tasks:
         from fsdp_lab.train.harness import HarnessTasks, include_dir
 
-        paths["harness_include_path"] = include_dir(e.harness_include_path)
-        HarnessTasks.of(dataclasses.replace(e, **paths)).check()
-    return dataclasses.replace(cfg, eval=dataclasses.replace(e, **paths))
+        e = dataclasses.replace(e, harness_include_path=include_dir(e.harness_include_path))
+        HarnessTasks.of(e).check()
+    return dataclasses.replace(cfg, eval=e)
 
 
 def _check_weights(meta_model: torch.nn.Module, files, path: str) -> None:

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     harness = HarnessTasks(tasks, include_dir(args.include_path), args.limit, args.num_fewshot)
     harness.task_manager()  # an unknown task fails before the model is read
     started = time.perf_counter()
-    scores = HarnessScores(harness.evaluate(_lm(model_dir, args.batch_size)), 0.0)
-    scores = dataclasses.replace(scores, time_s=time.perf_counter() - started)
+    results = harness.evaluate(_lm(model_dir, args.batch_size))
+    scores = HarnessScores(results, time.perf_counter() - started)
     if args.json:
         print(json.dumps(scores.flat(), indent=1))
     else:

@@ -54,11 +54,7 @@ class Lockstep:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any process."""
-        if not dist.is_initialized():
-            return flag
-        value = torch.tensor([int(flag)], device=process_group.collective_device(self.device))
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return self.most(int(flag)) > 0
 
     def most(self, count: int) -> int:
         """The largest ``count`` of any process."""
@@ -68,12 +64,13 @@ class Lockstep:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def check_same(self, value: str, what: str) -> None:
-        """Every process holds the same ``value`` (a digest of work each must do alike); one
-        that differs would score or step apart from the others: fail on all of them."""
+    def check_same(self, work: object, what: str) -> None:
+        """Every process holds the same ``work`` (compared by a digest of its repr); one that
+        differs would score or step apart from the others: fail on all of them."""
         if not dist.is_initialized():
             return
-        values = process_group.gather_from_processes(value)
+        digest = hashlib.sha256(repr(work).encode()).hexdigest()
+        values = process_group.gather_from_processes(digest)
         if len(set(values)) > 1:
             raise RuntimeError(
                 f"the ranks hold different {what} ({len(set(values))} versions over "

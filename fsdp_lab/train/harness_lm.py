@@ -13,8 +13,6 @@ Imports lm-eval: reached only through ``train.harness`` once lm-eval is known to
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
@@ -26,7 +24,7 @@ from lm_eval.models.utils import (
 )
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.train.generate import Lockstep, Request, Sampling, generate
+from fsdp_lab.train.generate import Lockstep, Request, Sampling, fit_prompt, generate
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's, for a generation task that names no max_gen_toks
 
@@ -103,8 +101,7 @@ class ShardedLM(TemplateLM):
                     f"{len(continuation)} tokens (the model takes {self._max_length}); check "
                     "the task's doc_to_text and doc_to_choice"
                 )
-        digest = hashlib.sha256(repr([r[1:] for r in requests]).encode()).hexdigest()
-        self.lock.check_same(digest, "harness requests")
+        self.lock.check_same([r[1:] for r in requests], "harness requests")
 
     @torch.no_grad()
     def _score(self, batch) -> list[tuple[int, tuple[float, bool]]]:
@@ -159,8 +156,7 @@ class ShardedLM(TemplateLM):
             by_kwargs.setdefault(repr(sorted(gen_kwargs.items())), []).append(
                 (n, context, gen_kwargs)
             )
-        digest = hashlib.sha256(repr([r.args for r in requests]).encode()).hexdigest()
-        self.lock.check_same(digest, "harness generation requests")
+        self.lock.check_same([r.args for r in requests], "harness generation requests")
         results: dict[int, str] = {}
         # Every rank holds the same requests, so the groups come in the same order on all.
         for group in by_kwargs.values():
@@ -171,8 +167,7 @@ class ShardedLM(TemplateLM):
 
     def _generate_group(self, group, kwargs: dict, until: list[str]) -> dict[int, str]:
         max_gen = int(kwargs.pop("max_gen_toks"))
-        room = self._max_length - max_gen
-        if room <= 0:
+        if self._max_length <= max_gen:
             raise ConfigError(
                 f"a harness task asks for {max_gen} new tokens, beyond the model's "
                 f"{self._max_length} positions; lower the task's max_gen_toks"
@@ -183,7 +178,11 @@ class ShardedLM(TemplateLM):
             top_p=float(kwargs.get("top_p") or 1.0),
         )
         requests = [
-            Request(n, self.tok_encode(context)[-room:] or [self.prefix_token_id])
+            Request(
+                n,
+                fit_prompt(self.tok_encode(context), max_gen, self._max_length)
+                or [self.prefix_token_id],
+            )
             for n, context, _ in group
         ]
         decode = self.decoding.text
