@@ -1,6 +1,8 @@
-"""What an evaluation boundary shows besides the validation loss: generations from
-``eval.prompts`` and lm-evaluation-harness scores of ``eval.harness_tasks``, both on the sharded
-model, on every rank in lockstep (no export, no second copy of the weights).
+"""What an evaluation boundary runs, on every rank (each forward is a collective): the
+validation loss (``evaluate``), and what shows what the model learned, generations from
+``eval.prompts`` and lm-evaluation-harness scores of ``eval.harness_tasks`` (``BoundaryEvals``),
+both on the sharded model in lockstep (no export, no second copy of the weights). The loop
+(``train.loop``) says when.
 
 Generations run at the validation's boundaries (step 0 of a fresh run, every
 ``trainer.eval_every`` steps, after the last); the harness after the last step, or every
@@ -9,13 +11,17 @@ Generations run at the validation's boundaries (step 0 of a fresh run, every
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab.config import Config, ConfigError, ModelTask
 from fsdp_lab.data.prompts import EncodedPrompt, encode_prompts, read_prompts
+from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.observe.record import SampleRecord
 from fsdp_lab.train.generate import (
     Lockstep,
@@ -25,6 +31,49 @@ from fsdp_lab.train.generate import (
     generate,
     max_positions_of,
 )
+from fsdp_lab.train.loss import Loss
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean over every predicted validation token of every rank
+    perplexity: float
+    tokens: int
+    time_s: float
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data,
+    *,
+    loss: Loss,
+    num_batches: int,
+    device: torch.device,
+    place,
+    replicas: int = 1,
+) -> EvalResult:
+    """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
+    number: each forward is a collective). Sums of token losses and counts are all-reduced, so
+    the mean is over tokens, whatever rows a rank got or how many positions a mask chose.
+    ``replicas``: ranks that see the same rows (a TP group), counted once."""
+    start = time.perf_counter()
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for index in range(num_batches):
+        sums += loss.token_sums(model, place(data.val_batch(index)))
+        devices.mark_step(device)
+    sums = sums.to(process_group.collective_device(device))
+    dist.all_reduce(sums)
+    model.train()
+    total, count = (x / replicas for x in sums.tolist())
+    mean = total / max(count, 1.0)
+    return EvalResult(
+        loss=mean,
+        perplexity=math.exp(min(mean, 700.0)),
+        tokens=int(count),
+        time_s=time.perf_counter() - start,
+    )
 
 
 @dataclass(frozen=True)

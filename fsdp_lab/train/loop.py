@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab.config import TrainerConfig
@@ -27,6 +26,7 @@ from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.observe.profile.recorder import WindowProfiler
 from fsdp_lab.observe.profile.result import RankProfile
+from fsdp_lab.train.evaluation import EvalResult, evaluate
 from fsdp_lab.train.loss import Loss
 
 if TYPE_CHECKING:
@@ -331,45 +331,3 @@ def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
         scores = evals.score(state.sharded.model)
     if setup.reporter is not None:
         setup.reporter.harness(step, scores)
-
-
-@dataclass
-class EvalResult:
-    loss: float  # mean over every predicted validation token of every rank
-    perplexity: float
-    tokens: int
-    time_s: float
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    data,
-    *,
-    loss: Loss,
-    num_batches: int,
-    device: torch.device,
-    place,
-    replicas: int = 1,
-) -> EvalResult:
-    """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
-    number: each forward is a collective). Sums of token losses and counts are all-reduced, so
-    the mean is over tokens, whatever rows a rank got or how many positions a mask chose.
-    ``replicas``: ranks that see the same rows (a TP group), counted once."""
-    start = time.perf_counter()
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for index in range(num_batches):
-        sums += loss.token_sums(model, place(data.val_batch(index)))
-        devices.mark_step(device)
-    sums = sums.to(process_group.collective_device(device))
-    dist.all_reduce(sums)
-    model.train()
-    total, count = (x / replicas for x in sums.tolist())
-    mean = total / max(count, 1.0)
-    return EvalResult(
-        loss=mean,
-        perplexity=math.exp(min(mean, 700.0)),
-        tokens=int(count),
-        time_s=time.perf_counter() - start,
-    )
