@@ -253,6 +253,25 @@ def fake_group():
         dist.destroy_process_group()
 
 
+def tiny_llama(seed: int = 0, **sizes):
+    """A small random Llama (2 layers, hidden 32, vocabulary 64; ``sizes``: config fields that
+    differ), built the same way under the same seed: unit tests of generation and sharding."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **sizes}))
+
+
 @pytest.fixture(scope="session")
 def bpe_tokenizer(tmp_path_factory) -> str:
     """A byte-level BPE tokenizer (GPT-2's kind) trained here, as a tokenizer directory."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from fsdp_lab.train.generate import Lockstep, Request, Sampling, fit_prompt, generate
 
@@ -15,20 +16,7 @@ EOS, PAD = 2, 0
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,  # as fsdp_lab builds it for training
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(use_cache=False).eval()  # use_cache: as fsdp_lab builds it for training
 
 
 def run(model, sampling, batch_size, prompts=PROMPTS, stop=None):

@@ -4,6 +4,7 @@ of a task lm-eval cannot find (a YAML that does not parse is skipped by its inde
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_llama
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.train.harness import HarnessTasks, include_dir, metric_name
@@ -33,25 +34,15 @@ def test_a_task_yaml_that_does_not_parse_is_an_unknown_task_in_one_line(tmp_path
 
 
 def test_a_request_the_model_cannot_take_fails_in_one_line_before_any_forward():
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import ByT5Tokenizer
 
     from fsdp_lab.train.evaluation import Decoding
     from fsdp_lab.train.generate import Lockstep
     from fsdp_lab.train.harness_lm import ShardedLM
 
-    config = LlamaConfig(
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
+    model = tiny_llama(vocab_size=259, num_hidden_layers=1, max_position_embeddings=16)
     tok = ByT5Tokenizer(extra_ids=0)
-    lm = ShardedLM(
-        LlamaForCausalLM(config), Decoding.of(tok, config), lock=Lockstep(), batch_size=2
-    )
+    lm = ShardedLM(model, Decoding.of(tok, model.config), lock=Lockstep(), batch_size=2)
     good = (("a", "b"), [5, 6], [7])
     assert len(lm._loglikelihood_tokens([good])) == 1
     for bad in ((("a", ""), [5], []), (("a", "b" * 20), [5], list(range(20)))):
