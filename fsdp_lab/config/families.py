@@ -5,23 +5,24 @@ A row says whether fsdp_lab has a preset of it (``model.arch``) and how the pres
 become a transformers config; whether the fused losses may take its head; which layer model
 ``fsdp-lab plan`` counts its activations with, and its q/k normalisation; whether it routes
 tokens to experts; whether transformers converts its checkpoint's keys at load; and which of
-its linear layers a low-precision path (float8 training, a quantised frozen base) may convert.
+its linear layers a low-precision path (float8 training, a quantised frozen base) may convert;
+and whether context parallelism's attention reproduces its own (CP).
 The engine (``engine.model``), the rules, the losses (``train.loss``) and the plan
 (``tools.activation_memory``) read this table; nothing else names a family. A model type
 without a row still trains (loss=hf, the llama layer model with a warning in the plan).
 
-| model_type | preset    | fused loss | activations | q/k norm | experts | converts keys |
-| llama      | llama     | yes        | llama       |          |         |               |
-| mistral    |           | yes        | llama       |          |         |               |
-| qwen2      | qwen2     | yes        | llama       |          |         |               |
-| qwen3      |           | yes        | llama       | head     |         |               |
-| gpt2       | gpt2      | yes        | gpt2        |          |         |               |
-| gpt_neox   |           |            | neox        |          |         |               |
-| bert       | bert      |            | bert        |          |         |               |
-| roberta    |           |            | bert        |          |         |               |
-| qwen3_moe  | qwen3_moe | yes        | llama       | head     | yes     | yes           |
-| mixtral    | mixtral   | yes        | llama       |          | yes     | yes           |
-| olmoe      | olmoe     | yes        | llama       | full     | yes     | yes           |
+| model_type | preset    | fused loss | activations | q/k norm | experts | converts keys | CP  |
+| llama      | llama     | yes        | llama       |          |         |               | yes |
+| mistral    |           | yes        | llama       |          |         |               | yes |
+| qwen2      | qwen2     | yes        | llama       |          |         |               | yes |
+| qwen3      |           | yes        | llama       | head     |         |               | yes |
+| gpt2       | gpt2      | yes        | gpt2        |          |         |               |     |
+| gpt_neox   |           |            | neox        |          |         |               |     |
+| bert       | bert      |            | bert        |          |         |               |     |
+| roberta    |           |            | bert        |          |         |               |     |
+| qwen3_moe  | qwen3_moe | yes        | llama       | head     | yes     | yes           | yes |
+| mixtral    | mixtral   | yes        | llama       |          | yes     | yes           | yes |
+| olmoe      | olmoe     | yes        | llama       | full     | yes     | yes           | yes |
 
 Imports no torch and no transformers: a preset's config class is named, and built by the
 engine.
@@ -89,6 +90,12 @@ class Family:
     """The linear layers (last name part) a low-precision path may convert: the blocks'
     projections, never the head, embeddings, norms or a router. GPT-2's are Conv1D (none);
     the experts are 3-D tensors, not Linear layers."""
+    context_parallel: bool = False
+    """Its attention is what ``engine.context_parallel`` computes over a split sequence: the
+    decoder calls transformers' ``AttentionInterface`` with rotary queries and keys, a causal
+    mask, its ``scaling`` and at most a ``sliding_window``; nothing else (no soft-capping,
+    sinks, ALiBi or learned absolute positions: GPT-2's attention scales by layer and upcasts
+    of its own, and an encoder attends both ways)."""
 
 
 def _llama_like(m: ModelConfig) -> dict:
@@ -184,8 +191,15 @@ _ROWS = (
         _llama_like,
         fused_loss=True,
         low_precision_linears=LLAMA_LINEARS,
+        context_parallel=True,
     ),
-    Family("mistral", A.llama, fused_loss=True, low_precision_linears=LLAMA_LINEARS),
+    Family(
+        "mistral",
+        A.llama,
+        fused_loss=True,
+        low_precision_linears=LLAMA_LINEARS,
+        context_parallel=True,
+    ),
     Family(
         "qwen2",
         A.llama,
@@ -194,8 +208,16 @@ _ROWS = (
         _llama_like,
         fused_loss=True,
         low_precision_linears=LLAMA_LINEARS,
+        context_parallel=True,
     ),
-    Family("qwen3", A.llama, fused_loss=True, qk_norm=Q.head, low_precision_linears=LLAMA_LINEARS),
+    Family(
+        "qwen3",
+        A.llama,
+        fused_loss=True,
+        qk_norm=Q.head,
+        low_precision_linears=LLAMA_LINEARS,
+        context_parallel=True,
+    ),
     Family(
         "gpt2",
         A.gpt2,
@@ -234,6 +256,7 @@ _ROWS = (
         experts=True,
         converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
+        context_parallel=True,
     ),
     Family(
         "mixtral",
@@ -245,6 +268,7 @@ _ROWS = (
         experts=True,
         converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
+        context_parallel=True,
     ),
     Family(
         "olmoe",
@@ -257,6 +281,7 @@ _ROWS = (
         experts=True,
         converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
+        context_parallel=True,
     ),
 )
 del A, Q
@@ -279,6 +304,11 @@ def preset_family(arch: ModelArch) -> Family:
 def fused_loss_types() -> list[str]:
     """The model types the fused losses may take, by name."""
     return sorted(t for t, row in FAMILIES.items() if row.fused_loss)
+
+
+def context_parallel_types() -> list[str]:
+    """The model types context parallelism runs, by name."""
+    return sorted(t for t, row in FAMILIES.items() if row.context_parallel)
 
 
 def expert_presets() -> list[str]:

@@ -179,12 +179,7 @@ def _xla_run_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
 def _check_parallel(cfg: Config, topo: Topology) -> int:
     """parallel.*: the TP degree, checked against the ranks and what TP combines with."""
     p = cfg.parallel
-    if p.context != 1:
-        raise ConfigError(
-            f"parallel.context={p.context}: context parallelism is not supported (torch's "
-            "context_parallel has no sharding strategy for CPU SDPA, so it cannot be verified "
-            "here); set parallel.context=1"
-        )
+    _check_context(cfg, topo)
     _check_expert(cfg, topo)
     tensor = p.tensor
     if tensor == 1:
@@ -208,6 +203,42 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
         if refused:
             raise ConfigError(f"parallel.tensor={tensor} cannot combine with {what} yet")
     return tensor
+
+
+def _check_context(cfg: Config, topo: Topology) -> None:
+    """parallel.context: a divisor of the ranks (beside TP), a sequence cut into 2N equal
+    chunks, and the settings CP does not run with, refused; the model's side (an attention the
+    CP attention reproduces) is checked on its config (launch.prepare)."""
+    context, tensor, seq_len = cfg.parallel.context, cfg.parallel.tensor, cfg.trainer.seq_len
+    if context == 1:
+        return
+    refusals = (
+        (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
+        (cfg.parallel.expert > 1, f"parallel.expert={cfg.parallel.expert}"),
+        (
+            cfg.model.task is not ModelTask.causal_lm,
+            f"model.task={cfg.model.task.value} (an encoder attends both ways; CP splits a "
+            "causal LM's sequences)",
+        ),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(
+                f"parallel.context={context} cannot combine with {what}; set parallel.context=1"
+            )
+    if topo.world_size % (context * tensor):
+        with_tp = f" x parallel.tensor={tensor}" if tensor > 1 else ""
+        raise ConfigError(
+            f"parallel.context={context}{with_tp} does not divide the {topo.world_size} ranks; "
+            f"set hardware.nproc_per_node to a multiple of {context * tensor}"
+        )
+    if seq_len % (2 * context):
+        fit = seq_len - seq_len % (2 * context) or 2 * context
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} is not a multiple of 2 x parallel.context={2 * context} "
+            f"(each rank keeps 2 of {2 * context} equal chunks of a sequence); set "
+            f"trainer.seq_len={fit}"
+        )
 
 
 def _check_expert(cfg: Config, topo: Topology) -> None:
@@ -288,17 +319,19 @@ def validate(cfg: Config, topo: Topology) -> None:
             f"{' or '.join(with_replica_groups())} (got sharding={s.strategy.name}); remove it"
         )
     tensor = _check_parallel(cfg, topo)
-    dp = dp_size(topo, tensor)
-    ranks = f"{dp} data-parallel ranks" if tensor > 1 else f"{dp} ranks"
-    replicate = replicate_size(s, topo, tensor)
+    context = cfg.parallel.context
+    dp = dp_size(topo, tensor, context)
+    split = tensor * context > 1
+    ranks = f"{dp} data-parallel ranks" if split else f"{dp} ranks"
+    replicate = replicate_size(s, topo, tensor, context)
     if hybrid:
         if replicate < 1 or dp % replicate:
             raise ConfigError(
                 f"sharding.replicate_size={replicate} does not divide the "
-                f"{ranks if tensor > 1 else f'world size {dp}'}; set sharding.replicate_size "
+                f"{ranks if split else f'world size {dp}'}; set sharding.replicate_size "
                 "to a divisor of it"
             )
-        if dp // replicate < 2:
+        if dp // replicate * context < 2:  # the ranks of a CP group shard the model too
             more = (
                 "4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
                 if topo.device is HardwareKind.tpu
@@ -311,7 +344,7 @@ def validate(cfg: Config, topo: Topology) -> None:
             )
     raf = s.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):
-        shard_size = dp // replicate
+        shard_size = dp // replicate * context  # FSDP's shard axis: shard x context
         if shard_size % raf or raf >= shard_size:
             raise ConfigError(
                 f"sharding.reshard_after_forward={raf} must be a proper divisor of the shard "

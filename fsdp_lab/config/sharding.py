@@ -80,7 +80,8 @@ class ShardingConfig:
 @dataclass
 class ParallelConfig:
     """Parallelism beside FSDP, on the same device mesh: tensor parallelism (TP), innermost;
-    expert parallelism (EP), borrowed from the shard axis."""
+    context parallelism (CP), next to it; expert parallelism (EP), borrowed from the shard
+    axis."""
 
     tensor: int = 1
     """TP degree: each layer's linear layers split over this many contiguous ranks (the model's
@@ -95,7 +96,11 @@ class ParallelConfig:
     instead of the model's ``base_model_tp_plan``; patterns are relative to the base model
     (``layers.*.self_attn.q_proj``)."""
     context: int = 1
-    """Context-parallel degree; only 1 (see rules)."""
+    """Context-parallel (CP) degree: every sequence is split over this many ranks, which read
+    the same rows; each keeps 2 of 2N chunks (head-tail, so the causal work is balanced) and at
+    each attention layer all-gathers the group's keys and values. Activations per rank fall
+    about N-fold, so sequences N times longer fit. FSDP shards over shard x context. The
+    sequence length must be a multiple of 2N. 1: no CP."""
     expert: int = 1
     """Expert-parallel (EP) degree for mixture-of-experts models: each MoE layer's experts are
     split over this many contiguous ranks of the shard axis (E/expert whole experts each) and
@@ -176,6 +181,7 @@ def check_sharding(s: ShardingConfig) -> None:
 def check_layout(p: ParallelConfig, w: WrapConfig, a: ActivationCheckpointingConfig) -> None:
     """parallel's, wrap's and activation_checkpointing's single fields."""
     positive(p.tensor, "parallel.tensor")
+    positive(p.context, "parallel.context")
     if w.policy is WrapPolicy.size:
         positive(w.min_num_params, "wrap.min_num_params")
     if a.every < 1:

@@ -23,6 +23,7 @@ from fsdp_lab.config.sharding import ShardingConfig, ShardingStrategy
 
 REPLICATE_AXIS, SHARD_AXIS = "replicate", "shard"
 TENSOR_AXIS = "tp"  # parallel.tensor > 1: appended innermost, after the strategy's axes
+CONTEXT_AXIS = "context"  # parallel.context > 1: after the strategy's axes, before tp
 
 
 class Replicas(enum.Enum):

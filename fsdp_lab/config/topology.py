@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fsdp_lab.config.hardware import HardwareKind
 from fsdp_lab.config.sharding import ShardingConfig
-from fsdp_lab.config.strategies import TENSOR_AXIS, Replicas, strategy_of
+from fsdp_lab.config.strategies import CONTEXT_AXIS, TENSOR_AXIS, Replicas, strategy_of
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,19 @@ class Topology:
         return cls(world, per_node, world // per_node, device)
 
 
-def dp_size(topo: Topology, tensor: int = 1) -> int:
-    """The data-parallel ranks: every rank, or with tensor parallelism one per TP group."""
-    return topo.world_size // tensor
+def dp_size(topo: Topology, tensor: int = 1, context: int = 1) -> int:
+    """The data-parallel ranks, those that read different rows: every rank, or one per TP
+    group and per CP group (the ranks of either read the same rows)."""
+    return topo.world_size // (tensor * context)
 
 
-def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1) -> int:
+def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1) -> int:
     """Ranks along the replicate axis: 1 on a 1D mesh, every data-parallel rank for no_shard."""
     match strategy_of(cfg.strategy).replicas:
         case Replicas.one:
             return 1
         case Replicas.every_rank:
-            return dp_size(topo, tensor)
+            return dp_size(topo, tensor, context)
         case Replicas.groups:
             if cfg.replicate_size is not None:
                 return cfg.replicate_size
@@ -59,22 +60,55 @@ def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1) -> int:
             raise RuntimeError(f"no replicate size for replicas={other}")
 
 
-def mesh_shape(cfg: ShardingConfig, topo: Topology, tensor: int = 1) -> tuple[int, ...]:
-    """(N,) on a 1D mesh, (replicate, shard) on a 2D one; with tensor parallelism the TP axis
-    is appended, innermost (a TP group is contiguous ranks: one node)."""
-    dp = dp_size(topo, tensor)
+def mesh_shape(
+    cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1
+) -> tuple[int, ...]:
+    """(N,) on a 1D mesh, (replicate, shard) on a 2D one; with context parallelism the context
+    axis follows, then with tensor parallelism the TP axis, innermost (a TP group is
+    contiguous ranks: one node; a CP group the next closest)."""
+    dp = dp_size(topo, tensor, context)
     if len(strategy_of(cfg.strategy).mesh_axes) == 1:
         shape: tuple[int, ...] = (dp,)
     else:
-        replicate = replicate_size(cfg, topo, tensor)
+        replicate = replicate_size(cfg, topo, tensor, context)
         shape = (replicate, dp // replicate)
-    return (*shape, tensor) if tensor > 1 else shape
+    return (*shape, *((context,) if context > 1 else ()), *((tensor,) if tensor > 1 else ()))
 
 
-def mesh_axes(cfg: ShardingConfig, tensor: int = 1) -> tuple[str, ...]:
+def mesh_axes(cfg: ShardingConfig, tensor: int = 1, context: int = 1) -> tuple[str, ...]:
     """The axis names of ``mesh_shape``."""
     axes = strategy_of(cfg.strategy).mesh_axes
-    return (*axes, TENSOR_AXIS) if tensor > 1 else axes
+    return (
+        *axes,
+        *((CONTEXT_AXIS,) if context > 1 else ()),
+        *((TENSOR_AXIS,) if tensor > 1 else ()),
+    )
+
+
+def fsdp_mesh_shape(
+    cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1
+) -> tuple[int, ...]:
+    """The mesh FSDP shards on: the strategy's axes with the context axis folded in. The ranks
+    of a CP group hold the same model, so they split it too: the context axis joins the shard
+    axis (torchtitan's ``dp_shard_cp``), and gradients reduce over replicate x shard x context.
+    A strategy that keeps every element on every rank (no_shard) keeps it there too: the
+    context axis joins its replicate axis."""
+    row = strategy_of(cfg.strategy)
+    shape = mesh_shape(cfg, topo, tensor, context)[: len(row.mesh_axes)]
+    if row.replicas is Replicas.every_rank:
+        return (shape[0] * context, *shape[1:])
+    return (*shape[:-1], shape[-1] * context)
+
+
+def context_chunks(context: int, rank: int) -> tuple[int, int]:
+    """The two of ``2 * context`` equal chunks of every sequence that rank ``rank`` of a CP
+    group holds: chunk ``rank`` and chunk ``2 * context - 1 - rank`` (head-tail). Under a causal
+    mask a chunk's work grows with its position, so each rank's pair costs the same: the
+    loader splits the rows by it, and the attention puts the gathered keys back in order by
+    it."""
+    if not 0 <= rank < context:
+        raise RuntimeError(f"context rank {rank} outside a CP group of {context}")
+    return rank, 2 * context - 1 - rank
 
 
 EXPERT_SHARD_AXIS, EXPERT_AXIS = "efsdp", "ep"

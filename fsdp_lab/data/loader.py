@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from fsdp_lab.config import Config, DataKind, ModelTask
+from fsdp_lab.data.context import ContextShare
+from fsdp_lab.data.labels import IGNORE_INDEX
 from fsdp_lab.data.packing import ChatSplit
 
 log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100  # labels the loss skips (transformers' convention)
 
 
 def _generator(*key: int) -> torch.Generator:
@@ -72,8 +72,11 @@ class Loader:
         dp_rank: int,
         masking: Masking | None,
         local_ranks: int = 1,
+        context: ContextShare | None = None,
     ) -> None:
         self.seed, self.micro_batch_size = seed, micro_batch_size
+        # parallel.context > 1: the ranks of a CP group read the same rows, each its chunks
+        self.context_share = context
         self.grad_accum_steps = grad_accum_steps
         self.dp_size, self.dp_rank, self.masking = dp_size, dp_rank, masking
         # A process that feeds several ranks (tpu: one per XLA device) takes their rows together
@@ -120,12 +123,24 @@ class Loader:
         if self.causal:
             labels = labels[:, 1:]
         targets = int((labels != IGNORE_INDEX).sum())
-        return {k: self._mine(v) for k, v in batch.items()}, targets
+        return self._split({k: self._mine(v) for k, v in batch.items()}), targets
 
     def _mine(self, rows):
         """This process's rows of a global micro-batch's (rows, or their indices)."""
         lo = self.dp_rank * self.micro_batch_size
         return rows[lo : lo + self.micro_batch_size * self.local_ranks]
+
+    @property
+    def context(self) -> int:
+        """The ranks that read the same rows, each its chunks of them (its CP group's)."""
+        return 1 if self.context_share is None else self.context_share.size
+
+    def _split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's chunks of its rows under context parallelism (``data.context``); the
+        rows themselves otherwise."""
+        if self.context_share is None:
+            return batch
+        return self.context_share.split(batch, causal=self.causal)
 
     def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         """All ranks' rows of training micro-batch ``micro`` of step ``step``."""
@@ -272,19 +287,19 @@ class ChatData(PackedData):
     # Only this rank's rows are built (``_mine``): the others' targets are counted from the
     # split's per-row counts, not from their rows.
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        return self._rows(self.train, self._mine(self.row_indices(step, micro)))
+        return self._split(self._rows(self.train, self._mine(self.row_indices(step, micro))))
 
     def step_batches(self, step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
         batches, targets = [], 0
         for micro in range(self.grad_accum_steps):
             indices = self.row_indices(step, micro)
-            batches.append(self._rows(self.train, self._mine(indices)))
+            batches.append(self._split(self._rows(self.train, self._mine(indices))))
             targets += int(self.train.row_targets[indices].sum())
         return batches, targets
 
     def val_batch(self, index: int) -> dict[str, torch.Tensor]:
         lo = index * self.rows_per_micro
-        return self._rows(self.val, self._mine(range(lo, lo + self.rows_per_micro)))
+        return self._split(self._rows(self.val, self._mine(range(lo, lo + self.rows_per_micro))))
 
 
 def _masking(cfg: Config, tokenizer, vocab_size: int) -> Masking | None:
@@ -326,7 +341,11 @@ def build_data(
     dp_size: int,
     dp_rank: int,
     local_ranks: int = 1,
+    context: ContextShare | None = None,
 ) -> Loader:
+    """The loader of data-parallel rank ``dp_rank`` of ``dp_size``; with a ``context`` share
+    (parallel.context > 1) it keeps that rank's chunks of its rows, else whole rows (an
+    unsharded reference reads those)."""
     t = cfg.trainer
     masking = _masking(cfg, tokenizer, vocab_size)
     common = dict(
@@ -337,6 +356,7 @@ def build_data(
         dp_rank=dp_rank,
         masking=masking,
         local_ranks=local_ranks,
+        context=context,
     )
     match cfg.data.kind:
         case DataKind.synthetic:

@@ -26,14 +26,27 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
-from fsdp_lab.config import Config, OffloadDevice, PrefetchConfig, ShardingConfig
-from fsdp_lab.config.strategies import TENSOR_AXIS, reshard_after_forward
+from fsdp_lab.config import (
+    Config,
+    OffloadDevice,
+    ParallelConfig,
+    PrefetchConfig,
+    ShardingConfig,
+)
+from fsdp_lab.config.strategies import (
+    CONTEXT_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    TENSOR_AXIS,
+    reshard_after_forward,
+)
 from fsdp_lab.config.topology import (
     EXPERT_AXIS,
     EXPERT_SHARD_AXIS,
     Topology,
     expert_mesh_split,
     expert_shard_dim,
+    fsdp_mesh_shape,
     mesh_axes,
     mesh_shape,
 )
@@ -42,22 +55,32 @@ from fsdp_lab.engine.sharded import ShardedModel
 
 
 def build_mesh(
-    cfg: ShardingConfig, topo: Topology, *, device_type: str, tensor: int = 1
+    cfg: ShardingConfig, topo: Topology, *, device_type: str, tensor: int = 1, context: int = 1
 ) -> DeviceMesh:
     """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
     replicate_size is the number of nodes): the frequent all-gathers stay intra-node. With
-    tensor parallelism the TP axis is innermost: a TP group is contiguous ranks."""
+    tensor parallelism the TP axis is innermost: a TP group is contiguous ranks; a CP group
+    (context parallelism) the next closest."""
     return init_device_mesh(
-        device_type, mesh_shape(cfg, topo, tensor), mesh_dim_names=mesh_axes(cfg, tensor)
+        device_type,
+        mesh_shape(cfg, topo, tensor, context),
+        mesh_dim_names=mesh_axes(cfg, tensor, context),
     )
 
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The sub-mesh FSDP shards on: every axis but TP."""
+def data_parallel_mesh(mesh: DeviceMesh, cfg: ShardingConfig, topo: Topology) -> DeviceMesh:
+    """The sub-mesh FSDP shards on (``topology.fsdp_mesh_shape``): every axis but TP, with the
+    context axis folded into the shard axis (for no_shard, into the replicate axis)."""
     names = mesh.mesh_dim_names
-    if TENSOR_AXIS not in names:
-        return mesh
-    return mesh[tuple(n for n in names if n != TENSOR_AXIS)]
+    data = tuple(n for n in names if n != TENSOR_AXIS)
+    if CONTEXT_AXIS not in names:
+        return mesh[data] if data != names else mesh
+    tensor = mesh.size(names.index(TENSOR_AXIS)) if TENSOR_AXIS in names else 1
+    shape = fsdp_mesh_shape(cfg, topo, tensor, mesh.size(names.index(CONTEXT_AXIS)))
+    flat = mesh[data]._flatten("dp_cp")
+    if len(shape) == 1:
+        return flat
+    return flat._unflatten(0, shape, (f"{REPLICATE_AXIS}_cp", f"{SHARD_AXIS}_cp"))
 
 
 def build_expert_mesh(
@@ -260,6 +283,19 @@ def is_expert_unit(module: nn.Module, experts: ExpertUnits | None) -> bool:
     return experts is not None and any(module is m for m in experts.modules)
 
 
+def apply_model_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+    """Tensor parallelism on the mesh's TP axis, then context parallelism's attention on its
+    context axis (over the heads TP left this rank), where the mesh has them."""
+    if cfg.tensor > 1:
+        from fsdp_lab.engine import tensor_parallel
+
+        tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg)
+    if cfg.context > 1:
+        from fsdp_lab.engine import context_parallel
+
+        context_parallel.apply(model, mesh[CONTEXT_AXIS])
+
+
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
 ) -> Fsdp2Model:
@@ -270,15 +306,14 @@ def build_model(
     from fsdp_lab.engine import activations, low_precision, precision, wrap
     from fsdp_lab.engine import model as model_lib
 
-    model, kind, tensor = meta_model, topo.device, cfg.parallel.tensor
+    model, kind, p = meta_model, topo.device, cfg.parallel
     offload = cfg.offload.device is OffloadDevice.cpu
     tied = model_lib.tied_groups(model)
-    mesh = build_mesh(cfg.sharding, topo, device_type=device.type, tensor=tensor)
-    dp_mesh = data_parallel_mesh(mesh)
-    if tensor > 1:  # TP first, then activation checkpointing, compile, fully_shard
-        from fsdp_lab.engine import tensor_parallel
-
-        tensor_parallel.apply(model, mesh[TENSOR_AXIS], cfg.parallel)
+    mesh = build_mesh(
+        cfg.sharding, topo, device_type=device.type, tensor=p.tensor, context=p.context
+    )
+    dp_mesh = data_parallel_mesh(mesh, cfg.sharding, topo)
+    apply_model_parallel(model, mesh, p)  # TP and CP, then AC, compile, fully_shard
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)

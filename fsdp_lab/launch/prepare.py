@@ -109,6 +109,10 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         from fsdp_lab.engine import tensor_parallel
 
         tensor_parallel.check(meta_model, cfg.parallel)
+    if cfg.parallel.context > 1:  # an attention CP does not reproduce
+        from fsdp_lab.engine import context_parallel
+
+        context_parallel.check(hf_config, cfg.parallel.context)
     if cfg.parallel.expert > 1:  # a dense model, or an expert count the degree cannot split
         from fsdp_lab.engine import expert_parallel
 

@@ -24,6 +24,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
+from fsdp_lab.data.context import ContextShare
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import conversion, finetune, fsdp, loading, precision
 from fsdp_lab.engine import model as model_lib
@@ -91,6 +92,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         task=facts.task,
         compiled=cfg.compile,
         replicas=cfg.parallel.tensor,
+        context_split=cfg.parallel.context > 1,
         kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
@@ -134,7 +136,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         checkpointer=checkpointer,
         start_step=0,
         tokens_seen=0,
-        tokens_per_step=dp_size(topo, cfg.parallel.tensor)
+        tokens_per_step=dp_size(topo, cfg.parallel.tensor, cfg.parallel.context)
         * t.micro_batch_size
         * t.grad_accum_steps
         * t.seq_len,
@@ -160,15 +162,18 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
         else corpus_lib.prepare(cfg, tokenizer, vocab_size=vocab_size)
     )
     ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
-    tensor = cfg.parallel.tensor  # a TP group (contiguous ranks) reads the same rows
+    # A TP group (contiguous ranks) reads the same rows; so does a CP group (the next
+    # contiguous ranks: the context axis comes before tp), each rank its chunks of them.
+    tensor, context = cfg.parallel.tensor, cfg.parallel.context
     data = build_data(
         cfg,
         corpus=corpus,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
-        dp_size=dp_size(ctx.topo, tensor),
-        dp_rank=ctx.rank * ranks_here // tensor,
+        dp_size=dp_size(ctx.topo, tensor, context),
+        dp_rank=ctx.rank * ranks_here // (tensor * context),
         local_ranks=ranks_here,
+        context=ContextShare(context, ctx.rank // tensor % context) if context > 1 else None,
     )
     return tokenizer, corpus, data
 

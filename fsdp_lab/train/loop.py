@@ -8,6 +8,7 @@ ahead of the GPU and prepares the next batch while the current step runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from fsdp_lab.config import TrainerConfig
-from fsdp_lab.engine import tensor_parallel
+from fsdp_lab.engine import context_parallel, tensor_parallel
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.moe import MoeStep
 from fsdp_lab.observe.heartbeat import Heartbeat
@@ -67,10 +68,12 @@ def loss_scale(targets: int, dp: int, device: torch.device) -> torch.Tensor:
 
 def averaged_ranks(data) -> int:
     """The participants of the gradient average: FSDP2's reduce-scatter (and HSDP's all-reduce)
-    averages over the data-parallel mesh (dp_shard x dp_replicate, the loader's dp_size; a TP
-    group's ranks read the same rows and are one). On XLA one process computes the gradient of
-    its devices' rows as one program, summed, not averaged: the loader's local_ranks are one."""
-    return data.dp_size // data.local_ranks
+    averages over its mesh, dp_replicate x dp_shard x context (the loader's dp_size times its
+    CP group: a CP group's ranks hold different tokens of the same rows, each summing its own;
+    a TP group's ranks read the same rows and are one). On XLA one process computes the
+    gradient of its devices' rows as one program, summed, not averaged: the loader's
+    local_ranks are one."""
+    return data.dp_size * data.context // data.local_ranks
 
 
 def train_step(
@@ -317,7 +320,7 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
         return
     if evals.samples_due(step):
         started = time.perf_counter()
-        with state.sharded.weights_kept_gathered(evals.keep_gathered):
+        with _whole_sequences(state, evals.keep_gathered):
             samples = evals.generate(model, step)
         if reporter is not None:
             reporter.samples(step, samples, time.perf_counter() - started)
@@ -327,7 +330,19 @@ def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
     """lm-eval's scores of the model being trained, on every rank (after the step's
     checkpoint)."""
     evals = state.evals
-    with state.sharded.weights_kept_gathered(evals.keep_gathered):
+    with _whole_sequences(state, evals.keep_gathered):
         scores = evals.score(state.sharded.model)
     if setup.reporter is not None:
         setup.reporter.harness(step, scores)
+
+
+@contextlib.contextmanager
+def _whole_sequences(state: TrainState, keep_gathered: bool):
+    """Generation and scoring: many small forwards over whole sequences, on every rank (a
+    context-parallel model attends over them, not over a split, inside)."""
+    model = state.sharded.model
+    with (
+        state.sharded.weights_kept_gathered(keep_gathered),
+        context_parallel.whole_sequences(model),
+    ):
+        yield

@@ -46,7 +46,9 @@ from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.config.losses import loss_of
-from fsdp_lab.data.loader import IGNORE_INDEX
+from fsdp_lab.data.context import CONTEXT_DOCUMENTS
+from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
+from fsdp_lab.engine.context_parallel import ContextSplit
 from fsdp_lab.train.linear_ce import linear_cross_entropy
 from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
 
@@ -167,11 +169,6 @@ FUSED_LOSSES: dict[LossKind, FusedLoss] = {
 # --- the model's forward with a fused loss ----------------------------------------------------
 
 
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Position t predicts token t+1; the last position predicts nothing (as HF pads it)."""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-
-
 def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
     """Replace a causal LM's forward (on this instance) by one that computes ``kind``'s loss
     from the final hidden states and the head's weight. ``model(input_ids=..., labels=...)``
@@ -206,8 +203,16 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
         )
 
     def forward(
-        self, input_ids=None, labels=None, loss_reduction: str = "mean", logits_to_keep=0, **kwargs
+        self,
+        input_ids=None,
+        labels=None,
+        loss_reduction: str = "mean",
+        logits_to_keep=0,
+        labels_shifted: bool = False,
+        **kwargs,
     ):
+        """``labels_shifted``: the labels are the targets already (a context-parallel split
+        shifts them before cutting the sequence)."""
         from transformers.modeling_outputs import CausalLMOutput
 
         hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
@@ -215,7 +220,8 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
         if labels is None:  # logits_to_keep: the last positions only, as transformers' (decoding)
             kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
             return CausalLMOutput(logits=head(kept))
-        return CausalLMOutput(loss=head(hidden, shifted_targets(labels), loss_reduction))
+        targets = labels if labels_shifted else shifted_targets(labels)
+        return CausalLMOutput(loss=head(hidden, targets, loss_reduction))
 
     head.forward = types.MethodType(head_forward, head)
     model.forward = types.MethodType(forward, model)
@@ -263,6 +269,29 @@ class Loss:
     kind: LossKind  # resolved: hf, chunked, liger or cce
     causal: bool
     router: RouterAux | None = None  # a mixture of experts' load-balancing loss
+    # Sequences split over a CP group (parallel.context > 1): the loader shifted the labels
+    # before the split, and each forward tells the attention (engine.context_parallel).
+    context_split: bool = False
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """What each position learns: a causal LM's next token (already, for a split), a
+        masked LM's label."""
+        return shifted_targets(labels) if self.causal and not self.context_split else labels
+
+    @contextlib.contextmanager
+    def _inputs(self, batch: dict[str, torch.Tensor]):
+        """The model's keyword arguments of a batch, ``labels`` popped by the caller; a
+        context-parallel split's documents become the attention's ``context_split``."""
+        with default_positions(batch) as inputs:
+            if self.context_split:
+                documents = inputs.pop(CONTEXT_DOCUMENTS, None)
+                inputs["context_split"] = ContextSplit(documents)
+            yield inputs
+
+    def _fused(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+        """A fused loss's sum of the token losses (the model's head computes it)."""
+        shifted = {"labels_shifted": True} if self.context_split else {}
+        return model(**inputs, labels=labels, loss_reduction="sum", **shifted).loss
 
     def train_value(
         self, model: nn.Module, batch: dict[str, torch.Tensor], *, scale, num_micro: int
@@ -275,8 +304,7 @@ class Loss:
             return self(model, batch) * scale
         with self.router.recording():
             value = self(model, batch) * scale
-        labels = batch["labels"]
-        mask = (shifted_targets(labels) if self.causal else labels) != IGNORE_INDEX
+        mask = self.targets(batch["labels"]) != IGNORE_INDEX
         return value + self.router.loss(mask) / num_micro
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -284,15 +312,15 @@ class Loss:
         reduction="sum"; for loss=hf the model's logits and a cross-entropy sum computed as the
         model's own loss computes its mean (a causal LM's logits upcast to fp32 first, a masked
         LM's in their dtype, as BERT's: the same memory as ``model(**batch).loss``)."""
-        with default_positions(batch) as inputs:
+        with self._inputs(batch) as inputs:
             labels = inputs.pop("labels")
             if loss_of(self.kind).fused:
-                return model(**inputs, labels=labels, loss_reduction="sum").loss.float()
+                return self._fused(model, inputs, labels).float()
             logits = model(**inputs).logits
             return self._cross_entropy_sum(logits.float() if self.causal else logits, labels)
 
     def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets = shifted_targets(labels) if self.causal else labels
+        targets = self.targets(labels)
         return F.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         ).float()
@@ -301,12 +329,11 @@ class Loss:
         """(sum of token losses, tokens counted) in float64, on the batch's device; the logits
         in fp32 (no gradient is kept)."""
         labels = batch["labels"]
-        targets = shifted_targets(labels) if self.causal else labels
-        count = (targets != IGNORE_INDEX).sum()
-        with default_positions(batch) as inputs:
+        count = (self.targets(labels) != IGNORE_INDEX).sum()
+        with self._inputs(batch) as inputs:
             inputs.pop("labels")
             if loss_of(self.kind).fused:
-                total = model(**inputs, labels=labels, loss_reduction="sum").loss
+                total = self._fused(model, inputs, labels)
             else:
                 total = self._cross_entropy_sum(model(**inputs).logits.float(), labels)
         return torch.stack([total.double(), count.double()])
@@ -320,10 +347,12 @@ def build_loss(
     task: ModelTask,
     compiled: bool,
     replicas: int = 1,
+    context_split: bool = False,
 ) -> Loss:
     """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding; a
     mixture of experts' routers get the hooks of its aux loss (``replicas``: ranks that hold
-    the same rows, a TP group)."""
+    the same rows, a TP group; a CP group's hold different tokens of them and are counted
+    each). ``context_split``: the batches are split over a CP group (``Loss.context_split``)."""
     if loss_of(kind).fused:
         apply_fused_loss(
             model,
@@ -332,4 +361,9 @@ def build_loss(
             compiled=compiled,
         )
     router = build_router_aux(model, replicas=replicas)
-    return Loss(kind=kind, causal=task is ModelTask.causal_lm, router=router)
+    return Loss(
+        kind=kind,
+        causal=task is ModelTask.causal_lm,
+        router=router,
+        context_split=context_split,
+    )

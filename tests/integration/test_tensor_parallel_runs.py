@@ -135,7 +135,6 @@ def test_resume_exactly_and_across_tp_degrees_then_export(shared_run, tmp_path):
         (("model=gpt2_tiny",), "GPT2LMHeadModel has no tensor-parallel plan"),
         (("hardware.nproc_per_node=3",), "parallel.tensor=2 does not divide the 3 ranks"),
         (("finetune=lora",), "cannot combine with finetune=lora"),
-        (("parallel.context=2",), "context parallelism is not supported"),
     ],
 )
 def test_what_tp_cannot_do_is_refused_before_launch(run_dir, overrides, fragment):

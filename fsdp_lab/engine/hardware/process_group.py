@@ -59,6 +59,21 @@ def gather_from_processes(value) -> list:
     return out
 
 
+# torch 2.13 names the tensor collectives *_single (the *_tensor names warn); older ones lack it.
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    """``out`` = every rank's ``local``, concatenated on dim 0 in rank order."""
+    _ALL_GATHER(out, local, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, whole: torch.Tensor, group) -> None:
+    """``out`` = this rank's dim-0 part of the sum of every rank's ``whole``."""
+    _REDUCE_SCATTER(out, whole, op=dist.ReduceOp.SUM, group=group)
+
+
 def after_rank0(name: str) -> None:
     """Rank 0 calls this when its solo work ``name`` is done; the others block here until then
     (a failed rank 0 ends them anyway: the launcher or torchrun stops the group)."""

@@ -78,7 +78,7 @@ def test_hybrid_with_tp_on_8_fake_ranks(fake_group):
     fsdp.apply_fsdp(
         model,
         wrap.select_units(model, WrapConfig()),
-        mesh=fsdp.data_parallel_mesh(mesh),
+        mesh=fsdp.data_parallel_mesh(mesh, cfg, topo(8)),
         reshard_after_forward=strategies.reshard_after_forward(cfg),
         mp_policy=precision.build_mp_policy(PrecisionConfig()),
         offload_policy=None,
