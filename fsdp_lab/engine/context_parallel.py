@@ -195,8 +195,8 @@ def check(hf_config, context: int) -> None:
     if row is None or not row.context_parallel:
         runs = ", ".join(families.context_parallel_types())
         raise ConfigError(
-            f"parallel.context={context}: model_type={model_type} has an attention context "
-            f"parallelism does not reproduce (it runs {runs}); set parallel.context=1"
+            f"parallel.context={context}: context parallelism does not reproduce the attention "
+            f"of model_type={model_type} (it runs {runs}); set parallel.context=1"
         )
 
 

@@ -250,6 +250,8 @@ def activations(
     tensor: int = 1,
     sequence_parallel: bool = False,
     cpu_kernels: bool = False,
+    context: int = 1,
+    packed: bool = False,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
@@ -263,8 +265,11 @@ def activations(
     ``tensor``, ``sequence_parallel``: one rank of a TP group (``layer_bytes_per_token``); a
     checkpointed layer's input is then 1/tensor of the rows with sequence parallelism.
 
-    ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``)."""
-    tokens = batch * seq_len
+    ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``).
+
+    ``context``, ``packed``: one rank of a CP group (``context_bytes_per_layer``): seq_len/context
+    of each row's tokens, and each layer's gathered keys and values."""
+    tokens = batch * seq_len // context
     fused = loss_chunk is not None
     sp = sequence_parallel and tensor > 1
     layer = layer_bytes_per_token(s, b, tensor=tensor, sequence_parallel=sp)
@@ -274,7 +279,13 @@ def activations(
     head = head_bytes_per_token(s, b, fused_loss=fused)
     per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
     per_token += embedding
-    rotary = 2 * seq_len * (s.q_dim // s.num_heads) * b if s.family == "llama" else 0
+    # The rotary tables, [1, T, head_dim] each; a CP split passes every row's positions: [B, ...]
+    rows = batch if context > 1 else 1
+    rotary = 2 * rows * seq_len // context * (s.q_dim // s.num_heads) * b
+    rotary = rotary if s.family == "llama" else 0
+    split = context_bytes_per_layer(
+        s, b, batch=batch, seq_len=seq_len, context=context, packed=packed, tensor=tensor
+    )
     if fused:
         loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32
         weight_grad = s.vocab * s.hidden * b
@@ -285,10 +296,33 @@ def activations(
         weight_grad = 0
     # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
     layer_grads = 2 * tokens * b * max(_split(s.intermediate, tensor), s.hidden)
+    if context > 1:  # backward's gradients of the gathered keys and values (three copies)
+        layer_grads = max(layer_grads, 3 * batch * seq_len * 2 * _split(s.kv_dim, tensor) * b)
     return Activations(
-        saved=tokens * per_token + rotary + weight_grad,
+        saved=tokens * per_token + rotary + weight_grad + (s.num_layers - num_checkpointed) * split,
         loss_grad=loss_grad,
-        recompute=tokens * layer if last_checkpointed else 0,
+        recompute=tokens * layer + split if last_checkpointed else 0,
         layer_grads=layer_grads,
         head=tokens * head + weight_grad,
     )
+
+
+def context_bytes_per_layer(
+    s: LayerShape, b: int, *, batch: int, seq_len: int, context: int, packed: bool, tensor: int = 1
+) -> int:
+    """What a layer's attention saves on one rank of a CP group (``engine.context_parallel``)
+    beyond what the same layer saves over seq_len/context whole-sequence tokens, measured with
+    saved_tensors_hooks on a fake group: the whole sequence's gathered keys and values in place
+    of the rank's own; each query chunk's output (SDPA's, besides the concatenated copy the
+    output projection keeps); the masks (a causal one that is not square is materialised on
+    CPU; packed rows' document masks, one a row, everywhere)."""
+    if context == 1:
+        return 0
+    local, kv = batch * seq_len // context, _split(s.kv_dim, tensor)
+    chunk = seq_len // (2 * context)
+    gathered = 2 * kv * b * batch * (seq_len - seq_len // context)
+    outputs = _split(s.q_dim, tensor) * b * local
+    # Chunks r and 2N-1-r read 2N+1 chunks of keys; SDPA keeps a mask as a float bias in the
+    # compute dtype: each row's (packed documents), or one causal mask for all rows.
+    masks = (batch if packed else 1) * chunk * chunk * (2 * context + 1) * b
+    return gathered + outputs + masks

@@ -170,6 +170,10 @@ def _add_tune(sub, name: str) -> None:
         "--expert", help="EP degrees to try on a MoE model, e.g. 1,2 (those it divides)"
     )
     tun.add_argument(
+        "--context",
+        help="CP degrees to try, e.g. 1,2,4 (default: 1, and 2,4,8 from trainer.seq_len=4096 on)",
+    )
+    tun.add_argument(
         "--keep-global-batch",
         action="store_true",
         help="hold the overrides' sequences per optimizer step: each candidate's "
@@ -196,6 +200,7 @@ def _tune(args) -> int:
             args.tensor,
             keep_global_batch=args.keep_global_batch,
             expert=args.expert,
+            context=args.context,
         ),
     )
 

@@ -20,14 +20,16 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
     ConfigError,
+    DataKind,
     HardwareKind,
     OffloadDevice,
+    Packing,
     ShardingStrategy,
 )
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
-from fsdp_lab.config.topology import Topology, mesh_axes, mesh_shape
+from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
 from fsdp_lab.tools import activation_memory, memory
 from fsdp_lab.tools.plan_model import ModelShape, inspect_model
 from fsdp_lab.tools.plan_result import (
@@ -100,7 +102,7 @@ def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPl
     on_host = topo.device is HardwareKind.cpu or cfg.offload.device is OffloadDevice.cpu
     r = chosen.rank0
     shards = r.params + r.padding // 2 if on_host else 0
-    shard_ways = max(1, chosen.mesh[-1] if cfg.parallel.tensor == 1 else chosen.mesh[-2])
+    shard_ways = max(1, chosen.fsdp_mesh[-1])
     largest = max((q.numel for q in facts.params), default=0)
     if cfg.model.pretrained:  # one tensor's slice (a converted one whole), as stored and in fp32
         read = 2 * fp32 * max(-(-largest // shard_ways), facts.largest_converted)
@@ -141,11 +143,12 @@ def strategy_plan(
         if chosen:
             raise
         return Unavailable(reason=str(e))
-    tp = cfg.parallel.tensor
-    mesh = mesh_shape(variant, topo, tp)
-    dp_mesh = mesh[:-1] if tp > 1 else mesh  # FSDP shards over these; a TP group repeats
+    tp, cp = cfg.parallel.tensor, cfg.parallel.context
+    mesh = mesh_shape(variant, topo, tp, cp)
+    # FSDP shards over these (a CP group too); a TP group repeats, innermost
+    dp_mesh = fsdp_mesh_shape(variant, topo, tp, cp)
     by_dp_rank = memory.per_rank_state(facts.params, dp_mesh, ep=cfg.parallel.expert)
-    per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]  # TP innermost
+    per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]
     reshard = reshard_after_forward(variant)
     act, trans = _working_set(cfg, topo, facts, dp_mesh[-1], reshard)
     offload = cfg.offload.device is OffloadDevice.cpu
@@ -158,7 +161,8 @@ def strategy_plan(
     )
     return StrategyPlan(
         mesh=tuple(mesh),
-        mesh_axes=tuple(mesh_axes(variant, tp)),
+        mesh_axes=tuple(mesh_axes(variant, tp, cp)),
+        fsdp_mesh=tuple(dp_mesh),
         reshard_after_forward=reshard,
         state_location="host (offload=cpu)" if offload else "host" if cpu else "device",
         per_rank=per_rank,
@@ -194,6 +198,8 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         tensor=cfg.parallel.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
         cpu_kernels=topo.device is HardwareKind.cpu,
+        context=cfg.parallel.context,
+        packed=_packed(cfg),
     )
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
@@ -209,6 +215,11 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         gloo=topo.device is HardwareKind.cpu,
     )
     return act, trans
+
+
+def _packed(cfg: Config) -> bool:
+    """Rows of several documents, each attending only within itself (data=chat's packing)."""
+    return cfg.data.kind is DataKind.chat and cfg.data.packing is Packing.documents
 
 
 def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape) -> dict:
@@ -227,6 +238,8 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
             cpu_kernels=topo.device is HardwareKind.cpu,
+            context=cfg.parallel.context,
+            packed=_packed(cfg),
         ).saved
         for name, n in (("none", 0), ("full", facts.layer.num_layers))
     }
@@ -259,6 +272,7 @@ def build_plan(overrides: list[str]) -> Plan:
             micro_batch_size=t.micro_batch_size,
             seq_len=t.seq_len,
             grad_accum_steps=t.grad_accum_steps,
+            context=cfg.parallel.context,
         ),
         activation_checkpointing=Checkpointing(
             mode=mode.name,

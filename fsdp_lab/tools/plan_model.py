@@ -144,6 +144,10 @@ def _hf_config(cfg: Config):
     hf_config = model_lib.build_hf_config(model_cfg)
     model_lib.check_task(hf_config, cfg.model.task)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
+    if cfg.parallel.context > 1:  # an attention CP reproduces
+        from fsdp_lab.engine import context_parallel
+
+        context_parallel.check(hf_config, cfg.parallel.context)
     return hf_config, vocab_source
 
 

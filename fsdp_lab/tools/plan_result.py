@@ -44,6 +44,7 @@ class StrategyPlan:
 
     mesh: tuple[int, ...]
     mesh_axes: tuple[str, ...]
+    fsdp_mesh: tuple[int, ...]  # the mesh FSDP shards on: no TP axis, a CP axis folded in
     reshard_after_forward: bool | int
     state_location: str  # where params, grads and optimizer state live: host or device
     per_rank: list[memory.StateBytes]  # every rank's state at rest
@@ -67,6 +68,7 @@ class StrategyPlan:
             "available": True,
             "mesh": list(self.mesh),
             "mesh_axes": list(self.mesh_axes),
+            "fsdp_mesh": list(self.fsdp_mesh),
             "reshard_after_forward": self.reshard_after_forward,
             "state_location": self.state_location,
             "per_rank": [dataclasses.asdict(r) for r in self.per_rank],
@@ -99,6 +101,7 @@ class Batch:
     micro_batch_size: int
     seq_len: int
     grad_accum_steps: int
+    context: int = 1  # parallel.context: each rank holds seq_len / context of every row
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,13 @@ def _header_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:
         f"dtypes     sharded params, grads, AdamW state: fp32; compute {d.compute}, "
         f"gradient reduction {d.reduce}",
         f"batch      {bt.micro_batch_size} x {bt.seq_len} tokens per micro-batch per "
-        f"rank, {bt.grad_accum_steps} micro-batch(es) per step",
+        f"rank, {bt.grad_accum_steps} micro-batch(es) per step"
+        + (
+            f"; context parallel: each rank holds {bt.seq_len // bt.context} tokens of a "
+            f"row and gathers each layer's keys and values over {bt.context} ranks"
+            if bt.context > 1
+            else ""
+        ),
         f"loss       {plan.loss.kind}"
         + (
             f" ({min(plan.loss.chunk_tokens, bt.micro_batch_size * bt.seq_len):,} "

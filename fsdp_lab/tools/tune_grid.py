@@ -1,6 +1,6 @@
 """What `fsdp-lab tune` searches: the candidates (sharding x activation checkpointing x offload x
-micro-batch x TP degree x EP degree) the topology can run, each with the plan's peak, and the
-prior that orders them for probing. Nothing here runs a rank.
+micro-batch x TP degree x EP degree x CP degree) the topology can run, each with the plan's
+peak, and the prior that orders them for probing. Nothing here runs a rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ RECOMPUTE = {AC.none: 1.0, AC.selective: 1 + 1 / 6, AC.full: 4 / 3}  # of one fw
 FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
 FLOAT8_COMPUTE = 0.78  # float8 linears: torchtitan's Llama-3.1-8B ran 1.28x the bf16 tokens/s
 OFFLOAD_PENALTY = 1.5  # offload=cpu on GPU: host AdamW and PCIe copies each step
+# Sequences from this long on are offered context parallelism (CP degrees 2, 4, 8 beside 1):
+# at 4k tokens a 1B Llama's activations of one sequence (about 7 GiB in bf16, the plan says)
+# pass its sharded state on 8 ranks; shorter ones fit by checkpointing and micro-batch alone.
+LONG_SEQUENCE = 4096
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Candidate:
     micro_batch: int
     tensor: int = 1  # parallel.tensor
     expert: int = 1  # parallel.expert
+    context: int = 1  # parallel.context
     grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
     float8: bool = False  # float8 linears on bf16 (proposed on a GPU where torchao is installed)
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
@@ -67,6 +72,7 @@ class Candidate:
             f"trainer.micro_batch_size={self.micro_batch}",
             *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
             *([f"parallel.expert={self.expert}"] if self.expert > 1 else []),
+            *([f"parallel.context={self.context}"] if self.context > 1 else []),
             *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
             *(["precision.float8_recipe=tensorwise"] if self.float8 else []),
         ]
@@ -89,6 +95,7 @@ class Grid:
     tensor: list[int] | None = None
     keep_global_batch: bool = False
     expert: list[int] | None = None  # --expert: EP degrees (MoE models; else 1 only)
+    context: list[int] | None = None  # --context: CP degrees (default: by the sequence length)
 
     @classmethod
     def parse(
@@ -99,6 +106,7 @@ class Grid:
         tensor: str | None = None,
         keep_global_batch: bool = False,
         expert: str | None = None,
+        context: str | None = None,
     ) -> Grid:
         return cls(
             strategies=_members(sharding, "--sharding", list(ShardingStrategy)),
@@ -107,6 +115,7 @@ class Grid:
             tensor=_sizes(tensor, "--tensor"),
             keep_global_batch=keep_global_batch,
             expert=_sizes(expert, "--expert"),
+            context=_sizes(context, "--context"),
         )
 
 
@@ -143,8 +152,9 @@ def _held(overrides: list[str], *keys: str) -> bool:
 
 
 def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> tuple:
-    """(strategies, checkpointing modes, offloads, micro-batches, TP degrees, EP degrees) to
-    enumerate: the grid's, or every value; an axis the overrides set is held at its value."""
+    """(strategies, checkpointing modes, offloads, micro-batches, TP degrees, EP degrees,
+    float8, CP degrees) to enumerate: the grid's, or every value; an axis the overrides set is
+    held at its value."""
     strategies = grid.strategies or list(ShardingStrategy)
     if _held(overrides, "sharding"):
         strategies = [cfg.sharding.strategy]
@@ -165,7 +175,12 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     experts = grid.expert or [1, 2, 4, 8]  # those the model and ranks refuse are dropped
     if _held(overrides, "parallel.expert"):
         experts = [cfg.parallel.expert]
-    return strategies, acs, offloads, batches, tensors, experts, _float8_axis(cfg, topo, overrides)
+    # CP for long sequences (those the rules refuse, e.g. a length 2N does not divide, dropped)
+    contexts = grid.context or ([1, 2, 4, 8] if cfg.trainer.seq_len >= LONG_SEQUENCE else [1])
+    if _held(overrides, "parallel.context"):
+        contexts = [cfg.parallel.context]
+    float8s = _float8_axis(cfg, topo, overrides)
+    return strategies, acs, offloads, batches, tensors, experts, float8s, contexts
 
 
 def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
@@ -192,25 +207,25 @@ def enumerate_candidates(
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    strategies, acs, offloads, batches, tensors, experts, float8s = _axes(
+    strategies, acs, offloads, batches, tensors, experts, float8s, contexts = _axes(
         cfg, topo, overrides, grid, max_micro_batch
     )
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
-    for ac, tp, ep, f8 in itertools.product(acs, tensors, experts, float8s):
-        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep, float8=f8)
+    for ac, tp, ep, f8, cp in itertools.product(acs, tensors, experts, float8s, contexts):
+        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep, context=cp, float8=f8)
         if model_axes is None:
             continue
         base, facts = model_axes
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
-                share = mb * dp_size(topo, tp)  # sequences per micro-step, all ranks
+                share = mb * dp_size(topo, tp, cp)  # sequences per micro-step, all ranks
                 if rows % share:
                     indivisible.add((mb, tp))  # it cannot make up the global batch
                     continue
                 accum = rows // share
-            c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8)
+            c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8, context=cp)
             c.grad_accum = accum if rows is not None else None
             if _plan_peak(c, base, topo, facts, accum=accum):
                 c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
@@ -240,13 +255,22 @@ def _plan_peak(c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int) 
     return True
 
 
+# Many parameters: one per axis of the grid that changes the model's layout.
 def _model_axes(
-    cfg, topo, *, ac: ActivationCheckpointingMode, tensor: int, expert: int, float8: bool = False
+    cfg,
+    topo,
+    *,
+    ac: ActivationCheckpointingMode,
+    tensor: int,
+    expert: int,
+    context: int = 1,
+    float8: bool = False,
 ):
-    """(the config with these checkpointing, TP, EP and float8 settings, the plan's model
+    """(the config with these checkpointing, TP, EP, CP and float8 settings, the plan's model
     facts), or None where the rules or the model refuse them: a TP degree the heads do not
     divide, EP on a dense model or with experts the degree does not divide, float8 with
-    either."""
+    either, CP on a model whose attention it does not reproduce or a sequence its 2N chunks
+    do not divide."""
     if float8 and cfg.precision.float8_recipe is None:
         cfg = dataclasses.replace(
             cfg, precision=dataclasses.replace(cfg.precision, float8_recipe=Float8Recipe.tensorwise)
@@ -256,7 +280,7 @@ def _model_axes(
         activation_checkpointing=ActivationCheckpointingConfig(
             mode=ac, every=cfg.activation_checkpointing.every
         ),
-        parallel=dataclasses.replace(cfg.parallel, tensor=tensor, expert=expert),
+        parallel=dataclasses.replace(cfg.parallel, tensor=tensor, expert=expert, context=context),
     )
     try:
         validate(base, topo)
@@ -279,20 +303,27 @@ def _indivisible(batches: list[int], rows: int, dp: int) -> str:
 def global_batch(cfg, topo) -> int:
     """Sequences per optimizer step: micro-batch x grad_accum_steps x data-parallel ranks."""
     t = cfg.trainer
-    return t.micro_batch_size * t.grad_accum_steps * dp_size(topo, cfg.parallel.tensor)
+    return (
+        t.micro_batch_size
+        * t.grad_accum_steps
+        * dp_size(topo, cfg.parallel.tensor, cfg.parallel.context)
+    )
 
 
 def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
     """Relative time per token, for ordering probes: compute (6 FLOPs per parameter, times the
     recomputation) plus bytes moved per token weighted by the device's FLOPs per byte: FSDP's
-    (4 bytes per parameter per communication unit, once per micro-batch) and TP's (two
-    all-reduces of the hidden state per layer, forward and backward)."""
+    (4 bytes per parameter per communication unit, once per micro-batch, whose tokens a CP
+    group splits), TP's (two all-reduces of the hidden state per layer, forward and backward)
+    and CP's (each layer all-gathers the other ranks' keys and values and reduce-scatters
+    their gradients: 16 bytes per KV dimension per other rank)."""
     w = FLOPS_PER_COMM_BYTE[topo.device]
     dp = topo.world_size // c.tensor
     traffic = strategy_of(c.strategy).traffic  # parameter bytes per micro-batch, in params
-    fsdp = 4 * traffic / (c.micro_batch * seq_len) if dp > 1 else 0
+    fsdp = 4 * traffic / (c.micro_batch * seq_len / c.context) if dp > 1 else 0
     layer = facts.layer
     tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
+    cp = 16 * layer.num_layers * layer.kv_dim * (c.context - 1) / max(facts.total_params, 1)
     # EP: four all-to-alls of each token's top-k rows per MoE layer (dispatch and combine,
     # forward and backward, fp32), and FSDP gathers 1/ep of the experts.
     moe = 16 * layer.top_k * layer.hidden * layer.num_layers * (c.expert - 1) / c.expert
@@ -301,7 +332,7 @@ def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
     fsdp *= 1 - experts * (1 - 1 / c.expert)
     penalty = OFFLOAD_PENALTY if c.offload else 1.0
     compute = 6 * RECOMPUTE[c.ac] * (FLOAT8_COMPUTE if c.float8 else 1.0)
-    return (compute + w * (fsdp + tp + ep)) * penalty
+    return (compute + w * (fsdp + tp + ep + cp)) * penalty
 
 
 def probe_order(candidates: list[Candidate]) -> list[Candidate]:

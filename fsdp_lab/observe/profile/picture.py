@@ -29,8 +29,11 @@ KIND_COLORS = {
     "reduce_scatter": "#2ca02c",
     "all_reduce": "#9467bd",
     "all_to_all": "#8c564b",
+    "context_all_gather": "#17becf",  # context parallelism's keys and values
+    "context_reduce_scatter": "#bcbd22",
     "other": "#ff7f0e",
 }
+GATHER_KINDS = ("all_gather", "context_all_gather")  # drawn in the top comm lane
 # gpu: the compute lane coloured by kernel kind (timeline.kernel_kind); cpu: COMPUTE_COLOR.
 KERNEL_COLORS = {
     "matmul": "#4c4c4c",
@@ -124,8 +127,8 @@ def _draw_rank(ax, picture: StepPicture, names: dict[str, str], ms_per_in: float
             color = KERNEL_COLORS.get(kind, COMPUTE_COLOR)
             gid = "compute" if kind == "compute" else f"compute:{kind}"
             ax.broken_barh(_ranges(spans), COMPUTE_LANE, color=color, gid=gid, **bars)
-    gathers = [s for s in picture.comm if _kind(s) == "all_gather"]
-    reduces = [s for s in picture.comm if _kind(s) != "all_gather"]
+    gathers = [s for s in picture.comm if _kind(s) in GATHER_KINDS]
+    reduces = [s for s in picture.comm if _kind(s) not in GATHER_KINDS]
     for spans, lane in ((gathers, GATHER_LANE), (reduces, REDUCE_LANE)):
         for kind in KIND_COLORS:
             of_kind = [s for s in spans if _kind(s) == kind]

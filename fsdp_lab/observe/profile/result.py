@@ -31,7 +31,8 @@ class UnitComm:
     """One FSDP unit's collectives of one kind in a step (or the mean over steps)."""
 
     unit: str  # the module's name (model.layers.3), ROOT_UNIT or OTHER_UNIT
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | other
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | context_all_gather
+    # | context_reduce_scatter (context parallelism's) | other
     count: float  # collectives
     time_s: float  # their busy time (the union of their intervals)
     exposed_s: float  # of it, not covered by compute: what the step waited for

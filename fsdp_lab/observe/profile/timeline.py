@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError
+from fsdp_lab.engine.context_parallel import ALL_GATHER_REGION, REDUCE_SCATTER_REGION
 from fsdp_lab.observe.profile.intervals import Interval, union
 from fsdp_lab.observe.profile.result import OTHER_UNIT, ROOT_UNIT
 
@@ -117,6 +118,21 @@ def _steps(events: list[dict]) -> list[tuple[int, float, float]]:
     ours = [e for e in events if e["name"].startswith(STEP_PREFIX)]
     chosen = ours or [e for e in events if _STEP.match(e["name"])]
     return sorted((int(_STEP.match(e["name"]).group(1)), *_span(e)) for e in chosen)
+
+
+# Context parallelism's collectives, by the annotation around them (engine.context_parallel):
+# kinds of their own, so the report tells them from FSDP's gathers and reductions.
+CONTEXT_KINDS = {
+    ALL_GATHER_REGION: "context_all_gather",
+    REDUCE_SCATTER_REGION: "context_reduce_scatter",
+}
+
+
+def _context_regions(events: list[dict]) -> _Enclosing:
+    """The spans of context parallelism's annotations, each carrying its collectives' kind."""
+    return _Enclosing(
+        [(*_span(e), CONTEXT_KINDS[e["name"]]) for e in events if e["name"] in CONTEXT_KINDS]
+    )
 
 
 # A collective's kind by the words in its operator's or kernel's name.
@@ -207,7 +223,7 @@ def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Col
         if i < len(blockers) and blockers[i] < end:
             continue  # it encloses a wait: its own work is in the operators under it
         compute.append((start, end))
-    units = _units(host)
+    units, context = _units(host), _context_regions(host)
     pending = deque((float(e["ts"]), collective_kind(e["name"])) for e in issued)
     comm = []
     for e in sorted((e for e in others if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
@@ -215,7 +231,7 @@ def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Col
         kind, unit = collective_kind(e["name"]), OTHER_UNIT
         call = _take_issue(pending, start, kind)
         if call is not None:
-            kind, unit = call[1], units.at(call[0], OTHER_UNIT)
+            kind, unit = context.at(call[0], call[1]), units.at(call[0], OTHER_UNIT)
         comm.append(Collective(start, end, kind, unit))
     return union(compute), comm
 
@@ -247,17 +263,22 @@ def _gpu(
     }
     by_thread: dict = {}
     for e in events:
-        if e["name"].startswith(("FSDP::", "c10d::", "nccl:")):
+        if e["name"].startswith(("FSDP::", "c10d::", "nccl:")) or e["name"] in CONTEXT_KINDS:
             by_thread.setdefault(e.get("tid"), []).append(e)
     # Per launching thread (backward runs on autograd's device thread): the FSDP unit, and the
     # collective a call asked for (NCCL names some kernels ncclDevKernel_Generic).
     units = {tid: _units(evs) for tid, evs in by_thread.items()}
     calls = {
         tid: _Enclosing(
-            [(*_span(e), collective_kind(e["name"])) for e in evs if "FSDP::" not in e["name"]]
+            [
+                (*_span(e), collective_kind(e["name"]))
+                for e in evs
+                if e["name"].startswith(("c10d::", "nccl:"))
+            ]
         )
         for tid, evs in by_thread.items()
     }
+    context = {tid: _context_regions(evs) for tid, evs in by_thread.items()}
     starts = [s for _, s, _ in cpu_steps]
     first: dict[int, float] = {}  # step index -> its first device event's start
     last_end: dict[int, float] = {}
@@ -280,6 +301,8 @@ def _gpu(
             kind = collective_kind(e["name"])
             if kind == "other" and tid in calls:
                 kind = calls[tid].at(at, kind)
+            if tid in context:
+                kind = context[tid].at(at, kind)
             unit = units[tid].at(at, OTHER_UNIT) if tid in units else OTHER_UNIT
             comm.append(Collective(start, end, kind, unit))
         else:
