@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from fsdp_lab.config import ConfigError, families
 from fsdp_lab.config.topology import context_chunks
-from fsdp_lab.engine.hardware import process_group
+from fsdp_lab.engine.hardware import devices, process_group
 
 ATTENTION_PREFIX = "fsdp_lab_context"  # + the CP group's name: the registered implementation
 WHOLE_SEQUENCES = "sdpa"  # what generation and scoring run, on every rank of the group
@@ -55,9 +55,53 @@ REDUCE_SCATTER_REGION = "fsdp_lab::context_reduce_scatter"
 class ContextSplit:
     """What a forward over split sequences tells the attention besides the tensors: the
     packed rows' documents, each position's in the whole row [B, T] (the loader's
-    ``context_documents``); None: one sequence a row."""
+    ``context_documents``); None: one sequence a row.
+
+    It also keeps the forward's masks (``mask``): every layer attends with the same ones, so
+    each is built once per forward, and what SDPA saves for backward is one tensor, shared by
+    the layers, not a copy per layer."""
 
     documents: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(
+        self,
+        chunk: int,
+        size: int,
+        *,
+        keys: tuple[int, int],
+        window: int | None,
+        like: torch.Tensor,
+    ):
+        """The mask of query chunk ``chunk`` (``size`` positions from chunk * size) over the
+        keys at row positions ``keys`` = [start, end): causal, within the window, within the
+        document. None where SDPA's own ``is_causal`` is it (a square causal block); torch's
+        lower-right causal bias where the device applies it in place (``hardware``); else an
+        additive mask in ``like``'s dtype, [B or 1, 1, size, end - start], built once."""
+        start, end = keys
+        plain = self.documents is None and window is None and start == 0
+        if plain and chunk == 0:
+            return None
+        if plain and devices.sdpa_applies_causal_bias(like.device):
+            return causal_lower_right(size, end)
+        key = (chunk, size, start, end, window, like.dtype, like.device)
+        if key not in self._masks:
+            self._masks[key] = _additive_mask(chunk, size, keys, self.documents, window, like)
+        return self._masks[key]
+
+
+def _additive_mask(chunk, size, keys, documents, window, like) -> torch.Tensor:
+    """0 where a query may attend, -inf elsewhere (every query sees at least itself)."""
+    start, end = keys
+    q = torch.arange(chunk * size, (chunk + 1) * size, device=like.device)
+    k = torch.arange(start, end, device=like.device)
+    allowed = q[:, None] >= k[None, :]
+    if window is not None:  # transformers' sliding window: a key within the last `window`
+        allowed = allowed & (q[:, None] - k[None, :] < window)
+    if documents is not None:
+        allowed = (allowed & (documents[:, q, None] == documents[:, None, k]))[:, None]
+    mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
 
 
 class _GatherKeysValues(torch.autograd.Function):
@@ -93,33 +137,6 @@ def gather_in_order(
     ordered = torch.cat([parts[:, :, :, :, 0], parts.flip(0)[:, :, :, :, 1]])
     whole = ordered.permute(1, 2, 3, 0, 4, 5).reshape(2, batch, heads, 2 * size * chunk, dim)
     return whole[0], whole[1]
-
-
-def chunk_mask(
-    chunk: int,
-    size: int,
-    *,
-    keys: tuple[int, int],
-    documents: torch.Tensor | None,
-    window: int | None,
-    device: torch.device,
-):
-    """The mask of query chunk ``chunk`` (``size`` positions from chunk * size) over the keys
-    at positions ``keys`` = [start, end) of the row: causal, within the window, within the
-    document. A plain causal prefix is torch's lower-right causal bias (no mask in memory on
-    CUDA's kernels); else a boolean [B or 1, 1, size, end - start]."""
-    start, end = keys
-    if documents is None and window is None and start == 0:
-        return causal_lower_right(size, end)
-    q = torch.arange(chunk * size, (chunk + 1) * size, device=device)
-    k = torch.arange(start, end, device=device)
-    allowed = q[:, None] >= k[None, :]
-    if window is not None:  # transformers' sliding window: a key within the last `window`
-        allowed &= q[:, None] - k[None, :] < window
-    if documents is None:
-        return allowed
-    same = documents[:, q, None] == documents[:, None, k]
-    return (allowed & same)[:, None]
 
 
 class ContextAttention:
@@ -164,13 +181,8 @@ class ContextAttention:
             end = (index + 1) * chunk
             # Keys before every query's window are masked whole: not read at all.
             start = 0 if sliding_window is None else max(0, index * chunk - sliding_window + 1)
-            mask = chunk_mask(
-                index,
-                chunk,
-                keys=(start, end),
-                documents=context_split.documents,
-                window=sliding_window,
-                device=query.device,
+            mask = context_split.mask(
+                index, chunk, keys=(start, end), window=sliding_window, like=query
             )
             outs.append(
                 F.scaled_dot_product_attention(
@@ -179,6 +191,7 @@ class ContextAttention:
                     values[:, :, start:end],
                     attn_mask=mask,
                     dropout_p=dropout,
+                    is_causal=mask is None,
                     scale=scaling,
                     enable_gqa=gqa,
                 )

@@ -284,7 +284,10 @@ def activations(
     rotary = 2 * rows * seq_len // context * (s.q_dim // s.num_heads) * b
     rotary = rotary if s.family == "llama" else 0
     split = context_bytes_per_layer(
-        s, b, batch=batch, seq_len=seq_len, context=context, packed=packed, tensor=tensor
+        s, b, batch=batch, seq_len=seq_len, context=context, tensor=tensor
+    )
+    masks = context_mask_bytes(
+        b, batch=batch, seq_len=seq_len, context=context, packed=packed, cpu_kernels=cpu_kernels
     )
     if fused:
         loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32
@@ -299,7 +302,11 @@ def activations(
     if context > 1:  # backward's gradients of the gathered keys and values (three copies)
         layer_grads = max(layer_grads, 3 * batch * seq_len * 2 * _split(s.kv_dim, tensor) * b)
     return Activations(
-        saved=tokens * per_token + rotary + weight_grad + (s.num_layers - num_checkpointed) * split,
+        saved=tokens * per_token
+        + rotary
+        + weight_grad
+        + (s.num_layers - num_checkpointed) * split
+        + masks,
         loss_grad=loss_grad,
         recompute=tokens * layer + split if last_checkpointed else 0,
         layer_grads=layer_grads,
@@ -308,21 +315,28 @@ def activations(
 
 
 def context_bytes_per_layer(
-    s: LayerShape, b: int, *, batch: int, seq_len: int, context: int, packed: bool, tensor: int = 1
+    s: LayerShape, b: int, *, batch: int, seq_len: int, context: int, tensor: int = 1
 ) -> int:
     """What a layer's attention saves on one rank of a CP group (``engine.context_parallel``)
     beyond what the same layer saves over seq_len/context whole-sequence tokens, measured with
     saved_tensors_hooks on a fake group: the whole sequence's gathered keys and values in place
-    of the rank's own; each query chunk's output (SDPA's, besides the concatenated copy the
-    output projection keeps); the masks (a causal one that is not square is materialised on
-    CPU; packed rows' document masks, one a row, everywhere)."""
+    of the rank's own, and each query chunk's output (SDPA's, besides the concatenated copy the
+    output projection keeps)."""
     if context == 1:
         return 0
     local, kv = batch * seq_len // context, _split(s.kv_dim, tensor)
-    chunk = seq_len // (2 * context)
     gathered = 2 * kv * b * batch * (seq_len - seq_len // context)
-    outputs = _split(s.q_dim, tensor) * b * local
-    # Chunks r and 2N-1-r read 2N+1 chunks of keys; SDPA keeps a mask as a float bias in the
-    # compute dtype: each row's (packed documents), or one causal mask for all rows.
-    masks = (batch if packed else 1) * chunk * chunk * (2 * context + 1) * b
-    return gathered + outputs + masks
+    return gathered + _split(s.q_dim, tensor) * b * local
+
+
+def context_mask_bytes(
+    b: int, *, batch: int, seq_len: int, context: int, packed: bool, cpu_kernels: bool
+) -> int:
+    """The masks of a CP forward, built once and shared by every layer: a rank's two query
+    chunks read 2N+1 chunks of keys, masked in the compute dtype, one mask per row for packed
+    documents; a plain causal one only where SDPA materialises it (CPU: on CUDA its
+    memory-efficient kernel applies the causal bias in place)."""
+    if context == 1 or not (packed or cpu_kernels):
+        return 0
+    chunk = seq_len // (2 * context)
+    return (batch if packed else 1) * chunk * chunk * (2 * context + 1) * b

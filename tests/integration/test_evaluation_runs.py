@@ -124,9 +124,10 @@ def outputs_at(run_dir, step: int) -> list[str]:
             "finetune=lora",
             "eval.keep_gathered=true",
         ),
-        ("hardware.nproc_per_node=4", "sharding=full", "parallel.tensor=2"),
+        # TP 2 x CP 2: generation runs whole sequences under SDPA on every rank of the group
+        ("hardware.nproc_per_node=4", "sharding=full", "parallel.tensor=2", "parallel.context=2"),
     ],
-    ids=["1-rank", "4-hybrid-lora", "4-tp2"],
+    ids=["1-rank", "4-hybrid-lora", "4-tp2-cp2"],
 )
 def test_greedy_samples_equal_generate_on_the_whole_model(llama, tmp_path, overrides):
     run_dir = tmp_path / "run"
@@ -150,13 +151,15 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_run(llama, tmp_path_factory, server):
-    """2 ranks fully sharded, with harness tasks, an export and every tracker."""
+    """2 ranks fully sharded (one CP group: training splits each sequence over it, generation
+    and scoring run whole ones), with harness tasks, an export and every tracker."""
     run_dir = tmp_path_factory.mktemp("full") / "run"
     check_ok(
         train(
             run_dir,
             *base(llama),
             "hardware.nproc_per_node=2",
+            "parallel.context=2",
             f"eval.harness_tasks=[{TASKS}]",
             "eval.harness_include_path=tests/harness_tasks",
             f"eval.harness_limit={LIMIT}",
@@ -181,7 +184,7 @@ def test_two_ranks_samples_and_a_resumed_run_continues_them(full_run, llama, tmp
     # the same text at step 2 as the uninterrupted run.
     resumed = tmp_path / "resumed"
     ckpt = full_run / "checkpoints" / "step_00000001"
-    overrides = (*base(llama), "hardware.nproc_per_node=2", f"resume={ckpt}")
+    overrides = (*base(llama), "hardware.nproc_per_node=2", "parallel.context=2", f"resume={ckpt}")
     check_ok(train(resumed, *overrides))
     assert sorted({s["step"] for s in samples(resumed)}) == [2]
     assert outputs_at(resumed, 2) == outputs_at(full_run, 2)

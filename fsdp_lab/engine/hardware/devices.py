@@ -242,6 +242,13 @@ def set_device_rng_state(device: torch.device, saved: dict | None) -> None:
         xm.set_rng_state(saved["state"], device)
 
 
+def sdpa_applies_causal_bias(device: torch.device) -> bool:
+    """Whether SDPA on ``device`` applies torch's lower-right causal bias without a mask in
+    memory (CUDA's memory-efficient kernel); elsewhere (CPU) it materialises one at each call,
+    which context parallelism's attention then builds once per forward instead."""
+    return device.type == "cuda"
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A batch onto the device without the host waiting: on GPU through pinned (page-locked)
     host memory, whose copy runs asynchronously on the current stream (the caching host

@@ -241,6 +241,41 @@ def test_a_reduce_scatter_launched_from_autograds_thread_keeps_its_unit_and_kind
     assert s.exposed_comm_s == pytest.approx(40e-6) and s.step_s == pytest.approx(90e-6)
 
 
+def test_context_parallel_collectives_are_a_kind_of_their_own_on_cpu_and_gpu():
+    """The CP attention's all-gather and its backward's reduce-scatter run inside annotations
+    of their own: reported apart from FSDP's gathers and reductions, by either reader."""
+    gather, scatter = "fsdp_lab::context_all_gather", "fsdp_lab::context_reduce_scatter"
+    cpu = [
+        note("fsdp_lab::step 1", 0, 200),
+        note("FSDP::all_gather (model.layers.0)", 5, 20),
+        op("c10d::_allgather_base_", 10, 10),
+        op("gloo:all_gather", 12, 8, tid=GLOO),
+        note(gather, 40, 20),
+        op("c10d::_allgather_base_", 42, 15),
+        op("gloo:all_gather", 45, 10, tid=GLOO),
+        note(scatter, 100, 20),
+        op("c10d::_reduce_scatter_base_", 102, 15),
+        op("gloo:all_reduce", 104, 12, tid=GLOO),
+    ]
+    (s,) = analyse(build_timeline(trace(cpu)), rank=0, trace="t").steps
+    assert [(u.unit, u.kind) for u in s.units] == [
+        ("model.layers.0", "all_gather"),
+        ("other", "context_all_gather"),
+        ("other", "context_reduce_scatter"),
+    ]
+    gpu = [
+        note("fsdp_lab::step 1", 0, 100),
+        note(gather, 10, 20),
+        op("c10d::_allgather_base_", 12, 10),
+        launch(14, 3),
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 50, 9, 3, 21),
+        launch(40, 4),
+        kernel("gemm", 60, 30, 4, STREAM7),
+    ]
+    (s,) = analyse(build_timeline(trace(gpu)), rank=0, trace="t").steps
+    assert [(u.unit, u.kind) for u in s.units] == [("other", "context_all_gather")]
+
+
 @pytest.mark.parametrize(
     "name,kind",
     [

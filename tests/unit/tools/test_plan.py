@@ -594,6 +594,47 @@ def test_activations_under_tensor_parallelism_are_what_autograd_saves(fake_group
     assert measured < whole
 
 
+@pytest.mark.parametrize("cp,rank", [(2, 0), (4, 3)])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_activations_under_context_parallelism_are_what_autograd_saves(
+    fake_group, cp, rank, packed, dtype
+):
+    """One rank of a CP group: its chunks of every row, each layer's gathered keys and values,
+    SDPA's chunk outputs and masks (a packed row's document masks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_lab.data.context import CONTEXT_DOCUMENTS, split_sequences
+    from fsdp_lab.engine import context_parallel
+
+    fake_group(rank, cp)
+    model, shape, _ = small_model(ModelArch.llama, dtype)
+    context_parallel.apply(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("context",)))
+    ids = torch.randint(0, 250, (3, 96))
+    rows = {"input_ids": ids, "labels": ids}
+    if packed:
+        rows |= {"position_ids": torch.arange(96) % 40, "sequence_index": torch.arange(96) // 40}
+        rows = {k: v.expand(3, 96) for k, v in rows.items()}
+    batch = split_sequences(rows, context=cp, rank=rank, causal=True)
+    split = context_parallel.ContextSplit(batch.pop(CONTEXT_DOCUMENTS, None))
+    measured = saved_bytes(model, dict(batch, context_split=split))
+    estimate = activation_memory.activations(
+        shape,
+        batch=3,
+        seq_len=96,
+        b=dtype.itemsize,
+        num_checkpointed=0,
+        context=cp,
+        packed=packed,
+        cpu_kernels=True,
+    ).saved
+    whole = activation_memory.activations(
+        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+    ).saved
+    assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
+    assert measured < whole / cp * 1.2  # about 1/N of the whole, plus the gathered K/V
+
+
 @pytest.mark.parametrize("ac", ["full", "selective"])
 @pytest.mark.parametrize(
     "arch,dtype",

@@ -169,3 +169,29 @@ def test_a_mixture_of_experts_gets_the_expert_parallel_degrees_it_divides():
     assert {c.expert for c in held} == {2}
     grid = tune.Grid.parse(None, None, None, None, expert="1,4")
     assert {c.expert for c in tune.enumerate_candidates(moe, 2, grid)[0]} == {1, 4}
+
+
+def test_long_sequences_get_the_context_parallel_degrees_that_fit():
+    """From trainer.seq_len=4096 on, CP degrees join the grid (those the ranks and the
+    sequence divide); shorter ones keep CP 1 unless --context asks; an override holds it; a
+    model whose attention CP does not reproduce keeps CP 1."""
+    long = ["hardware=cpu", "hardware.nproc_per_node=4", "trainer.seq_len=4096"]
+    long += ["model.max_position_embeddings=4096"]
+    grid = tune.Grid.parse("full", "none", "1", "1")
+    cands, _, _ = tune.enumerate_candidates(long, 1, grid)
+    assert {c.context for c in cands} == {1, 2, 4}  # 8 does not divide 4 ranks
+    by_context = {c.context: c for c in cands}
+    assert "parallel.context=4" in by_context[4].overrides()
+    assert (
+        by_context[4].plan_peak_bytes
+        < by_context[2].plan_peak_bytes
+        < by_context[1].plan_peak_bytes
+    )
+    short = ["hardware=cpu", "hardware.nproc_per_node=4"]
+    assert {c.context for c in tune.enumerate_candidates(short, 1, grid)[0]} == {1}
+    asked = tune.Grid.parse("full", "none", "1", "1", context="1,2")
+    assert {c.context for c in tune.enumerate_candidates(short, 1, asked)[0]} == {1, 2}
+    held, _, _ = tune.enumerate_candidates([*long, "parallel.context=2"], 1, grid)
+    assert {c.context for c in held} == {2}
+    gpt2 = [*long, "model=gpt2_tiny"]
+    assert {c.context for c in tune.enumerate_candidates(gpt2, 1, grid)[0]} == {1}
