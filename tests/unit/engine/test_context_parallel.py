@@ -75,3 +75,19 @@ def test_a_model_whose_attention_cp_does_not_reproduce_is_named(model_type):
         context_parallel.check(config, 2)
     context_parallel.check(config, 1)  # no CP: nothing to check
     context_parallel.check(type("Config", (), {"model_type": "qwen2"})(), 4)
+
+
+def test_every_layer_finds_the_masks_the_first_one_built():
+    """FSDP2 maps each unit's inputs, rebuilding dataclasses and dicts: the forward's masks
+    must reach every layer as the same object, or each layer builds (and SDPA keeps) its own."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    documents = torch.tensor([[0, 0, 1, 1, 1, 1, 2, 2]])
+    split = context_parallel.ContextSplit(documents)
+    like = torch.zeros(1, dtype=torch.float32)
+    first = split.mask(1, 2, keys=(0, 4), window=None, like=like)
+    mapped = _apply_to_tensors(lambda t: t.clone(), split)  # as a unit's pre-forward hook does
+    assert mapped is not split
+    assert mapped.mask(1, 2, keys=(0, 4), window=None, like=like) is first
+    # queries 2, 3 (document 1) see keys 2..3 of their own document, causally
+    assert (first[0, 0] == 0).tolist() == [[False, False, True, False], [False, False, True, True]]
