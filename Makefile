@@ -42,6 +42,7 @@ bench: setup
 	$(PY) benchmarks/bench_loss.py
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/bench_loading.py
 	$(PY) benchmarks/bench_activation_checkpointing.py
 	$(PY) benchmarks/bench_finetune.py

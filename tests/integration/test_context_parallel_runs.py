@@ -53,8 +53,10 @@ def compare(run_dir, dp: int) -> dict:
             2,
         ),
         (4, ("parallel.context=4", "model=qwen2_tiny"), {"shard": 1, "context": 4}, 4),
+        # a mixture of experts: the aux loss (in the loss) covers the whole sequence
+        (2, ("parallel.context=2", "model=qwen3_moe_tiny"), {"shard": 1, "context": 2}, 2),
     ],
-    ids=["llama-cp2xtp2", "llama-cp4", "qwen2-cp2xhybrid", "qwen2-cp4"],
+    ids=["llama-cp2xtp2", "llama-cp4", "qwen2-cp2xhybrid", "qwen2-cp4", "qwen3-moe-cp2"],
 )
 def test_cp_matches_one_unsharded_process(run_dir, world, overrides, mesh, shards):
     check_ok(
@@ -69,8 +71,10 @@ def test_cp_matches_one_unsharded_process(run_dir, world, overrides, mesh, shard
             *overrides,
         )
     )
-    facts = compare(run_dir, dp=1 if "sharding=hybrid" not in overrides else 2)
+    dp = 1 if "sharding=hybrid" not in overrides else 2
+    facts = compare(run_dir, dp=dp)
     assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == mesh
+    assert facts["tokens_per_step"] == dp * 4 * 64  # each token once, not once per CP rank
     # FSDP shards over shard x context: the CP group splits the model it holds
     tp = mesh.get("tp", 1)
     assert facts["local_params_per_rank"][0] * shards * tp >= facts["total_params"]
@@ -131,8 +135,9 @@ def _losses(run_dir) -> dict[int, float]:
 
 def test_a_checkpoint_resumes_across_cp_sizes(tmp_path):
     """CP 2 (2 ranks) -> CP 1 (1 rank) -> CP 4 (4 ranks), the same global batch: DCP reshards
-    over the new shard x context axis and every resumed step is the uninterrupted run's."""
-    common = ("hardware=cpu", "trainer.max_steps=9", "trainer.eval_every=0", "logger=none")
+    over the new shard x context axis and every resumed step is the uninterrupted run's; the
+    validation after the last step counts the same tokens, with the same loss, at each size."""
+    common = ("hardware=cpu", "trainer.max_steps=9", "trainer.eval_every=9", "logger=none")
     common += ("checkpoint.every_n_steps=3", "checkpoint.keep_last=3", "model=qwen2_tiny")
     first, second, third = (tmp_path / n for n in ("cp2", "cp1", "cp4"))
     check_ok(train(first, *common, "hardware.nproc_per_node=2", "parallel.context=2"))
@@ -147,6 +152,9 @@ def test_a_checkpoint_resumes_across_cp_sizes(tmp_path):
     for run, steps in ((second, range(4, 7)), (third, range(7, 10))):
         got = _losses(run)
         assert max(abs(got[s] - want[s]) for s in steps) <= FP32_TOL, (run.name, got, want)
+    val = [read_metrics(run / "metrics.jsonl", "val")[-1] for run in (first, second, third)]
+    assert {r["step"] for r in val} == {9} and len({r["val_tokens"] for r in val}) == 1
+    assert max(abs(r["val_loss"] - val[0]["val_loss"]) for r in val) <= FP32_TOL, val
 
 
 def test_a_model_cp_cannot_split_is_named_before_launch(run_dir):
