@@ -7,6 +7,11 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional
 
+# The annotations around context parallelism's collectives (engine.context_parallel writes
+# them, observe.profile.timeline reads them): kinds of their own in a trace's analysis.
+CONTEXT_ALL_GATHER_REGION = "fsdp_lab::context_all_gather"
+CONTEXT_REDUCE_SCATTER_REGION = "fsdp_lab::context_reduce_scatter"
+
 
 class ProfileMode(enum.Enum):
     none = "none"  # the default: nothing recorded, nothing added to the loop

@@ -320,10 +320,10 @@ def validate(cfg: Config, topo: Topology) -> None:
         )
     tensor = _check_parallel(cfg, topo)
     context = cfg.parallel.context
-    dp = dp_size(topo, tensor, context)
+    dp = dp_size(topo, tensor, context=context)
     split = tensor * context > 1
     ranks = f"{dp} data-parallel ranks" if split else f"{dp} ranks"
-    replicate = replicate_size(s, topo, tensor, context)
+    replicate = replicate_size(s, topo, tensor, context=context)
     if hybrid:
         if replicate < 1 or dp % replicate:
             raise ConfigError(

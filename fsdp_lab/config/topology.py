@@ -39,19 +39,21 @@ class Topology:
         return cls(world, per_node, world // per_node, device)
 
 
-def dp_size(topo: Topology, tensor: int = 1, context: int = 1) -> int:
+def dp_size(topo: Topology, tensor: int = 1, *, context: int = 1) -> int:
     """The data-parallel ranks, those that read different rows: every rank, or one per TP
     group and per CP group (the ranks of either read the same rows)."""
     return topo.world_size // (tensor * context)
 
 
-def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1) -> int:
+def replicate_size(
+    cfg: ShardingConfig, topo: Topology, tensor: int = 1, *, context: int = 1
+) -> int:
     """Ranks along the replicate axis: 1 on a 1D mesh, every data-parallel rank for no_shard."""
     match strategy_of(cfg.strategy).replicas:
         case Replicas.one:
             return 1
         case Replicas.every_rank:
-            return dp_size(topo, tensor, context)
+            return dp_size(topo, tensor, context=context)
         case Replicas.groups:
             if cfg.replicate_size is not None:
                 return cfg.replicate_size
@@ -61,21 +63,21 @@ def replicate_size(cfg: ShardingConfig, topo: Topology, tensor: int = 1, context
 
 
 def mesh_shape(
-    cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1
+    cfg: ShardingConfig, topo: Topology, tensor: int = 1, *, context: int = 1
 ) -> tuple[int, ...]:
     """(N,) on a 1D mesh, (replicate, shard) on a 2D one; with context parallelism the context
     axis follows, then with tensor parallelism the TP axis, innermost (a TP group is
     contiguous ranks: one node; a CP group the next closest)."""
-    dp = dp_size(topo, tensor, context)
+    dp = dp_size(topo, tensor, context=context)
     if len(strategy_of(cfg.strategy).mesh_axes) == 1:
         shape: tuple[int, ...] = (dp,)
     else:
-        replicate = replicate_size(cfg, topo, tensor, context)
+        replicate = replicate_size(cfg, topo, tensor, context=context)
         shape = (replicate, dp // replicate)
     return (*shape, *((context,) if context > 1 else ()), *((tensor,) if tensor > 1 else ()))
 
 
-def mesh_axes(cfg: ShardingConfig, tensor: int = 1, context: int = 1) -> tuple[str, ...]:
+def mesh_axes(cfg: ShardingConfig, tensor: int = 1, *, context: int = 1) -> tuple[str, ...]:
     """The axis names of ``mesh_shape``."""
     axes = strategy_of(cfg.strategy).mesh_axes
     return (
@@ -86,7 +88,7 @@ def mesh_axes(cfg: ShardingConfig, tensor: int = 1, context: int = 1) -> tuple[s
 
 
 def fsdp_mesh_shape(
-    cfg: ShardingConfig, topo: Topology, tensor: int = 1, context: int = 1
+    cfg: ShardingConfig, topo: Topology, tensor: int = 1, *, context: int = 1
 ) -> tuple[int, ...]:
     """The mesh FSDP shards on: the strategy's axes with the context axis folded in. The ranks
     of a CP group hold the same model, so they split it too: the context axis joins the shard
@@ -94,7 +96,7 @@ def fsdp_mesh_shape(
     A strategy that keeps every element on every rank (no_shard) keeps it there too: the
     context axis joins its replicate axis."""
     row = strategy_of(cfg.strategy)
-    shape = mesh_shape(cfg, topo, tensor, context)[: len(row.mesh_axes)]
+    shape = mesh_shape(cfg, topo, tensor, context=context)[: len(row.mesh_axes)]
     if row.replicas is Replicas.every_rank:
         return (shape[0] * context, *shape[1:])
     return (*shape[:-1], shape[-1] * context)

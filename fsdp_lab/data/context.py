@@ -59,6 +59,9 @@ def split_sequences(
     """This rank's chunks of a batch of whole rows (``input_ids``, ``labels``, and for packed
     rows ``position_ids`` and ``sequence_index``): ids, targets (shifted first, for a causal
     LM) and positions cut, the document index kept whole."""
+    unknown = set(batch) - {"input_ids", "labels", "position_ids", "sequence_index"}
+    if unknown:  # a field the split would leave behind: it must say how to cut it
+        raise RuntimeError(f"split_sequences: no rule to split the batch's {sorted(unknown)}")
     ids = batch["input_ids"]
     rows, length = ids.shape
     labels = shifted_targets(batch["labels"]) if causal else batch["labels"]

@@ -41,14 +41,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from fsdp_lab.config import ConfigError, families
+from fsdp_lab.config.profiling import CONTEXT_ALL_GATHER_REGION, CONTEXT_REDUCE_SCATTER_REGION
 from fsdp_lab.config.topology import context_chunks
 from fsdp_lab.engine.hardware import devices, process_group
 
 ATTENTION_PREFIX = "fsdp_lab_context"  # + the CP group's name: the registered implementation
 WHOLE_SEQUENCES = "sdpa"  # what generation and scoring run, on every rank of the group
-# Their profiler annotations: observe.profile.timeline names the collectives inside them
-ALL_GATHER_REGION = "fsdp_lab::context_all_gather"
-REDUCE_SCATTER_REGION = "fsdp_lab::context_reduce_scatter"
 
 
 class _Masks:
@@ -92,7 +90,7 @@ class ContextSplit:
         plain = self.documents is None and window is None and start == 0
         if plain and chunk == 0:
             return None
-        if plain and devices.sdpa_applies_causal_bias(like.device):
+        if plain and devices.sdpa_applies_causal_bias(like.device, like.dtype):
             return causal_lower_right(size, end)
         key = (chunk, size, start, end, window, like.dtype, like.device)
         built = self._masks.by_key
@@ -123,14 +121,14 @@ class _GatherKeysValues(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        with torch.profiler.record_function(ALL_GATHER_REGION):
+        with torch.profiler.record_function(CONTEXT_ALL_GATHER_REGION):
             process_group.all_gather_single(out, local.contiguous(), group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
-        with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+        with torch.profiler.record_function(CONTEXT_REDUCE_SCATTER_REGION):
             process_group.reduce_scatter_single(out, grad.contiguous(), ctx.group)
         return out, None, None
 
@@ -190,11 +188,11 @@ class ContextAttention:
         outs = []
         for slot, index in enumerate(context_chunks(self.size, self.rank)):
             end = (index + 1) * chunk
-            # Keys before every query's window are masked whole: not read at all.
-            start = 0 if sliding_window is None else max(0, index * chunk - sliding_window + 1)
-            mask = context_split.mask(
-                index, chunk, keys=(start, end), window=sliding_window, like=query
-            )
+            # A window as long as the keys read is no window (Mistral's 4096 at 4k tokens);
+            # keys before every query's window are masked whole: not read at all.
+            window = sliding_window if sliding_window is not None and sliding_window < end else None
+            start = 0 if window is None else max(0, index * chunk - window + 1)
+            mask = context_split.mask(index, chunk, keys=(start, end), window=window, like=query)
             outs.append(
                 F.scaled_dot_product_attention(
                     query[:, :, slot * chunk : (slot + 1) * chunk],

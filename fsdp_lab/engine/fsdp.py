@@ -63,8 +63,8 @@ def build_mesh(
     (context parallelism) the next closest."""
     return init_device_mesh(
         device_type,
-        mesh_shape(cfg, topo, tensor, context),
-        mesh_dim_names=mesh_axes(cfg, tensor, context),
+        mesh_shape(cfg, topo, tensor, context=context),
+        mesh_dim_names=mesh_axes(cfg, tensor, context=context),
     )
 
 
@@ -76,7 +76,7 @@ def data_parallel_mesh(mesh: DeviceMesh, cfg: ShardingConfig, topo: Topology) ->
     if CONTEXT_AXIS not in names:
         return mesh[data] if data != names else mesh
     tensor = mesh.size(names.index(TENSOR_AXIS)) if TENSOR_AXIS in names else 1
-    shape = fsdp_mesh_shape(cfg, topo, tensor, mesh.size(names.index(CONTEXT_AXIS)))
+    shape = fsdp_mesh_shape(cfg, topo, tensor, context=mesh.size(names.index(CONTEXT_AXIS)))
     flat = mesh[data]._flatten("dp_cp")
     if len(shape) == 1:
         return flat

@@ -40,6 +40,7 @@ class LayerShape:
     top_k: int = 0  # experts each token is routed to
     expert_intermediate: int = 0  # an expert's width
     qk_norm: str = ""  # RMSNorm on q and k: "head" (per head: Qwen3), "full" (OLMoE), "" none
+    sliding_window: int | None = None  # the window of its sliding-attention layers, if any
 
 
 def _split(nbytes: int, ways: int) -> int:
@@ -195,8 +196,19 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
         # after attention and after the MLP, as GPT-2, NeoX and BERT place them
         hidden_dropouts=2 * _dropout_on(hf_config, HIDDEN_DROPOUTS),
         embedding_dropout=_dropout_on(hf_config, EMBEDDING_DROPOUTS),
+        sliding_window=_sliding_window(hf_config),
         **_experts_shape(hf_config, notes),
     ), notes
+
+
+def _sliding_window(hf_config) -> int | None:
+    """The window of the layers that attend within one (transformers' ``layer_types``; a
+    config without them, Mistral's, slides in every layer where it sets a window)."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return window
 
 
 def _experts_shape(hf_config, notes: list[str]) -> dict:
@@ -250,8 +262,7 @@ def activations(
     tensor: int = 1,
     sequence_parallel: bool = False,
     cpu_kernels: bool = False,
-    context: int = 1,
-    packed: bool = False,
+    context: ContextLayout | None = None,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
@@ -267,9 +278,10 @@ def activations(
 
     ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``).
 
-    ``context``, ``packed``: one rank of a CP group (``context_bytes_per_layer``): seq_len/context
-    of each row's tokens, and each layer's gathered keys and values."""
-    tokens = batch * seq_len // context
+    ``context``: one rank of a CP group (``ContextLayout``): seq_len/N of each row's tokens, each
+    layer's gathered keys and values, the forward's masks."""
+    cp = context.size if context is not None else 1
+    tokens = batch * seq_len // cp
     fused = loss_chunk is not None
     sp = sequence_parallel and tensor > 1
     layer = layer_bytes_per_token(s, b, tensor=tensor, sequence_parallel=sp)
@@ -280,33 +292,17 @@ def activations(
     per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
     per_token += embedding
     # The rotary tables, [1, T, head_dim] each; a CP split passes every row's positions: [B, ...]
-    rows = batch if context > 1 else 1
-    rotary = 2 * rows * seq_len // context * (s.q_dim // s.num_heads) * b
+    rows = batch if context is not None else 1
+    rotary = 2 * rows * tokens // batch * (s.q_dim // s.num_heads) * b
     rotary = rotary if s.family == "llama" else 0
-    split = context_bytes_per_layer(
-        s, b, batch=batch, seq_len=seq_len, context=context, tensor=tensor
-    )
-    masks = context_mask_bytes(
-        b, batch=batch, seq_len=seq_len, context=context, packed=packed, cpu_kernels=cpu_kernels
-    )
-    if fused:
-        loss_grad = min(loss_chunk, tokens) * s.vocab * 2 * FP32
-        weight_grad = s.vocab * s.hidden * b
-    else:
-        loss_b = FP32 if s.loss_upcast else b
-        # nll_loss's and log_softmax's gradients over the logits, and their cast back to b.
-        loss_grad = tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0))
-        weight_grad = 0
-    # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul).
-    layer_grads = 2 * tokens * b * max(_split(s.intermediate, tensor), s.hidden)
-    if context > 1:  # backward's gradients of the gathered keys and values (three copies)
-        layer_grads = max(layer_grads, 3 * batch * seq_len * 2 * _split(s.kv_dim, tensor) * b)
+    split, masks, kv_grads = context.bytes(s, b, batch, seq_len, tensor) if context else (0, 0, 0)
+    loss_grad, weight_grad = _loss_bytes(s, b, tokens=tokens, loss_chunk=loss_chunk)
+    # The widest backward step holds two gradients of the MLP's width (measured: SwiGLU's mul),
+    # or under CP the gathered keys' and values'.
+    layer_grads = max(2 * tokens * b * max(_split(s.intermediate, tensor), s.hidden), kv_grads)
+    layers = s.num_layers - num_checkpointed
     return Activations(
-        saved=tokens * per_token
-        + rotary
-        + weight_grad
-        + (s.num_layers - num_checkpointed) * split
-        + masks,
+        saved=tokens * per_token + rotary + weight_grad + layers * split + masks,
         loss_grad=loss_grad,
         recompute=tokens * layer + split if last_checkpointed else 0,
         layer_grads=layer_grads,
@@ -314,29 +310,53 @@ def activations(
     )
 
 
-def context_bytes_per_layer(
-    s: LayerShape, b: int, *, batch: int, seq_len: int, context: int, tensor: int = 1
-) -> int:
-    """What a layer's attention saves on one rank of a CP group (``engine.context_parallel``)
-    beyond what the same layer saves over seq_len/context whole-sequence tokens, measured with
-    saved_tensors_hooks on a fake group: the whole sequence's gathered keys and values in place
-    of the rank's own, and each query chunk's output (SDPA's, besides the concatenated copy the
-    output projection keeps)."""
-    if context == 1:
-        return 0
-    local, kv = batch * seq_len // context, _split(s.kv_dim, tensor)
-    gathered = 2 * kv * b * batch * (seq_len - seq_len // context)
-    return gathered + _split(s.q_dim, tensor) * b * local
+def _loss_bytes(s: LayerShape, b: int, *, tokens: int, loss_chunk: int | None) -> tuple[int, int]:
+    """(the transient around the loss, the head weight's gradient a fused loss saves)."""
+    if loss_chunk is not None:
+        return min(loss_chunk, tokens) * s.vocab * 2 * FP32, s.vocab * s.hidden * b
+    loss_b = FP32 if s.loss_upcast else b
+    # nll_loss's and log_softmax's gradients over the logits, and their cast back to b.
+    return tokens * s.vocab * (2 * loss_b + (b if loss_b != b else 0)), 0
 
 
-def context_mask_bytes(
-    b: int, *, batch: int, seq_len: int, context: int, packed: bool, cpu_kernels: bool
-) -> int:
-    """The masks of a CP forward, built once and shared by every layer: a rank's two query
-    chunks read 2N+1 chunks of keys, masked in the compute dtype, one mask per row for packed
-    documents; a plain causal one only where SDPA materialises it (CPU: on CUDA its
-    memory-efficient kernel applies the causal bias in place)."""
-    if context == 1 or not (packed or cpu_kernels):
-        return 0
-    chunk = seq_len // (2 * context)
-    return (batch if packed else 1) * chunk * chunk * (2 * context + 1) * b
+@dataclass(frozen=True)
+class ContextLayout:
+    """One rank of a CP group as the plan counts it (``engine.context_parallel``): what its
+    attention saves beyond the same layer over seq_len/N whole-sequence tokens, measured with
+    saved_tensors_hooks on a fake group (tests/unit/tools/test_plan.py)."""
+
+    size: int  # parallel.context
+    dense_masks: bool
+    """The forward's masks are tensors in memory (built once, shared by the layers): packed
+    documents (one a row), a sliding window shorter than the sequence, or a plain causal mask
+    that SDPA materialises (CPU; CUDA without its flash kernel, as in fp32). False: torch's
+    lower-right causal bias, applied in place."""
+    rows_masked: bool = False  # one mask per row (packed documents), else one for all rows
+
+    def bytes(self, s: LayerShape, b: int, batch: int, seq_len: int, tensor: int) -> tuple:
+        """(per layer, once per forward, backward's widest attention step) in bytes."""
+        return (
+            self.layer_bytes(s, b, batch=batch, seq_len=seq_len, tensor=tensor),
+            self.mask_bytes(b, batch=batch, seq_len=seq_len),
+            self.kv_grad_bytes(s, b, batch * seq_len, tensor),
+        )
+
+    def layer_bytes(self, s: LayerShape, b: int, *, batch: int, seq_len: int, tensor: int) -> int:
+        """Per layer: the whole sequence's gathered keys and values in place of the rank's own,
+        and each query chunk's output (SDPA's, besides the copy the output projection keeps)."""
+        local, kv = batch * seq_len // self.size, _split(s.kv_dim, tensor)
+        gathered = 2 * kv * b * batch * (seq_len - seq_len // self.size)
+        return gathered + _split(s.q_dim, tensor) * b * local
+
+    def mask_bytes(self, b: int, *, batch: int, seq_len: int) -> int:
+        """Once per forward: a rank's two query chunks read 2N+1 chunks of keys, masked in the
+        compute dtype (an additive mask)."""
+        if not self.dense_masks:
+            return 0
+        chunk = seq_len // (2 * self.size)
+        return (batch if self.rows_masked else 1) * chunk * chunk * (2 * self.size + 1) * b
+
+    def kv_grad_bytes(self, s: LayerShape, b: int, tokens: int, tensor: int) -> int:
+        """Backward's widest step in a layer's attention: the gathered keys' and values'
+        gradients (in order, gathered, and the reduce-scatter's input)."""
+        return 3 * tokens * 2 * _split(s.kv_dim, tensor) * b

@@ -21,6 +21,7 @@ from fsdp_lab.config import (
     Config,
     ConfigError,
     DataKind,
+    Dtype,
     HardwareKind,
     OffloadDevice,
     Packing,
@@ -144,9 +145,9 @@ def strategy_plan(
             raise
         return Unavailable(reason=str(e))
     tp, cp = cfg.parallel.tensor, cfg.parallel.context
-    mesh = mesh_shape(variant, topo, tp, cp)
+    mesh = mesh_shape(variant, topo, tp, context=cp)
     # FSDP shards over these (a CP group too); a TP group repeats, innermost
-    dp_mesh = fsdp_mesh_shape(variant, topo, tp, cp)
+    dp_mesh = fsdp_mesh_shape(variant, topo, tp, context=cp)
     by_dp_rank = memory.per_rank_state(facts.params, dp_mesh, ep=cfg.parallel.expert)
     per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]
     reshard = reshard_after_forward(variant)
@@ -161,7 +162,7 @@ def strategy_plan(
     )
     return StrategyPlan(
         mesh=tuple(mesh),
-        mesh_axes=tuple(mesh_axes(variant, tp, cp)),
+        mesh_axes=tuple(mesh_axes(variant, tp, context=cp)),
         fsdp_mesh=tuple(dp_mesh),
         reshard_after_forward=reshard,
         state_location="host (offload=cpu)" if offload else "host" if cpu else "device",
@@ -198,8 +199,7 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         tensor=cfg.parallel.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
         cpu_kernels=topo.device is HardwareKind.cpu,
-        context=cfg.parallel.context,
-        packed=_packed(cfg),
+        context=_context_layout(cfg, topo, facts.layer),
     )
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
@@ -217,9 +217,22 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
     return act, trans
 
 
-def _packed(cfg: Config) -> bool:
-    """Rows of several documents, each attending only within itself (data=chat's packing)."""
-    return cfg.data.kind is DataKind.chat and cfg.data.packing is Packing.documents
+def _context_layout(
+    cfg: Config, topo: Topology, layer: activation_memory.LayerShape
+) -> activation_memory.ContextLayout | None:
+    """A rank of the run's CP group, and whether its forward's masks are tensors in memory:
+    rows of several documents (data=chat's packing), a window shorter than the sequence, or a
+    causal mask SDPA materialises (CPU; CUDA without flash, i.e. in fp32)."""
+    if cfg.parallel.context == 1:
+        return None
+    packed = cfg.data.kind is DataKind.chat and cfg.data.packing is Packing.documents
+    window = layer.sliding_window is not None and layer.sliding_window < cfg.trainer.seq_len
+    materialised = topo.device is HardwareKind.cpu or cfg.precision.param_dtype is Dtype.fp32
+    return activation_memory.ContextLayout(
+        size=cfg.parallel.context,
+        dense_masks=packed or window or materialised,
+        rows_masked=packed,
+    )
 
 
 def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape) -> dict:
@@ -238,8 +251,7 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
             cpu_kernels=topo.device is HardwareKind.cpu,
-            context=cfg.parallel.context,
-            packed=_packed(cfg),
+            context=_context_layout(cfg, topo, facts.layer),
         ).saved
         for name, n in (("none", 0), ("full", facts.layer.num_layers))
     }

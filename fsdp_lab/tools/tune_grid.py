@@ -220,9 +220,9 @@ def enumerate_candidates(
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
-                share = mb * dp_size(topo, tp, cp)  # sequences per micro-step, all ranks
+                share = mb * dp_size(topo, tp, context=cp)  # sequences per micro-step, all ranks
                 if rows % share:
-                    indivisible.add((mb, tp))  # it cannot make up the global batch
+                    indivisible.add((mb, tp, cp))  # it cannot make up the global batch
                     continue
                 accum = rows // share
             c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8, context=cp)
@@ -296,7 +296,8 @@ def _indivisible(batches: list[int], rows: int, dp: int) -> str:
     return (
         f"--keep-global-batch: no micro-batch tried ({', '.join(map(str, batches))}) makes up "
         f"the global batch of {rows} sequences per step: {rows // dp} per data-parallel rank "
-        f"(more under TP); try --micro-batches that divide {rows // dp}"
+        f"(more under TP or CP, whose groups read the same rows); try --micro-batches that "
+        f"divide {rows // dp}"
     )
 
 
@@ -306,7 +307,7 @@ def global_batch(cfg, topo) -> int:
     return (
         t.micro_batch_size
         * t.grad_accum_steps
-        * dp_size(topo, cfg.parallel.tensor, cfg.parallel.context)
+        * dp_size(topo, cfg.parallel.tensor, context=cfg.parallel.context)
     )
 
 

@@ -92,7 +92,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         task=facts.task,
         compiled=cfg.compile,
         replicas=cfg.parallel.tensor,
-        context_split=cfg.parallel.context > 1,
+        sequences_split=cfg.parallel.context > 1,
         kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),
@@ -136,7 +136,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         checkpointer=checkpointer,
         start_step=0,
         tokens_seen=0,
-        tokens_per_step=dp_size(topo, cfg.parallel.tensor, cfg.parallel.context)
+        tokens_per_step=dp_size(topo, cfg.parallel.tensor, context=cfg.parallel.context)
         * t.micro_batch_size
         * t.grad_accum_steps
         * t.seq_len,
@@ -153,8 +153,9 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
 
 
 def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
-    """This rank's share of every global batch (all ranks are data-parallel ranks). The launcher
-    tokenised and cached the corpus; here it is memory-mapped from the cache."""
+    """This rank's share of every global batch (its data-parallel rank's rows; under CP its
+    chunks of them). The launcher tokenised and cached the corpus; here it is memory-mapped
+    from the cache."""
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = (
         None
@@ -170,7 +171,7 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
         corpus=corpus,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
-        dp_size=dp_size(ctx.topo, tensor, context),
+        dp_size=dp_size(ctx.topo, tensor, context=context),
         dp_rank=ctx.rank * ranks_here // (tensor * context),
         local_ranks=ranks_here,
         context=ContextShare(context, ctx.rank // tensor % context) if context > 1 else None,

@@ -41,8 +41,9 @@ class Sampling:
 @dataclass(frozen=True)
 class Lockstep:
     """This rank's place among the ranks that split the work: its data-parallel rank and their
-    number (a TP group's ranks hold the same rank and the same share). Every process of the
-    group takes part in ``any`` and ``gather``; without a process group both are local."""
+    number (a TP group's ranks, and a CP group's, hold the same rank and the same share). Every
+    process of the group takes part in ``any`` and ``gather``; without a process group both
+    are local."""
 
     rank: int = 0
     size: int = 1

@@ -50,9 +50,10 @@ class NonFiniteLoss(FloatingPointError):
 class StepResult:
     """One optimizer step's numbers, still on the device."""
 
-    # This rank's summed token losses x dp / the global targets: averaged over the world's
+    # This rank's summed token losses x dp x cp / the global targets: averaged over the world's
     # ranks (``StepWindow.flush``) it is the mean over the global batch's trained tokens (a TP
-    # group's ranks hold the same value and are as many in every group).
+    # group's ranks hold the same value and are as many in every group; a CP group's hold
+    # their own tokens' sums).
     loss: torch.Tensor
     grad_norm: torch.Tensor  # global norm over all ranks' shards, before clipping
     skipped: torch.Tensor | None  # fp16: the grad scaler found inf/nan and skipped the update

@@ -271,26 +271,26 @@ class Loss:
     router: RouterAux | None = None  # a mixture of experts' load-balancing loss
     # Sequences split over a CP group (parallel.context > 1): the loader shifted the labels
     # before the split, and each forward tells the attention (engine.context_parallel).
-    context_split: bool = False
+    sequences_split: bool = False
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """What each position learns: a causal LM's next token (already, for a split), a
         masked LM's label."""
-        return shifted_targets(labels) if self.causal and not self.context_split else labels
+        return shifted_targets(labels) if self.causal and not self.sequences_split else labels
 
     @contextlib.contextmanager
     def _inputs(self, batch: dict[str, torch.Tensor]):
         """The model's keyword arguments of a batch, ``labels`` popped by the caller; a
         context-parallel split's documents become the attention's ``context_split``."""
         with default_positions(batch) as inputs:
-            if self.context_split:
+            if self.sequences_split:
                 documents = inputs.pop(CONTEXT_DOCUMENTS, None)
                 inputs["context_split"] = ContextSplit(documents)
             yield inputs
 
     def _fused(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
         """A fused loss's sum of the token losses (the model's head computes it)."""
-        shifted = {"labels_shifted": True} if self.context_split else {}
+        shifted = {"labels_shifted": True} if self.sequences_split else {}
         return model(**inputs, labels=labels, loss_reduction="sum", **shifted).loss
 
     def train_value(
@@ -347,12 +347,12 @@ def build_loss(
     task: ModelTask,
     compiled: bool,
     replicas: int = 1,
-    context_split: bool = False,
+    sequences_split: bool = False,
 ) -> Loss:
     """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding; a
     mixture of experts' routers get the hooks of its aux loss (``replicas``: ranks that hold
     the same rows, a TP group; a CP group's hold different tokens of them and are counted
-    each). ``context_split``: the batches are split over a CP group (``Loss.context_split``)."""
+    each). ``sequences_split``: the batches are split over a CP group (``Loss.sequences_split``)."""
     if loss_of(kind).fused:
         apply_fused_loss(
             model,
@@ -365,5 +365,5 @@ def build_loss(
         kind=kind,
         causal=task is ModelTask.causal_lm,
         router=router,
-        context_split=context_split,
+        sequences_split=sequences_split,
     )

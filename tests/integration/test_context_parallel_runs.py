@@ -55,8 +55,36 @@ def compare(run_dir, dp: int) -> dict:
         (4, ("parallel.context=4", "model=qwen2_tiny"), {"shard": 1, "context": 4}, 4),
         # a mixture of experts: the aux loss (in the loss) covers the whole sequence
         (2, ("parallel.context=2", "model=qwen3_moe_tiny"), {"shard": 1, "context": 2}, 2),
+        # no_shard replicates over data x context; 2 micro-batches accumulated
+        (
+            4,
+            ("parallel.context=2", "sharding=no_shard", "trainer.grad_accum_steps=2"),
+            {"replicate": 2, "shard": 1, "context": 2},
+            1,
+        ),
+        # ZeRO-2 replicas, LoRA on a frozen base, checkpointed layers, offloaded state
+        (
+            4,
+            (
+                "parallel.context=2",
+                "sharding=hybrid_zero2",
+                "finetune=lora",
+                "activation_checkpointing=full",
+                "offload=cpu",
+            ),
+            {"replicate": 2, "shard": 1, "context": 2},
+            2,
+        ),
     ],
-    ids=["llama-cp2xtp2", "llama-cp4", "qwen2-cp2xhybrid", "qwen2-cp4", "qwen3-moe-cp2"],
+    ids=[
+        "llama-cp2xtp2",
+        "llama-cp4",
+        "qwen2-cp2xhybrid",
+        "qwen2-cp4",
+        "qwen3-moe-cp2",
+        "no_shard-cp2-accum2",
+        "hybrid_zero2-cp2-lora-ac-offload",
+    ],
 )
 def test_cp_matches_one_unsharded_process(run_dir, world, overrides, mesh, shards):
     check_ok(
@@ -71,10 +99,11 @@ def test_cp_matches_one_unsharded_process(run_dir, world, overrides, mesh, shard
             *overrides,
         )
     )
-    dp = 1 if "sharding=hybrid" not in overrides else 2
+    dp = mesh.get("replicate", 1) * mesh["shard"]  # ranks that read different rows
     facts = compare(run_dir, dp=dp)
     assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == mesh
-    assert facts["tokens_per_step"] == dp * 4 * 64  # each token once, not once per CP rank
+    accum = 2 if "trainer.grad_accum_steps=2" in overrides else 1
+    assert facts["tokens_per_step"] == dp * accum * 4 * 64  # each token once, not per CP rank
     # FSDP shards over shard x context: the CP group splits the model it holds
     tp = mesh.get("tp", 1)
     assert facts["local_params_per_rank"][0] * shards * tp >= facts["total_params"]

@@ -102,7 +102,7 @@ def rank_case(rank: int, world: int, overrides) -> dict:
     dp, dp_rank = world // tensor, rank // tensor  # a TP group reads the same rows
     rows = global_batches(dp, hf.vocab_size)
     mine = [{k: v[dp_rank * ROWS : (dp_rank + 1) * ROWS] for k, v in b.items()} for b in rows]
-    loader = type("Loader", (), {"dp_size": dp, "local_ranks": 1})
+    loader = type("Loader", (), {"dp_size": dp, "local_ranks": 1, "context": 1})
     window = StepWindow(device, tokens_per_step=dp * ROWS * SEQ * MICRO)
     for step in range(1, STEPS + 1):
         start = window.start_step()

@@ -242,11 +242,13 @@ def set_device_rng_state(device: torch.device, saved: dict | None) -> None:
         xm.set_rng_state(saved["state"], device)
 
 
-def sdpa_applies_causal_bias(device: torch.device) -> bool:
-    """Whether SDPA on ``device`` applies torch's lower-right causal bias without a mask in
-    memory (CUDA's memory-efficient kernel); elsewhere (CPU) it materialises one at each call,
-    which context parallelism's attention then builds once per forward instead."""
-    return device.type == "cuda"
+def sdpa_applies_causal_bias(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether SDPA applies torch's lower-right causal bias in place, with no mask in memory:
+    on CUDA in bf16 or fp16, where its flash kernel runs it (grouped-query heads included).
+    Elsewhere (CPU; CUDA in fp32, whose memory-efficient kernel takes no grouped-query heads)
+    the bias is materialised at each call: context parallelism's attention then builds the
+    mask once per forward instead. Not yet measured on a GPU."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

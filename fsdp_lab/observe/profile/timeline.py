@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.engine.context_parallel import ALL_GATHER_REGION, REDUCE_SCATTER_REGION
+from fsdp_lab.config.profiling import CONTEXT_ALL_GATHER_REGION, CONTEXT_REDUCE_SCATTER_REGION
 from fsdp_lab.observe.profile.intervals import Interval, union
 from fsdp_lab.observe.profile.result import OTHER_UNIT, ROOT_UNIT
 
@@ -123,8 +123,8 @@ def _steps(events: list[dict]) -> list[tuple[int, float, float]]:
 # Context parallelism's collectives, by the annotation around them (engine.context_parallel):
 # kinds of their own, so the report tells them from FSDP's gathers and reductions.
 CONTEXT_KINDS = {
-    ALL_GATHER_REGION: "context_all_gather",
-    REDUCE_SCATTER_REGION: "context_reduce_scatter",
+    CONTEXT_ALL_GATHER_REGION: "context_all_gather",
+    CONTEXT_REDUCE_SCATTER_REGION: "context_reduce_scatter",
 }
 
 
@@ -249,6 +249,45 @@ def _take_issue(pending: deque, start: float, kind: str) -> tuple[float, str] | 
     return None
 
 
+@dataclass
+class _Thread:
+    """What one launching thread's annotations say of a kernel it launched at a moment (backward
+    runs on autograd's device thread): its FSDP unit, the collective a c10d call asked for (NCCL
+    names some kernels ncclDevKernel_Generic), and context parallelism's regions."""
+
+    units: _Enclosing
+    calls: _Enclosing
+    context: _Enclosing
+
+    def collective(self, at: float, kind: str) -> tuple[str, str]:
+        """(kind, unit) of a collective kernel launched at ``at`` whose own name says ``kind``."""
+        if kind == "other":
+            kind = self.calls.at(at, kind)
+        return self.context.at(at, kind), self.units.at(at, OTHER_UNIT)
+
+
+def _launching_threads(events: list[dict]) -> dict:
+    """Each thread's annotations around collectives, by thread id."""
+    by_thread: dict = {}
+    for e in events:
+        if e["name"].startswith(("FSDP::", "c10d::", "nccl:")) or e["name"] in CONTEXT_KINDS:
+            by_thread.setdefault(e.get("tid"), []).append(e)
+    return {
+        tid: _Thread(
+            _units(evs),
+            _Enclosing(
+                [
+                    (*_span(e), collective_kind(e["name"]))
+                    for e in evs
+                    if e["name"].startswith(("c10d::", "nccl:"))
+                ]
+            ),
+            _context_regions(evs),
+        )
+        for tid, evs in by_thread.items()
+    }
+
+
 def _gpu(
     events: list[dict], cpu_steps: list[tuple[int, float, float]]
 ) -> tuple[
@@ -261,24 +300,7 @@ def _gpu(
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    by_thread: dict = {}
-    for e in events:
-        if e["name"].startswith(("FSDP::", "c10d::", "nccl:")) or e["name"] in CONTEXT_KINDS:
-            by_thread.setdefault(e.get("tid"), []).append(e)
-    # Per launching thread (backward runs on autograd's device thread): the FSDP unit, and the
-    # collective a call asked for (NCCL names some kernels ncclDevKernel_Generic).
-    units = {tid: _units(evs) for tid, evs in by_thread.items()}
-    calls = {
-        tid: _Enclosing(
-            [
-                (*_span(e), collective_kind(e["name"]))
-                for e in evs
-                if e["name"].startswith(("c10d::", "nccl:"))
-            ]
-        )
-        for tid, evs in by_thread.items()
-    }
-    context = {tid: _context_regions(evs) for tid, evs in by_thread.items()}
+    threads = _launching_threads(events)
     starts = [s for _, s, _ in cpu_steps]
     first: dict[int, float] = {}  # step index -> its first device event's start
     last_end: dict[int, float] = {}
@@ -298,12 +320,9 @@ def _gpu(
             last_end[k] = max(last_end.get(k, end), end)
         if e.get("cat") == "kernel" and e["name"].lower().startswith("nccl"):
             tid = launch.get("tid") if launch is not None else None
-            kind = collective_kind(e["name"])
-            if kind == "other" and tid in calls:
-                kind = calls[tid].at(at, kind)
-            if tid in context:
-                kind = context[tid].at(at, kind)
-            unit = units[tid].at(at, OTHER_UNIT) if tid in units else OTHER_UNIT
+            kind, unit = collective_kind(e["name"]), OTHER_UNIT
+            if tid in threads:
+                kind, unit = threads[tid].collective(at, kind)
             comm.append(Collective(start, end, kind, unit))
         else:
             compute.append((start, end))

@@ -38,10 +38,10 @@ def topo(world: int, kind: HardwareKind = HardwareKind.cpu) -> Topology:
 )
 def test_the_context_axis_and_the_fsdp_mesh_of_each_strategy(strategy, tensor, mesh, axes, fsdp):
     cfg, t = ShardingConfig(strategy=strategy), topo(8)
-    assert mesh_shape(cfg, t, tensor, 2) == mesh
-    assert mesh_axes(cfg, tensor, 2) == axes
-    assert fsdp_mesh_shape(cfg, t, tensor, 2) == fsdp
-    assert dp_size(t, tensor, 2) == 8 // (2 * tensor)  # ranks reading different rows
+    assert mesh_shape(cfg, t, tensor, context=2) == mesh
+    assert mesh_axes(cfg, tensor, context=2) == axes
+    assert fsdp_mesh_shape(cfg, t, tensor, context=2) == fsdp
+    assert dp_size(t, tensor, context=2) == 8 // (2 * tensor)  # ranks reading different rows
     assert fsdp_mesh_shape(cfg, t, tensor) == mesh_shape(cfg, t, tensor)[: len(fsdp)]
 
 

@@ -624,8 +624,7 @@ def test_activations_under_context_parallelism_are_what_autograd_saves(
         seq_len=96,
         b=dtype.itemsize,
         num_checkpointed=0,
-        context=cp,
-        packed=packed,
+        context=activation_memory.ContextLayout(cp, dense_masks=True, rows_masked=packed),
         cpu_kernels=True,
     ).saved
     whole = activation_memory.activations(
