@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from fsdp_lab.config import HardwareKind  # noqa: E402
 from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
-from fsdp_lab.tools import memory, plan, tune_probes  # noqa: E402
+from fsdp_lab.tools import plan, tune_probes  # noqa: E402
 
 MIB = 2**20
 
@@ -57,14 +57,7 @@ def overrides(a, context: int) -> list[str]:
 def planned(a, context: int) -> tuple[int, int]:
     """(the plan's peak less the parameters on rank 0, its peak) in bytes."""
     s = plan.build_plan([*overrides(a, context), f"trainer.max_steps={a.steps}"]).chosen_plan
-    mine = s.per_rank[0]
-    less = memory.peak(
-        mine,
-        activations=s.activations,
-        transient_bytes=s.transient.total,
-        end_of_backward=s.transient.end_of_backward,
-    )
-    return less - mine.params - (mine.padding - mine.grad_padding), s.peak
+    return s.peak_over_start(0), s.peak
 
 
 def train(run_dir: Path, args: list[str], limit: int | None = None) -> subprocess.CompletedProcess:

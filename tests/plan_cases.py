@@ -1,10 +1,7 @@
-"""The models the plan tests size (unit: fake group; integration: real runs), and the plan's
-peak as those tests measure it."""
+"""The models the plan tests size (unit: fake group; integration: real runs); the plan's peak
+as those tests measure it is ``StrategyPlan.peak_over_start``."""
 
 from __future__ import annotations
-
-from fsdp_lab.tools import memory
-from fsdp_lab.tools.plan_result import StrategyPlan
 
 MEDIUM = [
     "hardware=cpu",
@@ -62,18 +59,3 @@ def _neox():
 
 
 LOCAL_CONFIGS = {"gpt2-dropout": _gpt2_dropout, "neox": _neox}
-
-
-def peak_less_params(s: StrategyPlan, rank: int) -> int:
-    """The plan's peak for ``rank`` less what was there before the first step (its params)."""
-    mine = s.per_rank[rank]
-    return (
-        memory.peak(
-            mine,
-            activations=s.activations,
-            transient_bytes=s.transient.total,
-            end_of_backward=s.transient.end_of_backward,
-        )
-        - mine.params
-        - (mine.padding - mine.grad_padding)
-    )

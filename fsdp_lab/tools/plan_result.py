@@ -63,6 +63,18 @@ class StrategyPlan:
         """Everything added up, as if it all peaked at once: an upper bound beside `peak`."""
         return self.rank0.total + self.activations + self.transient.total
 
+    def peak_over_start(self, rank: int) -> int:
+        """``rank``'s peak less what it holds before the first step (its parameters): what a
+        run measures as its peak memory less its memory before training."""
+        mine = self.per_rank[rank]
+        peak = memory.peak(
+            mine,
+            activations=self.activations,
+            transient_bytes=self.transient.total,
+            end_of_backward=self.transient.end_of_backward,
+        )
+        return peak - mine.params - (mine.padding - mine.grad_padding)
+
     def to_json(self) -> dict:
         return {
             "available": True,

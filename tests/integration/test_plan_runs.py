@@ -6,7 +6,7 @@ import json
 
 import pytest
 from conftest import check_ok, train
-from plan_cases import BIG_VOCAB, LOCAL, LOCAL_CONFIGS, MEDIUM, peak_less_params
+from plan_cases import BIG_VOCAB, LOCAL, LOCAL_CONFIGS, MEDIUM
 
 from fsdp_lab.tools import plan
 
@@ -116,7 +116,7 @@ def check_run_against_plan(run_dir, overrides: list[str]) -> None:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for rank, before in enumerate(run["memory_before_train_bytes_per_rank"]):
         peak = max(r["peak_mem_bytes_per_rank"][rank] for r in steps if r["split"] == "train")
-        estimate = peak_less_params(s, rank)
+        estimate = s.peak_over_start(rank)
         assert (
             (1 - RSS_TOLERANCE) * estimate
             <= peak - before

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from plan_cases import BIG_VOCAB, MEDIUM, peak_less_params
+from plan_cases import BIG_VOCAB, MEDIUM
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -389,7 +389,7 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, monkeypatch, ove
     ):
         live += e.nbytes()
         peak = max(peak, live)
-    estimate = peak_less_params(s, rank)
+    estimate = s.peak_over_start(rank)
     assert abs(peak / estimate - 1) <= PEAK_TOLERANCE, (peak, estimate)
 
 
