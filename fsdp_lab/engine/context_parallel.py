@@ -141,10 +141,11 @@ def gather_in_order(
     batch, heads, local, dim = key.shape
     chunk = local // 2
     gathered = _GatherKeysValues.apply(torch.stack([key, value]), group, size)
-    # [rank, k/v, B, H, slot, S, D]: rank r holds chunk r in slot 0, chunk 2N-1-r in slot 1
-    parts = gathered.view(size, 2, batch, heads, 2, chunk, dim)
-    ordered = torch.cat([parts[:, :, :, :, 0], parts.flip(0)[:, :, :, :, 1]])
-    whole = ordered.permute(1, 2, 3, 0, 4, 5).reshape(2, batch, heads, 2 * size * chunk, dim)
+    # [k/v, B, H, rank, slot, S, D] (a view): rank r holds chunk r in slot 0, chunk 2N-1-r in
+    # slot 1; chunks 0..N-1 then N..2N-1 in order, in one copy.
+    parts = gathered.view(size, 2, batch, heads, 2, chunk, dim).permute(1, 2, 3, 0, 4, 5, 6)
+    ordered = torch.cat([parts[..., 0, :, :], parts.flip(3)[..., 1, :, :]], dim=3)
+    whole = ordered.view(2, batch, heads, 2 * size * chunk, dim)
     return whole[0], whole[1]
 
 
@@ -205,7 +206,8 @@ class ContextAttention:
                     enable_gqa=gqa,
                 )
             )
-        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+        # [B, 2S, H, D], transformers' layout, in one copy
+        return torch.cat([out.transpose(1, 2) for out in outs], dim=1), None
 
 
 def check(hf_config, context: int) -> None:
