@@ -168,13 +168,13 @@ def flops_per_token(m: dict, seq: int) -> int:
 def device_peak() -> tuple[str, float | None]:
     import torch
 
-    from fsdp_lab.engine.hardware.flops import PEAK_TFLOPS
+    from fsdp_lab.config.hardware_profiles import peak_tflops
 
     if not torch.cuda.is_available():
         return "no GPU", None
     name = torch.cuda.get_device_name(0)
-    peak = next((bf16 for key, bf16, _, _ in PEAK_TFLOPS if key in name), None)
-    return name, peak * 1e12 if peak else None
+    peaks = peak_tflops(name)
+    return name, peaks[0] * 1e12 if peaks else None
 
 
 def main() -> None:

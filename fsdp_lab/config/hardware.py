@@ -90,6 +90,11 @@ class HardwareConfig:
     peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s at the compute dtype, for MFU. None: known GPUs from a table
     (A100, H100, H200, B200, L4, L40S, A10); CPUs and other devices report no MFU."""
+    profile: Optional[str] = None
+    """The hardware profile the run's step time is predicted on, to compare with what it
+    measures (run.json's ``predicted``, the sweep report): a named device (a100-40gb,
+    a100-80gb, h100, h200, b200, cpu) or a file ``fsdp-lab calibrate`` wrote. None: the named
+    GPU the run is on, or the cpu row."""
 
 
 def check_hardware(h: HardwareConfig) -> None:

@@ -170,6 +170,9 @@ class RunResults:
     harness: dict[str, float] | None = field(default=None, metadata=OMIT_NONE)
     harness_step: int | None = field(default=None, metadata=OMIT_NONE)
     harness_source: str | None = field(default=None, metadata=OMIT_NONE)
+    # The time model's step for this run beside the measured median (tools.run_check): the
+    # device priced on, both steps and their splits, the ratio, and where the run departs
+    predicted: dict | None = field(default=None, metadata=OMIT_NONE)
 
     def to_dict(self) -> dict:
         return _to_dict(self)

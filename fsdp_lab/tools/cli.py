@@ -5,6 +5,8 @@ fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Fa
 fsdp-lab verify CHECKPOINT             # every file against its checksum, every pickle checked
 fsdp-lab from-accelerate CONFIG.yaml   # an accelerate FSDP config -> train.py overrides
 fsdp-lab plan [--json] OVERRIDES...    # what a run will do and cost per rank, no device
+fsdp-lab plan ... --device h100 --nodes 8 --compare sharding=full,hybrid   # and how fast
+fsdp-lab calibrate OVERRIDES --out P.json  # this machine's rates, for plan --device P.json
 fsdp-lab report MULTIRUN_DIR           # a sweep's jobs side by side: report.md and plots
 fsdp-lab profile RUN_DIR               # profile=trace: where each step's time went, again
 fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB per rank
@@ -137,13 +139,70 @@ def _add_plan(sub, name: str) -> None:
     )
     pln.add_argument("overrides", nargs="*", help="the same overrides as train.py")
     pln.add_argument("--json", action="store_true", help="print the figures as JSON")
+    pln.add_argument(
+        "--device",
+        help="price the step on a100-40gb, a100-80gb, h100, h200, b200 or cpu, or on a "
+        "profile fsdp-lab calibrate wrote (default: cpu on CPU ranks, h100 on GPUs)",
+    )
+    pln.add_argument(
+        "--nodes",
+        type=int,
+        help="plan this many nodes of --device (hardware.num_nodes; a GPU device also sets "
+        "hardware=gpu and its GPUs per node, unless the overrides set them)",
+    )
+    pln.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="KEY=V1,V2",
+        help="one table over every combination, e.g. --compare sharding=full,grad_op "
+        "activation_checkpointing=none,full (after the overrides)",
+    )
 
 
 def _plan(args) -> int:
+    from fsdp_lab.tools import plan_compare
     from fsdp_lab.tools.plan import print_plan
 
-    print_plan(args.overrides, as_json=args.json)
+    overrides = plan_compare.with_device(args.overrides, args.device, args.nodes)
+    if args.compare:
+        plan_compare.print_compare(overrides, args.compare, args.device, as_json=args.json)
+    else:
+        print_plan(overrides, as_json=args.json, device=args.device)
     return 0
+
+
+def _add_calibrate(sub, name: str) -> None:
+    cal = sub.add_parser(
+        name,
+        help="measure this machine's matmuls, memory, collectives and copies at a run's "
+        "shapes into a hardware profile for plan --device",
+    )
+    cal.add_argument("overrides", nargs="*", help="the ranks and model, as train.py's")
+    cal.add_argument("--out", type=Path, required=True, help="the profile to write (new file)")
+    cal.add_argument("--repeats", type=int, default=5, help="repeats of each measurement (5)")
+    cal.add_argument(
+        "--max-spread",
+        type=float,
+        default=0.25,
+        help="refuse when repeats differ by more than this share of their median (0.25)",
+    )
+    cal.add_argument(
+        "--base",
+        help="the named device whose figures stand for what one node cannot measure (the "
+        "network between nodes); default: the GPU this is, or cpu",
+    )
+
+
+def _calibrate(args) -> int:
+    from fsdp_lab.tools.calibrate import calibrate_command
+
+    return calibrate_command(
+        args.overrides,
+        args.out,
+        repeats=args.repeats,
+        max_spread=args.max_spread,
+        base=args.base,
+    )
 
 
 def _add_tune(sub, name: str) -> None:
@@ -180,6 +239,11 @@ def _add_tune(sub, name: str) -> None:
         "trainer.grad_accum_steps makes up its micro-batch (default: micro-batch alone varies)",
     )
     tun.add_argument("--out", type=Path, help="where probes and tune.json go (outputs/tune/...)")
+    tun.add_argument(
+        "--device",
+        help="the profile probes are ordered by: a named device or fsdp-lab calibrate's file "
+        "(default: cpu on CPU ranks, h100 on GPUs)",
+    )
 
 
 def _tune(args) -> int:
@@ -202,6 +266,7 @@ def _tune(args) -> int:
             expert=args.expert,
             context=args.context,
         ),
+        device=args.device,
     )
 
 
@@ -298,6 +363,7 @@ COMMANDS = {
     "verify": (_add_verify, _verify),
     "from-accelerate": (_add_from_accelerate, _from_accelerate),
     "plan": (_add_plan, _plan),
+    "calibrate": (_add_calibrate, _calibrate),
     "tune": (_add_tune, _tune),
     "report": (_add_report, _report),
     "profile": (_add_profile, _profile),

@@ -43,6 +43,7 @@ class ParamShape:
     # How it is stored and gathered (engine.low_precision): fp32 (gathered in param_dtype);
     # float8 (an fp32 master, gathered in 1 byte); nf4 (frozen, 4.13 bits, gathered as such).
     storage: str = "fp32"
+    lookup: bool = False  # an embedding's table, read by index: no matmul (a tied head's is one)
 
     @property
     def row(self) -> int:

@@ -27,11 +27,12 @@ from fsdp_lab.config import (
     Packing,
     ShardingStrategy,
 )
+from fsdp_lab.config.hardware_profiles import DeviceProfile, device_profile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
-from fsdp_lab.tools import activation_memory, memory
+from fsdp_lab.tools import activation_memory, memory, plan_time
 from fsdp_lab.tools.plan_model import ModelShape, inspect_model
 from fsdp_lab.tools.plan_result import (
     Batch,
@@ -257,14 +258,54 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
     }
 
 
-def build_plan(overrides: list[str]) -> Plan:
-    """Every figure of the plan (bytes per rank)."""
+def time_device(name: str | None, topo: Topology) -> tuple[DeviceProfile, list[str]]:
+    """The device the step is priced on: ``name`` (a named device or a calibrated profile),
+    else the cpu row on CPU ranks and an H100 on GPU ones; and what that assumes."""
+    device = (
+        device_profile(name)
+        if name
+        else device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
+    )
+    notes = []
+    if name is None:
+        notes.append(
+            f"step times are priced on the hardware table's {device.name} row: name the device "
+            "with "
+            "--device (a100-40gb, a100-80gb, h100, h200, b200, cpu) or measure this machine "
+            "with fsdp-lab calibrate"
+        )
+    if (device.kind == "cpu") != (topo.device is HardwareKind.cpu):
+        notes.append(
+            f"--device {device.name} is a {device.kind}; the run is hardware="
+            f"{topo.device.name} (plan it with hardware={device.kind})"
+        )
+    measured = (device.measured or {}).get("ranks")
+    if measured is not None and measured != topo.nproc_per_node:
+        notes.append(
+            f"the profile was measured with {measured} ranks per node, the plan has "
+            f"{topo.nproc_per_node}: on shared cores or links the rates differ; calibrate with "
+            f"hardware.nproc_per_node={topo.nproc_per_node}"
+        )
+    return device, notes
+
+
+def build_plan(overrides: list[str], device: str | None = None) -> Plan:
+    """Every figure of the plan (bytes per rank), and each strategy's step time on ``device``
+    (see ``time_device``)."""
     cfg = compose(overrides)
     topo, notes = topology(cfg)
     validate(cfg, topo)
     facts = inspect_model(cfg, topo.device)
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
-    strategies = {s.name: strategy_plan(cfg, topo, facts, s) for s in ShardingStrategy}
+    profile, time_notes = time_device(device, topo)
+    notes += time_notes
+    strategies = {}
+    for s in ShardingStrategy:
+        row = strategy_plan(cfg, topo, facts, s)
+        if isinstance(row, StrategyPlan):
+            step = plan_time.predict_step(cfg, topo, facts, row, s, profile)
+            row = dataclasses.replace(row, time=step)
+        strategies[s.name] = row
     mode = cfg.activation_checkpointing.mode
     return Plan(
         world_size=topo.world_size,
@@ -301,9 +342,10 @@ def build_plan(overrides: list[str]) -> Plan:
         assumptions=notes + facts.notes,
         not_counted=NOT_COUNTED,
         host=host_plan(cfg, topo, facts, strategies[cfg.sharding.strategy.name]),
+        time_device=profile.name,
     )
 
 
-def print_plan(overrides: list[str], *, as_json: bool = False) -> None:
-    plan = build_plan(overrides)
+def print_plan(overrides: list[str], *, as_json: bool = False, device: str | None = None) -> None:
+    plan = build_plan(overrides, device)
     print(json.dumps(plan.to_json(), indent=2) if as_json else format_plan(plan))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.engine.model import ModelCounts
+from fsdp_lab.observe import metrics
 from fsdp_lab.tools import activation_memory, memory
 
 
@@ -29,6 +30,8 @@ class ModelShape(ModelCounts):
     loss: str  # the resolved loss.kind
     loss_chunk: int | None  # tokens per chunk of a fused loss; None: the model's own loss
     largest_converted: int = 0  # elements of the largest tensor transformers builds from several
+    flops_per_token: int = 0  # training FLOPs per token, MFU's (``observe.metrics``)
+    checkpointed_units: frozenset[int] = frozenset()  # the units activation checkpointing wraps
     notes: list[str] = field(default_factory=list)
 
 
@@ -120,6 +123,8 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         loss=loss.name,
         loss_chunk=loss_lib.tokens_per_chunk(cfg.loss, layer.vocab) if loss_row.fused else None,
         largest_converted=_largest_converted(model),
+        checkpointed_units=frozenset(chosen),
+        flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
         notes=notes + tp_notes,
     )
 
@@ -154,6 +159,8 @@ def _hf_config(cfg: Config):
 def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], list[str]]:
     """Every parameter as a rank holds it before FSDP shards it (a TP-split one: its part),
     with the unit that owns it (bottom-up, as ``fsdp.apply_fsdp`` shards them)."""
+    import torch
+
     from fsdp_lab.engine import low_precision
 
     owner: dict[int, int] = {}
@@ -171,6 +178,12 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
         else []
     )
     experts = _expert_dim1s(model)
+    head = model.get_output_embeddings()
+    tables = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and (head is None or m.weight is not head.weight)
+    }
     params = [
         memory.ParamShape(
             numel=split.get(id(p), (p.numel(), 0))[0],
@@ -180,6 +193,7 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
             expert_dim1=p.shape[1] if id(p) in experts else 0,
             module_dim1s=experts.get(id(p), ()),
             storage=low_precision.storage(p),
+            lookup=id(p) in tables,
         )
         for p in model.parameters()
     ]

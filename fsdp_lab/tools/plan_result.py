@@ -9,6 +9,7 @@ import textwrap
 from dataclasses import dataclass
 
 from fsdp_lab.tools import memory
+from fsdp_lab.tools.time_model import TIME_HEADER, StepTime
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class StrategyPlan:
     transient: memory.Transient
     peak: int  # rank 0's, the largest (`memory.peak`)
     zero_paper: ZeroPaper
+    time: StepTime | None = None  # the step's predicted time on the plan's device
 
     @property
     def rank0(self) -> memory.StateBytes:
@@ -90,6 +92,7 @@ class StrategyPlan:
             "peak": self.peak,
             "sum": self.sum,
             "zero_paper": self.zero_paper.to_json(),
+            "time": self.time.to_json() if self.time is not None else None,
         }
 
 
@@ -184,6 +187,7 @@ class Plan:
     assumptions: list[str]
     not_counted: list[str]
     host: HostPlan | None = None
+    time_device: str | None = None  # the device the step times are predicted on
 
     @property
     def chosen_plan(self) -> StrategyPlan:
@@ -226,7 +230,23 @@ def format_plan(plan: Plan) -> str:
     lines = _header_lines(plan, unit, unit_name) + _strategy_lines(plan, unit, unit_name)
     if plan.host is not None:
         lines += ["", *_host_lines(plan.host, unit, unit_name)]
+    if plan.time_device is not None:
+        lines += ["", *time_lines(plan)]
     return "\n".join(lines + _note_lines(plan))
+
+
+def time_lines(plan: Plan) -> list[str]:
+    """The predicted step of each strategy on the plan's device, split into compute, exposed
+    communication, optimizer and other (shares of the step)."""
+    lines = [
+        f"step time on {plan.time_device} (predicted: fsdp_lab.tools.time_model)",
+        f"  {'strategy':<13} {TIME_HEADER}",
+    ]
+    for name, s in plan.strategies.items():
+        if isinstance(s, StrategyPlan) and s.time is not None:
+            mark = "*" if name == plan.chosen else " "
+            lines.append(f"{mark} {name:<13} {s.time.cells()}")
+    return lines
 
 
 def _header_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:

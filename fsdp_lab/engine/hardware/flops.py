@@ -9,27 +9,9 @@ import os
 import torch
 
 from fsdp_lab.config import Dtype, HardwareConfig, HardwareKind
+from fsdp_lab.config.hardware_profiles import peak_tflops
 
 log = logging.getLogger(__name__)
-
-
-# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): bf16/fp16 tensor
-# cores, TF32 tensor cores, and fp32 without TF32. Matched in order against
-# torch.cuda.get_device_name, so the more specific names come first.
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0, 378.0, 51.0),
-    ("H100 NVL", 835.0, 417.5, 60.0),
-    ("H100", 989.0, 494.7, 67.0),
-    ("H200", 989.0, 494.7, 67.0),
-    ("H800", 989.0, 494.7, 67.0),
-    ("B200", 2250.0, 1100.0, 80.0),
-    ("A100", 312.0, 156.0, 19.5),
-    ("A800", 312.0, 156.0, 19.5),
-    ("L40S", 362.0, 183.0, 91.6),
-    ("L4", 121.0, 60.0, 30.3),
-    ("A10G", 70.0, 35.0, 31.2),
-    ("A10", 125.0, 62.5, 31.2),
-)
 
 
 def set_tf32(kind: HardwareKind, enabled: bool) -> None:
@@ -42,9 +24,9 @@ def set_tf32(kind: HardwareKind, enabled: bool) -> None:
 def peak_flops(
     cfg: HardwareConfig, kind: HardwareKind, compute: Dtype, *, tf32: bool = False
 ) -> float | None:
-    """Peak FLOP/s of one device for MFU: ``hardware.peak_tflops`` when set, else the table
-    above for a known GPU (the TF32 column for fp32 compute with ``tf32``); None (MFU not
-    reported) for CPUs and unknown GPUs."""
+    """Peak FLOP/s of one device for MFU: ``hardware.peak_tflops`` when set, else
+    ``config.hardware_profiles.PEAK_TFLOPS`` for a known GPU (the TF32 column for fp32
+    compute with ``tf32``); None (MFU not reported) for CPUs and unknown GPUs."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
     if kind is HardwareKind.tpu:
@@ -52,11 +34,12 @@ def peak_flops(
     if kind is not HardwareKind.gpu:
         return None
     name = torch.cuda.get_device_name(0)
-    for key, low_precision, tf32_peak, fp32 in PEAK_TFLOPS:
-        if key in name:
-            if compute is not Dtype.fp32:
-                return low_precision * 1e12
-            return (tf32_peak if tf32 else fp32) * 1e12
+    peaks = peak_tflops(name)  # config.hardware_profiles' table: (bf16, tf32, fp32)
+    if peaks is not None:
+        low_precision, tf32_peak, fp32 = peaks
+        if compute is not Dtype.fp32:
+            return low_precision * 1e12
+        return (tf32_peak if tf32 else fp32) * 1e12
     log.info("no peak FLOP/s known for %s: MFU not reported (set hardware.peak_tflops)", name)
     return None
 

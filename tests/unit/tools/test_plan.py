@@ -137,12 +137,14 @@ def test_gpus_per_node_default_to_the_visible_ones_or_eight(monkeypatch, visible
 def test_cli_text_and_json(capsys):
     assert cli.main(["plan", "sharding=grad_op", "hardware.nproc_per_node=4"]) == 0
     text = capsys.readouterr().out
+    memory_table, time_table = text.split("step time on cpu")
     rows = [
         line
-        for line in text.splitlines()
+        for line in memory_table.splitlines()
         if line[2:].split(" ")[0] in {"full", "grad_op", "no_shard", "hybrid", "hybrid_zero2"}
     ]
     assert len(rows) == 5 and rows[1].startswith("* grad_op") and "(4,)" in rows[1]
+    assert "* grad_op" in time_table and " ms " in time_table  # each strategy's step, predicted
     assert "ZeRO paper" in text and "not counted:" in text
     assert cli.main(["plan", "--json", "sharding=hybrid", "hardware.nproc_per_node=4"]) == 0
     data = json.loads(capsys.readouterr().out)
