@@ -224,6 +224,7 @@ def summarize(job: Job) -> Figures:
         profile=_profile(run.facts.profile if run.facts else None),
         harness=_harness(run.results),
         sample=next((s.output for s in job.samples if s.step == last), None),
+        predicted=run.results.predicted if run.results is not None else None,
     )
 
 

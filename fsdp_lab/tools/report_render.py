@@ -55,6 +55,7 @@ class Figures:
     profile: StepBreakdown | None = None
     harness: dict[str, float] = field(default_factory=dict)  # the last lm-eval scores
     sample: str | None = None  # the last evaluation's first generation (eval.prompts)
+    predicted: dict | None = None  # run.json's predicted step (tools.run_check)
 
 
 # Long: report.md's sections in the order a reader meets them.
@@ -97,6 +98,7 @@ def render_markdown(
     has_val = any(f.val_loss is not None for f in figures)
     has_mfu = any(f.mfu is not None for f in figures)
     has_profile = any(f.profile is not None for f in figures)
+    has_predicted = any(f.predicted is not None for f in figures)
     scores = list(dict.fromkeys(name for f in figures for name in f.harness))
     has_sample = any(f.sample is not None for f in figures)
     header = [
@@ -112,6 +114,7 @@ def render_markdown(
     ]
     header += ["val loss"] * has_val + ["MFU"] * has_mfu
     header += [name for name, _ in PROFILE_COLUMNS] * has_profile
+    header += list(PREDICTED_COLUMNS) * has_predicted
     header += scores + ["first sample"] * has_sample
     if study:
         header.append(f"objective ({study.get('objective')})")
@@ -131,12 +134,14 @@ def render_markdown(
         ]
         cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
         cells += _profile_cells(f.profile) * has_profile
+        cells += _predicted_cells(f.predicted) * has_predicted
         cells += [_fmt(f.harness.get(name), "{:.4f}") for name in scores]
         cells += [_sample_cell(f.sample)] * has_sample
         if study:
             cells.append(_fmt(values.get(job.name), "{:.6g}"))
         lines.append(_row(cells))
     notes = [*NOTES, *[PROFILE_NOTE] * has_profile, *[HARNESS_NOTE] * bool(scores)]
+    notes += [PREDICTED_NOTE] * has_predicted
     lines += ["", *notes, *[SAMPLE_NOTE] * has_sample, ""]
     lines += [
         f"![throughput vs peak memory]({THROUGHPUT_PNG})",
@@ -213,6 +218,31 @@ def _profile_cells(profile: StepBreakdown | None) -> list[str]:
     if profile is None:
         return ["-"] * len(PROFILE_COLUMNS)
     return [f"{profile.share(time):.0%}" for _, time in PROFILE_COLUMNS]
+
+
+PREDICTED_COLUMNS = ("predicted (ms)", "measured / predicted", "predicted split", "departs")
+PREDICTED_NOTE = (
+    "predicted: the time model's step on the run's hardware profile (`hardware.profile`; "
+    "`fsdp-lab plan` prints the same), split into compute / exposed comm / optimizer / other "
+    "as shares of it; departs: where the run is furthest from it (with profile=trace, its "
+    "measured compute and exposed comm against the predicted)."
+)
+
+
+def _predicted_cells(p: dict | None) -> list[str]:
+    """The predicted step, the ratio, the predicted split and the departure; "-" without."""
+    if not p or not p.get("step_s"):
+        return ["-"] * len(PREDICTED_COLUMNS)
+    split = " / ".join(
+        f"{p.get(k, 0.0) / p['step_s']:.0%}"
+        for k in ("compute_s", "exposed_comm_s", "optimizer_s", "other_s")
+    )
+    return [
+        f"{p['step_s'] * 1000:.1f}",
+        f"{p.get('measured_over_predicted', 0.0):.2f}x",
+        split,
+        str(p.get("departs", "-")),
+    ]
 
 
 def _status_cell(job: Job) -> str:

@@ -12,10 +12,12 @@
    overrides' global batch (micro-batches that cannot are left out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
-3. **Probe** the ``--probes`` best of the rest (by a prior: less recomputation, larger
-   micro-batches, less communication per token; the second probe of another TP degree than
-   the first's) on the real ranks: a few steps each, measuring
-   peak memory and tokens/s. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
+3. **Probe** the rest fastest first, as the time model predicts them (``fsdp-lab plan``'s step
+   time on ``--device``: a named device or a profile ``fsdp-lab calibrate`` wrote of this
+   machine), on the real ranks: a few steps each, measuring peak memory and tokens/s. Probing
+   stops once the best measured so far is confirmed: the next candidate could not beat it even
+   if it ran as far above its prediction as any probe did (``confirmed``), or after
+   ``--probes``. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
    verdict, not a crash.
 4. **Print** a table and the winning command; write ``tune.json``.
 
@@ -70,6 +72,7 @@ class _Search:
     world: int
 
 
+# Many parameters: the command line's, keyword-only.
 def tune(
     overrides: list[str],
     memory_gib: float,
@@ -80,10 +83,11 @@ def tune(
     max_micro_batch: int = 32,
     grid: Grid | None = None,
     log=print,
+    device: str | None = None,
 ) -> TuneResult:
     """Enumerate, drop, probe, pick. ConfigError (exit 2) when nothing fits."""
     budget = int(memory_gib * GIB)
-    search = _plan(overrides, budget, max_micro_batch, grid)  # 1) enumerate, 2) drop
+    search = _plan(overrides, budget, max_micro_batch, grid, device)  # 1) enumerate, 2) drop
     result, fitting = search.result, search.fitting
     host = host_overrides(overrides, search.device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -110,10 +114,12 @@ def tune(
     return result
 
 
-def _plan(overrides: list[str], budget: int, max_micro_batch: int, grid: Grid | None) -> _Search:
-    """Every candidate with its predicted peak; those over the budget dropped. ConfigError when
-    none is possible or none fits."""
-    candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid)
+def _plan(
+    overrides: list[str], budget: int, max_micro_batch: int, grid: Grid | None, device: str | None
+) -> _Search:
+    """Every candidate with its predicted peak and step; those over the budget dropped.
+    ConfigError when none is possible or none fits."""
+    candidates, device, world = enumerate_candidates(overrides, max_micro_batch, grid, device)
     if not candidates:
         raise ConfigError("no FSDP setup of these overrides is possible on this topology")
     predict(candidates, 0)  # without the process's own memory: nothing fits already?
@@ -143,8 +149,9 @@ def _probe_best(
     host: list[str],
     log,
 ) -> list[Candidate]:
-    """Probe the first ``probes`` of fitting that still fit: a probe that measures more than
-    its prediction raises the baseline, which may drop later ones. The probed, in order."""
+    """Probe the first ``probes`` of fitting that still fit, until the best is ``confirmed``: a
+    probe that measures more than its prediction raises the baseline, which may drop later
+    ones. The probed, in order."""
     budget, probed = result.budget_bytes, []
     for c in fitting:
         if len(probed) == probes:
@@ -152,17 +159,33 @@ def _probe_best(
         if c.planned_bytes > budget:  # after a probe measured more than the plan's basis
             c.verdict = "dropped (plan + measured baseline)"
             continue
+        if confirmed(probed, c):
+            c.verdict = "not probed (the best is confirmed)"
+            log(f"  the best is confirmed: {c.name} could not beat it (predicted)")
+            break
         probe(overrides, c, out_dir / f"probe-{len(probed)}", steps=steps, budget=budget, host=host)
         probed.append(c)
         log(
             f"  probe {len(probed) - 1}: {c.name}: {c.verdict}, {mib(c.measured_bytes)} MiB, "
-            f"{tokens_per_s(c)}"
+            f"{tokens_per_s(c)} (predicted {c.predicted_tokens_per_s or 0:,.0f})"
         )
         if c.measured_bytes is not None and c.measured_bytes - c.planned_bytes > 0:
             # the process holds more than the baseline guessed: raise it for the rest
             result.baseline_bytes += c.measured_bytes - c.planned_bytes
             predict(result.candidates, result.baseline_bytes)
     return probed
+
+
+def confirmed(probed: list[Candidate], nxt: Candidate) -> bool:
+    """Whether the best probe that fits beats ``nxt`` even if ``nxt`` ran as far above its
+    prediction as the most favourable probe so far did (measured / predicted tokens/s)."""
+    ok = [c for c in probed if c.verdict == "fits" and c.tokens_per_s]
+    ratios = [c.tokens_per_s / c.predicted_tokens_per_s for c in probed
+              if c.tokens_per_s and c.predicted_tokens_per_s]  # fmt: skip
+    if not ok or not ratios or not nxt.predicted_tokens_per_s:
+        return False
+    best = max(c.tokens_per_s for c in ok)
+    return best > nxt.predicted_tokens_per_s * max(ratios)
 
 
 def tune_command(
@@ -174,6 +197,7 @@ def tune_command(
     steps: int,
     max_micro_batch: int,
     grid: Grid | None = None,
+    device: str | None = None,
 ) -> int:
     if memory_gib <= 0:
         raise ConfigError(f"--memory-gib {memory_gib}: give the budget per rank in GiB, > 0")
@@ -191,6 +215,7 @@ def tune_command(
         steps=steps,
         max_micro_batch=max_micro_batch,
         grid=grid,
+        device=device,
     )
     write_json(result, out_dir / "tune.json", overrides)
     print(format_table(result))

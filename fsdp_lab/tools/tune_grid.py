@@ -1,6 +1,7 @@
 """What `fsdp-lab tune` searches: the candidates (sharding x activation checkpointing x offload x
 micro-batch x TP degree x EP degree x CP degree) the topology can run, each with the plan's
-peak, and the prior that orders them for probing. Nothing here runs a rank.
+peak and its predicted step (``plan_time``), by which they are probed. Nothing here runs a
+rank.
 """
 
 from __future__ import annotations
@@ -21,21 +22,15 @@ from fsdp_lab.config import (
     ShardingStrategy,
     compose,
 )
+from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.rules import validate
-from fsdp_lab.config.strategies import strategy_of
 from fsdp_lab.config.topology import dp_size
-from fsdp_lab.tools import plan
+from fsdp_lab.tools import plan, plan_time
 from fsdp_lab.tools.plan_result import StrategyPlan
 
 AC = ActivationCheckpointingMode
-# The grid's checkpointing modes, least recomputation first (the order probes tie-break in).
+# The grid's checkpointing modes, least recomputation first.
 AC_MODES = (AC.none, AC.selective, AC.full)
-RECOMPUTE = {AC.none: 1.0, AC.selective: 1 + 1 / 6, AC.full: 4 / 3}  # of one fwd+bwd (3 units)
-# FLOPs per byte moved at which communication costs as much as compute, per device: a prior
-# for ordering probes only (the probes measure).
-FLOPS_PER_COMM_BYTE = {HardwareKind.cpu: 50.0, HardwareKind.gpu: 2000.0}
-FLOAT8_COMPUTE = 0.78  # float8 linears: torchtitan's Llama-3.1-8B ran 1.28x the bf16 tokens/s
-OFFLOAD_PENALTY = 1.5  # offload=cpu on GPU: host AdamW and PCIe copies each step
 # Sequences from this long on are offered context parallelism (CP degrees 2, 4, 8 beside 1):
 # at 4k tokens a 1B Llama's activations of one sequence (about 7 GiB in bf16, the plan says)
 # pass its sharded state on 8 ranks; shorter ones fit by checkpointing and micro-batch alone.
@@ -55,7 +50,9 @@ class Candidate:
     float8: bool = False  # float8 linears on bf16 (proposed on a GPU where torchao is installed)
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
     plan_peak_bytes: int = 0  # the plan's tensors alone
-    prior: float = 0.0  # relative time per token (lower is faster), for ordering probes
+    prior: float = 0.0  # predicted seconds per token of the global batch (the time model)
+    predicted_step_s: float | None = None  # the time model's step on the tune's device
+    predicted_tokens_per_s: float | None = None  # every rank's together, as a run reports it
     measured_bytes: int | None = None
     tokens_per_s: float | None = None
     verdict: str = "not probed"
@@ -199,14 +196,19 @@ def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
 
 
 def enumerate_candidates(
-    overrides: list[str], max_micro_batch: int, grid: Grid | None = None
+    overrides: list[str],
+    max_micro_batch: int,
+    grid: Grid | None = None,
+    device: str | None = None,
 ) -> tuple[list[Candidate], HardwareKind, int]:
-    """Every candidate the topology can run, with the plan's peak: (candidates, device, world
-    size). ``grid`` restricts the axes. Raises ConfigError for overrides the plan refuses."""
+    """Every candidate the topology can run, with the plan's peak and its predicted step on
+    ``device`` (``plan.time_device``): (candidates, device kind, world size). ``grid``
+    restricts the axes. Raises ConfigError for overrides the plan refuses."""
     grid = grid or Grid()
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
+    profile, _ = plan.time_device(device, topo)
     strategies, acs, offloads, batches, tensors, experts, float8s, contexts = _axes(
         cfg, topo, overrides, grid, max_micro_batch
     )
@@ -227,16 +229,18 @@ def enumerate_candidates(
                 accum = rows // share
             c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8, context=cp)
             c.grad_accum = accum if rows is not None else None
-            if _plan_peak(c, base, topo, facts, accum=accum):
-                c.prior = _prior(c, facts, cfg.trainer.seq_len, topo)
+            if _plan_peak(c, base, topo, facts, accum=accum, profile=profile):
                 out.append(c)
     if not out and indivisible:
         raise ConfigError(_indivisible(batches, rows, dp_size(topo)))
     return out, topo.device, topo.world_size
 
 
-def _plan_peak(c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int) -> bool:
-    """Set the candidate's plan peak; False where the plan refuses it or finds it cannot run."""
+def _plan_peak(
+    c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int, profile: DeviceProfile
+) -> bool:
+    """Set the candidate's plan peak and predicted step; False where the plan refuses it or
+    finds it cannot run."""
     device = OffloadDevice.cpu if c.offload else OffloadDevice.none
     variant = dataclasses.replace(
         base,
@@ -252,6 +256,10 @@ def _plan_peak(c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int) 
     if not isinstance(s, StrategyPlan):
         return False
     c.plan_peak_bytes = s.peak
+    step = plan_time.predict_step(variant, topo, facts, s, c.strategy, profile)
+    c.predicted_step_s = step.step_s
+    c.predicted_tokens_per_s = step.tokens_per_s * topo.world_size
+    c.prior = 1 / c.predicted_tokens_per_s if c.predicted_tokens_per_s else float("inf")
     return True
 
 
@@ -311,38 +319,6 @@ def global_batch(cfg, topo) -> int:
     )
 
 
-def _prior(c: Candidate, facts: plan.ModelShape, seq_len: int, topo) -> float:
-    """Relative time per token, for ordering probes: compute (6 FLOPs per parameter, times the
-    recomputation) plus bytes moved per token weighted by the device's FLOPs per byte: FSDP's
-    (4 bytes per parameter per communication unit, once per micro-batch, whose tokens a CP
-    group splits), TP's (two all-reduces of the hidden state per layer, forward and backward)
-    and CP's (each layer all-gathers the other ranks' keys and values and reduce-scatters
-    their gradients: 16 bytes per KV dimension per other rank)."""
-    w = FLOPS_PER_COMM_BYTE[topo.device]
-    dp = topo.world_size // c.tensor
-    traffic = strategy_of(c.strategy).traffic  # parameter bytes per micro-batch, in params
-    fsdp = 4 * traffic / (c.micro_batch * seq_len / c.context) if dp > 1 else 0
-    layer = facts.layer
-    tp = 32 * layer.num_layers * layer.hidden * (c.tensor - 1) / max(facts.total_params, 1)
-    cp = 16 * layer.num_layers * layer.kv_dim * (c.context - 1) / max(facts.total_params, 1)
-    # EP: four all-to-alls of each token's top-k rows per MoE layer (dispatch and combine,
-    # forward and backward, fp32), and FSDP gathers 1/ep of the experts.
-    moe = 16 * layer.top_k * layer.hidden * layer.num_layers * (c.expert - 1) / c.expert
-    ep = moe / max(facts.total_params, 1)
-    experts = sum(p.numel for p in facts.params if p.expert_dim1) / max(facts.total_params, 1)
-    fsdp *= 1 - experts * (1 - 1 / c.expert)
-    penalty = OFFLOAD_PENALTY if c.offload else 1.0
-    compute = 6 * RECOMPUTE[c.ac] * (FLOAT8_COMPUTE if c.float8 else 1.0)
-    return (compute + w * (fsdp + tp + ep + cp)) * penalty
-
-
 def probe_order(candidates: list[Candidate]) -> list[Candidate]:
-    """By the prior, except that the second probe is the best of another tensor-parallel degree
-    than the first's: the prior's TP term is its crudest (it leaves out per-micro-batch
-    overheads, which made it rank TP 2 at micro-batch 1 over TP 1 at 4, measured 9x slower on
-    the tiny Llama). One probe, not one per degree: on 8 GPUs that would be all three."""
-    ranked = sorted(candidates, key=lambda c: (c.prior, c.planned_bytes))
-    other = next((c for c in ranked if ranked and c.tensor != ranked[0].tensor), None)
-    if other is None:
-        return ranked
-    return [ranked[0], other, *(c for c in ranked[1:] if c is not other)]
+    """Fastest predicted first (the smaller peak first among equals)."""
+    return sorted(candidates, key=lambda c: (c.prior, c.planned_bytes))

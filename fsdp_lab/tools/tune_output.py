@@ -59,7 +59,9 @@ def tokens_per_s(c: Candidate) -> str:
 
 
 def format_table(result: TuneResult) -> str:
-    rows = [("candidate", "planned MiB", "measured MiB", "tokens/s", "verdict")]
+    rows = [
+        ("candidate", "planned MiB", "measured MiB", "predicted tok/s", "measured tok/s", "verdict")
+    ]
     order = sorted(result.candidates, key=lambda c: (c.measured_bytes is None, c.prior))
     for c in order:
         mark = "* " if c is result.winner else "  "
@@ -68,11 +70,12 @@ def format_table(result: TuneResult) -> str:
                 mark + c.name,
                 mib(c.planned_bytes),
                 mib(c.measured_bytes),
+                "-" if c.predicted_tokens_per_s is None else f"{c.predicted_tokens_per_s:,.0f}",
                 "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}",
                 c.verdict,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows)
 
 

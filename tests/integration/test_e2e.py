@@ -53,6 +53,12 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     assert "max_steps: 5" in (run_dir / "config.yaml").read_text()
     assert "done: step 5/5" in proc.stderr
     assert "rank 1" not in proc.stderr  # only rank 0 talks to the console
+    # the run against the time model (steps 2-5 measured, the cpu row's prediction)
+    predicted = facts["predicted"]
+    assert predicted["device"] == "cpu" and predicted["step_s"] > 0
+    steady = sorted(r["step_time_s"] for r in records[1:])
+    assert predicted["measured_step_s"] == pytest.approx((steady[1] + steady[2]) / 2)
+    assert f"predicted on cpu ({predicted['measured_over_predicted']:.2f}x)" in proc.stderr
 
 
 @pytest.mark.parametrize(

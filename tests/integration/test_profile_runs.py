@@ -116,8 +116,14 @@ def test_fsdp_lab_profile_reads_the_same_numbers_from_the_traces(sweep):
 def test_the_sweep_report_explains_itself(sweep):
     header, rows = read_table(sweep / "report.md")  # written by the sweep's callback
     assert {"compute", "comm", "exposed comm", "idle"} <= set(header)
+    assert {"predicted (ms)", "measured / predicted", "departs"} <= set(header)
     for row in rows:
         summary = profile_of(sweep / row["job"])["summary"]
         assert row["exposed comm"] == f"{summary['exposed_comm_share']:.0%}"
+        # each job's run.json holds the time model's step beside the measured one and split
+        predicted = json.loads((sweep / row["job"] / "run.json").read_text())["predicted"]
+        assert row["predicted (ms)"] == f"{predicted['step_s'] * 1000:.1f}"
+        assert predicted["measured_split"]["exposed_comm_s"] == summary["exposed_comm_s"]
+        assert row["departs"] == predicted["departs"] != ""
     assert_png(sweep / "step_breakdown.png")
     assert "step_breakdown.png" in (sweep / "report.md").read_text()

@@ -33,7 +33,9 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
     full, none, ac_full = ShardingStrategy.full, AC.none, AC.full
     assert by[full, none, 4].plan_peak_bytes > by[full, none, 1].plan_peak_bytes
     assert by[full, ac_full, 4].plan_peak_bytes < by[full, none, 4].plan_peak_bytes
+    # the time model predicts recomputation costs time
     assert by[full, none, 4].prior < by[full, ac_full, 4].prior
+    assert by[full, none, 4].predicted_step_s < by[full, ac_full, 4].predicted_step_s
 
 
 def test_a_bf16_gpu_run_is_offered_float8_where_torchao_is_installed():
@@ -46,7 +48,9 @@ def test_a_bf16_gpu_run_is_offered_float8_where_torchao_is_installed():
     assert f8 and len(f8) == len(plain) and not any(c.tensor > 1 or c.offload for c in f8)
     assert "precision.float8_recipe=tensorwise" in f8[0].overrides()
     twin = next(c for c in cands if not c.float8 and c.overrides() == f8[0].overrides()[:-1])
-    assert f8[0].prior < twin.prior  # the prior expects float8 matmuls to be faster
+    # never slower; this tiny model's GPU step is bound by launching its kernels, which float8
+    # does not shorten (a 1B model's is not: tests/unit/tools/test_time_model.py)
+    assert f8[0].prior <= twin.prior
     # fp32 runs, CPU runs and runs that chose their precision's float8 setting are not.
     for other in (
         ["hardware=gpu", "hardware.nproc_per_node=2"],
@@ -133,14 +137,23 @@ def test_keep_global_batch_makes_up_each_micro_batch_with_accumulation():
     assert {c.grad_accum for c in free} == {None} and any(c.micro_batch == 32 for c in free)
 
 
-def test_the_second_probe_is_the_best_of_another_tensor_parallel_degree():
-    def cand(tensor, prior):
-        return tune.Candidate(ShardingStrategy.full, AC.none, False, 1, tensor=tensor, prior=prior)
+def test_probes_go_fastest_predicted_first_and_stop_once_the_best_is_confirmed():
+    def cand(predicted, measured=None, verdict="not probed"):
+        c = tune.Candidate(ShardingStrategy.full, AC.none, False, 1, prior=1 / predicted)
+        c.predicted_tokens_per_s, c.tokens_per_s, c.verdict = predicted, measured, verdict
+        return c
 
-    a, b, c, d, e = cand(2, 1.0), cand(2, 1.1), cand(2, 1.2), cand(1, 1.5), cand(4, 1.3)
-    assert tune.probe_order([c, d, a, b]) == [a, d, b, c]
-    assert tune.probe_order([c, d, a, b, e]) == [a, e, b, c, d]  # one degree jumps, not all
+    a, b, c = cand(1000), cand(900), cand(500)
     assert tune.probe_order([c, a, b]) == [a, b, c]
+    # a measured 800 of its predicted 1000 (0.8x): b, predicted 900, would reach 720 at that
+    # rate, below a's 800: a is confirmed, b is not probed
+    a.tokens_per_s, a.verdict = 800.0, "fits"
+    assert tune.confirmed([a], b) is True
+    # a probe that ran far above its prediction makes the next worth probing
+    fast = cand(400, measured=1000.0, verdict="fits")  # 2.5x its prediction
+    assert tune.confirmed([a, fast], b) is False
+    # nothing fits yet: never confirmed
+    assert tune.confirmed([cand(1000, 900.0, "over budget")], b) is False
 
 
 def test_a_global_batch_no_micro_batch_makes_up_is_one_line(capsys):
