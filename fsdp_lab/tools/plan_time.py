@@ -29,7 +29,6 @@ from fsdp_lab.config import (
     ShardingStrategy,
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile
-from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.tools import activation_memory, memory
 from fsdp_lab.tools.plan_model import ModelShape
@@ -144,13 +143,13 @@ def _layout(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> 
     )
 
 
-def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan, strategy) -> list:
+def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> list:
     """The root's embedding pass, each block unit, the head: their work per micro-batch."""
     layer, lay = facts.layer, _layout(cfg, topo, facts, s)
     t = cfg.trainer.micro_batch_size * cfg.trainer.seq_len / cfg.parallel.context
     by_unit = _unit_params(facts)
     blocks = sorted(g for g in by_unit if g >= 0)
-    reshard = reshard_after_forward(_variant(cfg, strategy))
+    reshard = s.reshard_after_forward  # the strategy plan resolved it (its default, or the setting)
     # the layers' attention, spread over the block units (one each under wrap=transformer)
     attention = _attention_flops(cfg, layer, t) * layer.num_layers
     per_block = attention / len(blocks) if blocks else 0.0
@@ -243,27 +242,17 @@ def _inner_collectives(cfg: Config, layer, t: float, b: int, per_node: int) -> t
     return tuple(out)
 
 
-def _variant(cfg: Config, strategy: ShardingStrategy):
-    import dataclasses
-
-    s = cfg.sharding
-    chosen = strategy is s.strategy
-    return dataclasses.replace(
-        s, strategy=strategy, reshard_after_forward=s.reshard_after_forward if chosen else None
-    )
-
-
 def step_work(
     cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan, strategy: ShardingStrategy
 ) -> StepWork:
     """The work of one optimizer step on rank 0 of ``strategy``'s plan ``s``."""
-    units = _units(cfg, topo, facts, s, strategy)
+    units = _units(cfg, topo, facts, s)
     t, tp, cp = cfg.trainer, cfg.parallel.tensor, cfg.parallel.context
     trainable = s.rank0.grads // memory.FP32
     tensors = sum(1 for q in facts.params if q.trainable)
     offload = cfg.offload.device is OffloadDevice.cpu and topo.device is HardwareKind.gpu
     shards = s.rank0.params  # fp32 shards: copied to the device for each gather
-    gathers_per_step = t.grad_accum_steps * (1 + (strategy_of(strategy).reshard_after_forward))
+    gathers_per_step = t.grad_accum_steps * (1 + (s.reshard_after_forward is not False))
     return StepWork(
         units=tuple(units),
         micro_batches=t.grad_accum_steps,
