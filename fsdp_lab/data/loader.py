@@ -103,14 +103,22 @@ class Loader:
         raise NotImplementedError
 
     def _global_batch(
-        self, rows: torch.Tensor, gen_key: tuple[int, ...]
+        self, rows: torch.Tensor, gen_key: tuple[int, ...], first: int
     ) -> dict[str, torch.Tensor]:
         """All ranks' rows of one micro-batch as model inputs (``labels`` IGNORE_INDEX where
-        nothing is learned: a row past the split, an unmasked masked-LM position)."""
+        nothing is learned: a row past the split, an unmasked masked-LM position). A masked
+        LM masks row i with a generator keyed by ``gen_key`` and the row's index ``first + i``
+        in its step, so how a global batch is dealt into micro-batches and ranks never
+        changes the masking."""
         valid = (rows >= 0).all(dim=1, keepdim=True)
         ids = rows.clamp(min=0).long()
         if self.masking is not None:
-            inputs, labels = self.masking(ids, _generator(*gen_key))
+            masked = [
+                self.masking(row[None], _generator(*gen_key, first + i))
+                for i, row in enumerate(ids)
+            ]
+            inputs = torch.cat([m[0] for m in masked])
+            labels = torch.cat([m[1] for m in masked])
         else:
             inputs, labels = ids, ids  # the model shifts labels for next-token prediction
         labels = torch.where(valid, labels, IGNORE_INDEX)
@@ -144,7 +152,8 @@ class Loader:
 
     def global_batch_of(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         """All ranks' rows of training micro-batch ``micro`` of step ``step``."""
-        return self._global_batch(self.global_rows(step, micro), (self.seed, 0, step, micro))
+        first = micro * self.rows_per_micro
+        return self._global_batch(self.global_rows(step, micro), (self.seed, 0, step), first)
 
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         return self._to_batch(self.global_batch_of(step, micro))[0]
@@ -162,7 +171,8 @@ class Loader:
         return batches, targets
 
     def val_batch(self, index: int) -> dict[str, torch.Tensor]:
-        return self._to_batch(self._global_batch(self.val_rows(index), (self.seed, 1, index)))[0]
+        rows, first = self.val_rows(index), index * self.rows_per_micro
+        return self._to_batch(self._global_batch(rows, (self.seed, 1), first))[0]
 
     def state(self, step: int) -> dict:
         """Where the loader is after ``step`` optimizer steps (kept in checkpoints)."""
@@ -187,19 +197,23 @@ class SyntheticData(Loader):
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.modulus = vocab_size - 1 if self.masking is not None else vocab_size
 
-    def _rows(self, gen: torch.Generator) -> torch.Tensor:
-        rows = self.dp_size * self.micro_batch_size
-        start = torch.randint(0, self.modulus, (rows, 1), generator=gen)
-        stride = torch.randint(1, self.max_stride + 1, (rows, 1), generator=gen)
-        return (start + stride * torch.arange(self.seq_len)) % self.modulus
+    def _rows(self, gen: torch.Generator, total: int, lo: int) -> torch.Tensor:
+        """Rows [lo, lo + dp_size * micro_batch_size) of ``total`` drawn from ``gen``."""
+        start = torch.randint(0, self.modulus, (total, 1), generator=gen)
+        stride = torch.randint(1, self.max_stride + 1, (total, 1), generator=gen)
+        hi = lo + self.rows_per_micro
+        return (start[lo:hi] + stride[lo:hi] * torch.arange(self.seq_len)) % self.modulus
 
     def global_rows(self, step: int, micro: int) -> torch.Tensor:
         """All ranks' rows of one micro-batch: [dp_size * micro_batch_size, seq_len] token ids.
-        Keyed by the step itself, so a resumed run continues the same stream."""
-        return self._rows(_generator(self.seed, step, micro))
+        The step's whole global batch is drawn at once (two ids a row) and dealt into its
+        micro-batches, so accumulating 4 micro-batches of 1 row trains on the rows 1 micro-batch
+        of 4 does. Keyed by the step itself, so a resumed run continues the same stream."""
+        total = self.grad_accum_steps * self.rows_per_micro
+        return self._rows(_generator(self.seed, step), total, micro * self.rows_per_micro)
 
     def val_rows(self, index: int) -> torch.Tensor:
-        return self._rows(_generator(self.seed, 2**32 + index))
+        return self._rows(_generator(self.seed, 2**32 + index), self.rows_per_micro, 0)
 
     def num_val_batches(self, limit: int) -> int:
         return limit

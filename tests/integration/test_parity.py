@@ -39,11 +39,13 @@ def run_and_compare(run_dir, world: int, *overrides: str) -> tuple[float, dict]:
     return compare(run_dir, world)
 
 
-def compare(run_dir, world: int) -> tuple[float, dict]:
-    """(max |loss - reference loss| over the steps, run.json) of a finished run."""
+def compare(run_dir, world: int, reference: dict | None = None) -> tuple[float, dict]:
+    """(max |loss - reference loss| over the steps, run.json) of a finished run; ``reference``
+    overrides the reference's config (another layout of the same global batch)."""
     cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
     records = read_metrics(run_dir / "metrics.jsonl")
-    want, want_norms = reference_run(cfg, world_size=world)
+    ref_cfg = cfg if reference is None else to_typed(OmegaConf.merge(cfg, reference))
+    want, want_norms = reference_run(ref_cfg, world_size=world if reference is None else 1)
     assert len(records) == len(want) == STEPS
     facts = json.loads((run_dir / "run.json").read_text())
     assert facts["status"] == "completed" and facts["world_size"] == world
@@ -107,6 +109,24 @@ def test_mixed_precision_stays_close_to_fp32_reference(run_dir, precision, tol):
 def test_models_and_knobs_match_the_reference(run_dir, overrides):
     diff, _ = run_and_compare(run_dir, 2, "sharding=full", *overrides)
     assert diff <= FP32_TOL, f"{overrides}: max |loss diff| {diff:.2e}"
+
+
+def test_accumulation_trains_on_the_rows_of_one_big_micro_batch(run_dir):
+    # 2 ranks x 2 accumulated micro-batches of 1 row against one process taking the step's 4
+    # rows at once: the synthetic stream deals one global batch, whatever the layout.
+    check_ok(
+        train(
+            run_dir,
+            "hardware.nproc_per_node=2",
+            f"trainer.max_steps={STEPS}",
+            "hardware=cpu",
+            "trainer.grad_accum_steps=2",
+            "trainer.micro_batch_size=1",
+        )
+    )
+    one = {"trainer": {"grad_accum_steps": 1, "micro_batch_size": 4}}
+    diff, _ = compare(run_dir, 2, reference=one)
+    assert diff <= FP32_TOL, f"max |loss diff| {diff:.2e}"
 
 
 # Mixtures of experts: the step's objective includes the router's aux loss, the global

@@ -119,6 +119,45 @@ def test_synthetic_masked_lm_reserves_the_last_id_for_mask():
     assert (batch["input_ids"] == 255).any()
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked-lm"])
+def test_every_layout_of_a_global_batch_trains_on_the_same_rows(masked):
+    # 4 rows a step dealt as 4 micro-batches of 1, 1 of 4, or 4 ranks of 1: the same rows and
+    # (masked LM) the same masks, so accumulation and data parallelism are checkable as equal.
+    masking = Masking(mask_id=63, vocab_size=63, probability=0.3) if masked else None
+
+    def synthetic(accum, dp, rank, micro):
+        return SyntheticData(
+            vocab_size=64,
+            seq_len=8,
+            seed=3,
+            micro_batch_size=micro,
+            grad_accum_steps=accum,
+            dp_size=dp,
+            dp_rank=rank,
+            masking=masking,
+        )
+
+    def step_rows(loaders, step):
+        steps = [data.step_batches(step) for data in loaders]
+        assert len({targets for _, targets in steps}) == 1  # every rank counts the whole batch
+        rows = [b for m in range(len(steps[0][0])) for batches, _ in steps for b in [batches[m]]]
+        return {k: torch.cat([b[k] for b in rows]) for k in rows[0]}, steps[0][1]
+
+    layouts = [
+        [synthetic(4, 1, 0, 1)],
+        [synthetic(1, 1, 0, 4)],
+        [synthetic(1, 4, r, 1) for r in range(4)],
+        [synthetic(2, 2, r, 1) for r in range(2)],
+    ]
+    for step in (0, 5):
+        want, targets = step_rows(layouts[0], step)
+        for loaders in layouts[1:]:
+            got, count = step_rows(loaders, step)
+            assert count == targets
+            assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(step_rows(layouts[0], 0)[0]["input_ids"], want["input_ids"])
+
+
 def test_preset_vocabulary_follows_the_tokenizer(tmp_path):
     cfg = make_cfg(tmp_path, files=["x"])
     tok = corpus_lib.load_tokenizer(cfg)
