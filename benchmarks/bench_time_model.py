@@ -8,9 +8,10 @@ median step time of a real run right after (steps after the first two), and the 
         # the same profiles and measured steps, predicted again (after a change to the model)
 
 Setups cover the five strategies, two model sizes (a Llama of hidden 256 x 4 layers, and of
-hidden 512 x 8 layers), 2 and 4 ranks, TP 2, activation checkpointing, offload, LoRA and
-gradient accumulation. Results go to benchmarks/results/cpu-<date>-time-model.json and a
-markdown table on stdout (docs/benchmarks.md, "The time model").
+hidden 512 x 8 layers) and a mixture of experts, 2 and 4 ranks, TP 2, activation
+checkpointing, offload, LoRA and gradient accumulation. Results go to
+benchmarks/results/cpu-<date>-time-model.json and a markdown table on stdout
+(docs/benchmarks.md, "The time model").
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from fsdp_lab.tools import plan, plan_compare  # noqa: E402
 
 M1 = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4"]
 M2 = ["model.hidden_size=512", "model.intermediate_size=1408", "model.num_layers=8"]
+# A Qwen3-MoE of hidden 256 x 4 layers, 16 experts of width 256, top 4 (grouped_mm)
+MOE = ["model=qwen3_moe_tiny", "model.hidden_size=256", "model.num_layers=4",
+       "model.num_experts=16", "model.experts_per_token=4", "model.expert_intermediate_size=256",
+       "model.experts_implementation=grouped_mm"]  # fmt: skip
+MODELS = {"m1": M1, "m2": M2, "moe": MOE}
 COMMON = [
     "hardware=cpu",
     "trainer.seq_len=256",
@@ -58,6 +64,7 @@ SETUPS = {
     "m2-full-4": [*M2, "hardware.nproc_per_node=4"],
     "m2-ac-2": [*M2, "activation_checkpointing=full"],
     "m2-lora-2": [*M2, "finetune=lora"],
+    "moe-full-2": [*MOE],
 }
 
 
@@ -137,13 +144,14 @@ def ranks(setup: list[str]) -> int:
 
 def key(setup: list[str]) -> str:
     """The profile a setup is priced on: its model's shapes on its ranks."""
-    return f"{'m1' if setup[: len(M1)] == M1 else 'm2'}-cpu{ranks(setup)}"
+    model = next(k for k, v in MODELS.items() if setup[: len(v)] == v)
+    return f"{model}-cpu{ranks(setup)}"
 
 
 def calibrate(tmp: Path, setup: str, name: str, a) -> Path:
     """`fsdp-lab calibrate` at the model's shapes on its ranks, as a user runs it."""
     out = tmp / f"{setup}.json"
-    model, nproc = (M1 if name.startswith("m1") else M2), name.split("cpu")[1]
+    model, nproc = MODELS[name.split("-")[0]], name.split("cpu")[1]
     cmd = [
         sys.executable, "-m", "fsdp_lab.tools.cli", "calibrate", *COMMON, *model,
         f"hardware.nproc_per_node={nproc}", "--out", str(out), "--max-spread", str(a.max_spread),

@@ -93,6 +93,11 @@ class DeviceProfile:
     # dispatch; the norm's all-reduce shared out), measured by calibrate; 60 us on a GPU's
     # host is an assumption
     tensor_step_s: float = 60e-6
+    # A mixture of experts' grouped GEMMs (torch's grouped_mm over tokens sorted by expert):
+    # their achievable fraction of the peak, None: as dense matmuls'. Measured by calibrate at
+    # the model's experts; on GPUs 0.245, VeOmni's torch grouped_mm MoE forward on an H100 at
+    # ~2,048 rows an expert (hidden 2048, 128 experts, top 8), and an assumption elsewhere
+    grouped_fraction: float | None = None
     ranks_per_node: int = 8  # a node as the vendors build it (DGX/HGX: 8 GPUs)
     # A measured profile: a link per collective (COLLECTIVES) where the backend prices them
     # differently (gloo reduce-scatters by all-reducing the whole input)
@@ -119,6 +124,14 @@ class DeviceProfile:
             )
         fraction = self.fp8_fraction if dtype == "fp8" and self.fp8_fraction else None
         return self.compute[dtype] * (fraction or self.matmul_fraction)
+
+    def grouped_flops(self, dtype: str) -> float:
+        """Achievable FLOP/s of a mixture of experts' grouped GEMMs computing in ``dtype``."""
+        return (
+            self.flops(dtype)
+            / self.matmul_fraction
+            * (self.grouped_fraction or self.matmul_fraction)
+        )
 
     def to_json(self) -> dict:
         return {"fsdp_lab_profile": PROFILE_VERSION, **dataclasses.asdict(self)}
@@ -180,6 +193,7 @@ def _gpu(
         host_memory_bytes_per_s=100 * GB,
         op_overhead_s=5e-6,
         overlap=True,
+        grouped_fraction=0.245,
         memory_bytes=int(memory_gb * GB),
         aliases=aliases,
     )

@@ -62,12 +62,15 @@ class Job:
     sizes: list[int]
     repeats: int
     store: str
+    # a mixture of experts' grouped GEMMs: (experts, rows an expert, K, N); empty: dense
+    grouped: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
 
 
-def shapes_and_sizes(overrides: list[str]) -> tuple[object, object, list, tuple, list]:
+def shapes_and_sizes(overrides: list[str]) -> tuple[object, object, list, tuple, list, list]:
     """(config, topology, matmul shapes M x K x N of a micro-batch on one rank, its attention's
     (batch, heads, tokens, head dim), collective sizes in bytes: each distinct FSDP unit's
-    all-gather and a few small ones)."""
+    all-gather and a few small ones, the experts' grouped GEMMs (experts, rows, K, N): the
+    gate and up projections and the down one, top_k of each token's copies spread evenly)."""
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
@@ -91,7 +94,12 @@ def shapes_and_sizes(overrides: list[str]) -> tuple[object, object, list, tuple,
         cfg.trainer.seq_len // cfg.parallel.context,
         layer.q_dim // layer.num_heads,
     )
-    return cfg, topo, list(dict.fromkeys(shapes)), attention, sizes
+    grouped = []
+    if layer.experts:
+        e, width = layer.experts, layer.expert_intermediate
+        rows = max(1, m * layer.top_k // e)
+        grouped = [(e, rows, layer.hidden, 2 * width), (e, rows, width, layer.hidden)]
+    return cfg, topo, list(dict.fromkeys(shapes)), attention, sizes, grouped
 
 
 def plan_bytes(cfg) -> int:
@@ -131,9 +139,15 @@ def _rank_main(rank: int, job: Job, results) -> None:
             "device": devices.device_summary(job.kind),
         }
         mine["optimizer"] = calibration.optimizer_tensor_times(device, job.repeats)
+        if job.grouped:
+            mine["grouped"] = calibration.grouped_flops(job.grouped, dtype, device, job.repeats)
         if job.nproc > 1:
             mine["collectives"] = calibration.collective_times(
-                job.sizes, device, job.repeats, between=job.shapes[1], dtype=dtype
+                job.sizes,
+                device,
+                job.repeats,
+                between=job.shapes[-1 if len(job.shapes) < 2 else 1],
+                dtype=dtype,
             )
         everyone = process_group.gather_from_processes(mine)
         if rank == 0:
@@ -240,6 +254,8 @@ def profile_from(
     noisy |= {"memory bandwidth": first["memory"], "operator overhead": first["op"]}
     noisy["attention"] = first["attention"]
     noisy["optimizer per tensor"] = first["optimizer"]
+    if "grouped" in first:
+        noisy["experts' grouped GEMMs"] = first["grouped"]
     for op, by_size in first.get("collectives", {}).items():
         for size, t in by_size.items():
             if size >= MIB:  # small ones are latency: jittery, and a small share of a step
@@ -270,6 +286,11 @@ def profile_from(
         memory_bytes_per_s=statistics.median(first["memory"]),
         op_overhead_s=statistics.median(first["op"]),
         tensor_step_s=max(statistics.median(r["optimizer"]) for r in everyone),
+        grouped_fraction=(
+            min(statistics.median(r["grouped"]) for r in everyone) / compute[job.dtype]
+            if "grouped" in first
+            else None
+        ),
         host_link=Link(host_rate, base.host_link.latency_s),
         host_memory_bytes_per_s=(
             statistics.median(first["memory"])
@@ -306,7 +327,7 @@ def calibrate_command(
         raise ConfigError("--repeats must be >= 3 and --max-spread > 0 (e.g. 0.25)")
     if out.exists():
         raise ConfigError(f"--out {out} exists: give a new path (a profile is never overwritten)")
-    cfg, topo, shapes, attention, sizes = shapes_and_sizes(overrides)
+    cfg, topo, shapes, attention, sizes, grouped = shapes_and_sizes(overrides)
     if topo.device is HardwareKind.cpu:
         base_row = base_profile(base, topo.device, "cpu")  # a bad --base fails before measuring
     else:
@@ -322,6 +343,7 @@ def calibrate_command(
             sizes=sizes,
             repeats=repeats,
             store=str(Path(tmp) / "store"),
+            grouped=grouped,
         )
         start = time.perf_counter()
         everyone = measure(job)
@@ -345,6 +367,9 @@ def describe(p: DeviceProfile, seconds: float) -> str:
         f"us; optimizer {p.tensor_step_s * 1e6:.0f} us a parameter tensor; host<->device "
         f"{p.host_link.bytes_per_s / 1e9:.2f} GB/s",
     ]
+    if p.grouped_fraction is not None and m.get("dtype") in p.compute:
+        rate = p.grouped_flops(m["dtype"]) / 1e9
+        lines.append(f"  experts' grouped GEMMs: {rate:.1f} GFLOP/s")
     for op, link in p.collectives.items():
         lines.append(
             f"  {op}: {link.bytes_per_s / 1e9:.2f} GB/s bus bandwidth, "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fsdp_lab.config import (
     Config,
     Dtype,
+    ExpertsImplementation,
     HardwareKind,
     OffloadDevice,
     ShardingStrategy,
@@ -55,17 +56,29 @@ def _unit_params(facts: ModelShape) -> dict[int, list[memory.ParamShape]]:
     return out
 
 
-def _matmul_flops(params: list[memory.ParamShape], layer, tokens: float) -> tuple[float, float]:
+def _matmul_flops(
+    params: list[memory.ParamShape], layer, tokens: float
+) -> tuple[float, float, float, float]:
     """(forward, backward) matmul FLOPs of these weights over ``tokens`` (experts: top_k of
-    E), and the share of them float8 linears may take (every block linear)."""
-    fwd = bwd = 0.0
+    E), then the experts' share of each (their grouped GEMMs)."""
+    fwd = bwd = expert_fwd = expert_bwd = 0.0
     for p in params:
         if p.lookup or p.row <= 1:  # an embedding table, a norm's or a bias's vector
             continue
-        active = p.numel * (layer.top_k / layer.experts if p.expert_dim1 and layer.experts else 1)
-        fwd += 2 * active * tokens
-        bwd += (4 if p.trainable else 2) * active * tokens
-    return fwd, bwd
+        expert = bool(p.expert_dim1 and layer.experts)
+        active = p.numel * (layer.top_k / layer.experts if expert else 1)
+        f, b = 2 * active * tokens, (4 if p.trainable else 2) * active * tokens
+        fwd, bwd = fwd + f, bwd + b
+        if expert:
+            expert_fwd, expert_bwd = expert_fwd + f, expert_bwd + b
+    return fwd, bwd, expert_fwd, expert_bwd
+
+
+def _grouped(cfg: Config) -> bool:
+    """The experts run as grouped GEMMs (transformers' choice picks grouped_mm where torch
+    has it); eager loops and batched_mm are priced as dense matmuls."""
+    impl = cfg.model.experts_implementation
+    return impl in (ExpertsImplementation.auto, ExpertsImplementation.grouped_mm)
 
 
 def _attention_flops(cfg: Config, layer, tokens: float) -> float:
@@ -158,7 +171,7 @@ def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> l
         _block(cfg, facts, lay, by_unit[g], g, t, per_block, reshard is not False and i < last)
         for i, g in enumerate(blocks)
     ]
-    head_fwd, head_bwd = _matmul_flops(by_unit.get(-1, []), layer, t)
+    head_fwd, head_bwd, *_ = _matmul_flops(by_unit.get(-1, []), layer, t)
     logits = LOGIT_PASSES * t * layer.vocab / cfg.parallel.tensor * 4
     embed = t * layer.hidden * lay.b
     attn = 0.0 if blocks else attention  # the root the only unit: the layers' are its
@@ -195,7 +208,9 @@ def _block(
     # a mixture of experts moves each token's top_k copies of the hidden state three times a
     # pass: gathered into expert order, scaled by its routing weight, added back
     routing = 6 * layer.top_k * layer.hidden * b * t if layer.experts else 0.0
-    fwd, bwd = _matmul_flops(params, layer, t)
+    fwd, bwd, grouped_fwd, grouped_bwd = _matmul_flops(params, layer, t)
+    if not _grouped(cfg):
+        grouped_fwd = grouped_bwd = 0.0
     fwd, bwd = fwd + attn, bwd + ATTENTION_BACKWARD * attn
     recompute = group in facts.checkpointed_units
     nbytes = passes * saved * t + routing
@@ -217,6 +232,8 @@ def _block(
         fp8_share=1.0 if cfg.precision.float8_recipe is not None else 0.0,
         forward_attention=attn,
         backward_attention=ATTENTION_BACKWARD * attn + (attn if recompute else 0.0),
+        forward_grouped=grouped_fwd,
+        backward_grouped=grouped_bwd + (grouped_fwd if recompute else 0.0),
     )
 
 

@@ -76,6 +76,8 @@ class UnitWork:
     fp8_share: float = 0.0  # of its matmul FLOPs, those float8 linears run
     forward_attention: float = 0.0  # of forward_flops, causal attention's (half the scores)
     backward_attention: float = 0.0  # of backward_flops, attention's (a recompute's included)
+    forward_grouped: float = 0.0  # of forward_flops, the experts' grouped GEMMs'
+    backward_grouped: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,14 +141,19 @@ def collective_s(c: Collective | None, device: DeviceProfile) -> float:
     return c.count * (steps * link.latency_s + moved / link.bytes_per_s)
 
 
+# Many parameters: a pass's work by kind, as UnitWork holds it.
 def compute_s(flops: float, nbytes: float, ops: int, device: DeviceProfile, dtype: str,
-              fp8_share: float = 0.0, attention: float = 0.0) -> float:  # fmt: skip
+              fp8_share: float = 0.0, attention: float = 0.0, grouped: float = 0.0,
+              ) -> float:  # fmt: skip
     """One pass of a unit: its matmuls (``attention`` of them at the attention kernels' rate,
-    ``fp8_share`` of the rest in float8), its other operators' bytes, and their issue cost."""
+    ``grouped`` at the experts' grouped GEMMs', ``fp8_share`` of the rest in float8), its other
+    operators' bytes, and their issue cost."""
     rate = device.flops(dtype)
-    fp8 = fp8_share * (flops - attention)
-    kernels = (flops - attention - fp8) / rate + (fp8 / device.flops("fp8") if fp8 else 0.0)
+    dense = flops - attention - grouped
+    fp8 = fp8_share * dense
+    kernels = (dense - fp8) / rate + (fp8 / device.flops("fp8") if fp8 else 0.0)
     kernels += attention / (rate * device.attention_fraction)
+    kernels += grouped / device.grouped_flops(dtype) if grouped else 0.0
     kernels += nbytes / device.memory_bytes_per_s
     issue = ops * device.op_overhead_s
     return max(kernels, issue) if device.overlap else kernels + issue
@@ -163,6 +170,7 @@ def _pass_times(work: StepWork, device: DeviceProfile, phase: str) -> list[float
             work.dtype,
             u.fp8_share,
             u.forward_attention if forward else u.backward_attention,
+            u.forward_grouped if forward else u.backward_grouped,
         )
         for u in work.units
     ]

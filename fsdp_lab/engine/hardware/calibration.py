@@ -70,6 +70,34 @@ def matmul_flops(
     return out
 
 
+def grouped_flops(
+    shapes: list[tuple[int, int, int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+) -> list[float]:
+    """FLOP/s of a mixture of experts' grouped GEMMs at (experts, rows an expert, K, N), per
+    repeat: torch's grouped_mm over rows sorted by expert (what transformers' grouped_mm
+    experts run), forward and backward, 6 x rows x K x N FLOPs each, over all the shapes."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    calls, flops = [], 0.0
+    for e, r, k, n in shapes:
+        x = torch.randn(e * r, k, dtype=dtype, device=device, requires_grad=True)
+        w = torch.randn(e, k, n, dtype=dtype, device=device, requires_grad=True)
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device=device) * r
+        grad = torch.randn(e * r, n, dtype=dtype, device=device)
+        calls.append((x, w, offs, grad))
+        flops += 6 * e * r * k * n
+
+    def step() -> None:
+        for x, w, offs, grad in calls:
+            x.grad = w.grad = None
+            grouped(x, w, offs=offs).backward(grad)
+
+    times = _timed(step, device, inner=_inner(_probe(step, device)), repeats=repeats)
+    return [flops / t for t in times]
+
+
 def attention_flops(
     shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, repeats: int
 ) -> list[float]:

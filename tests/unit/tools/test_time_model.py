@@ -107,6 +107,19 @@ def test_the_optimizer_moves_its_state_at_the_memory_bandwidth_and_mfu_uses_the_
     assert step.mfu == pytest.approx(step.tokens_per_s * 6e6 / 1e12)
 
 
+def test_experts_grouped_gemms_run_at_their_own_rate():
+    # 4 GFLOP forward of which 2 are experts' grouped GEMMs at 0.25 of peak: 2 ms + 8 ms;
+    # backward twice each: 4 ms + 16 ms. A profile without the fraction runs them as dense.
+    moe = unit(4e9, forward_grouped=2e9, backward_grouped=4e9)
+    step = predict(work(moe), dataclasses.replace(ROUND, grouped_fraction=0.25))
+    assert step.compute_s == pytest.approx(30e-3)
+    assert predict(work(moe), ROUND).compute_s == pytest.approx(12e-3)
+    # float8 converts linears, not the experts: its share leaves their GEMMs alone
+    fp8 = dataclasses.replace(ROUND, compute={**ROUND.compute, "fp8": 2e12}, grouped_fraction=0.25)
+    step = predict(work(unit(4e9, forward_grouped=2e9, backward_grouped=4e9, fp8_share=1.0)), fp8)
+    assert step.compute_s == pytest.approx(3e-3 + 24e-3)
+
+
 def test_a_profile_file_round_trips_and_another_version_is_one_line(tmp_path):
     path = tmp_path / "p.json"
     write_profile(device_profile("h100"), path)
@@ -225,3 +238,17 @@ def test_float8_linears_shorten_a_1b_models_predicted_step():
     bf16 = plan.build_plan(H100_1B, "h100").chosen_plan.time
     f8 = plan.build_plan([*H100_1B, "precision.float8_recipe=tensorwise"], "h100").chosen_plan.time
     assert f8.compute_s < 0.8 * bf16.compute_s
+
+
+def test_calibrate_measures_a_mixture_of_experts_grouped_gemms_at_its_shapes():
+    moe = ["model=qwen3_moe_tiny", "trainer.seq_len=64", "trainer.micro_batch_size=2"]
+    *_, grouped = calibrate.shapes_and_sizes(moe)
+    # 8 experts, top 2: 128 tokens' 256 copies, 32 an expert; gate+up 64 -> 128, down 64 -> 64
+    assert grouped == [(8, 32, 64, 128), (8, 32, 64, 64)]
+    assert calibrate.shapes_and_sizes(["trainer.seq_len=64"])[-1] == []
+    # the plan prices those experts at the grouped rate, eager ones as dense matmuls
+    big = [*moe, "hardware=gpu", "model.hidden_size=1024", "model.expert_intermediate_size=512"]
+    big += ["model.num_experts=64", "model.experts_per_token=8", "trainer.micro_batch_size=64"]
+    grouped_s = plan.build_plan(big, "h100").chosen_plan.time.compute_s
+    eager = [*big, "model.experts_implementation=eager"]
+    assert plan.build_plan(eager, "h100").chosen_plan.time.compute_s < grouped_s
