@@ -17,8 +17,9 @@ class EvalConfig:
     prompts: Any = None
     """Prompts the model completes at every evaluation (trainer.eval_every boundaries, step 0 of
     a fresh run, and after the last step): a list of strings (or, for a chat model, of message
-    lists), or a file: .jsonl (one JSON string, {"prompt": ...} or {"messages": [...]} a line)
-    or a text file with one prompt a line. None: no generations. Written to samples.jsonl and
+    lists), or a file: .json/.jsonl (one JSON list of prompts, or one a line: a JSON string,
+    {"prompt": ...}, {"messages": [...]} or a list of messages) or a text file with one prompt
+    a line. None: no generations. Written to samples.jsonl and
     every tracker."""
     max_new_tokens: int = 64
     """Tokens generated per prompt at most (fewer where it ends with EOS)."""

@@ -3,8 +3,9 @@ turned into token ids with the run's tokenizer on every rank.
 
 A prompt is a string, or a conversation (a list of ``{role, content}`` messages) that the
 tokenizer's chat template renders with its generation prompt, as ``data=chat`` renders its
-rows (``data.chat_template`` applies to both). A file holds one prompt a line: ``.jsonl`` lines
-are a JSON string, ``{"prompt": ...}`` or ``{"messages": [...]}``; other files are plain text.
+rows (``data.chat_template`` applies to both). A ``.json`` / ``.jsonl`` file is one JSON list
+of prompts, or one prompt a line; a prompt there is a JSON string, ``{"prompt": ...}``,
+``{"messages": [...]}`` or a list of messages. Other files hold one prompt a line of text.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def _read_file(path: Path) -> list[Prompt]:
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if path.suffix not in formats.format_of("json").suffixes:  # one prompt a line of text
         return [line for _, line in lines]
+    whole = _json_list(text)
+    if whole is not None:
+        return [_checked(_prompt_of(v), lambda i=i: f"eval.prompts={path}: item {i}")
+                for i, v in enumerate(whole)]  # fmt: skip
     prompts = []
     for n, line in lines:
         try:
@@ -64,10 +69,30 @@ def _read_file(path: Path) -> list[Prompt]:
                 f"eval.prompts={path}: line {n} is not JSON ({first_line(e)}); each line of a "
                 '.jsonl file is a string, {"prompt": ...} or {"messages": [...]}'
             ) from None
-        if isinstance(value, dict):
-            value = value.get("messages", value.get("prompt"))
-        prompts.append(_checked(value, lambda n=n: f"eval.prompts={path}: line {n}"))
+        prompts.append(_checked(_prompt_of(value), lambda n=n: f"eval.prompts={path}: line {n}"))
     return prompts
+
+
+def _json_list(text: str) -> list | None:
+    """The prompts of a file that is one JSON list (a list of messages alone: one
+    conversation), or None where it is not (one prompt a line)."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if value and all(isinstance(m, dict) and "role" in m for m in value):
+        return [value]
+    return value
+
+
+def _prompt_of(value):
+    """A prompt as a JSON file holds it: a string, a list of messages, or under "messages"
+    or "prompt"."""
+    if isinstance(value, dict):
+        return value.get("messages", value.get("prompt"))
+    return value
 
 
 def _checked(value, where) -> Prompt:

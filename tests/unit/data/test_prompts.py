@@ -20,6 +20,13 @@ def test_list_jsonl_and_text_files(tmp_path):
         "\n".join(json.dumps(x) for x in ["plain", {"prompt": "keyed"}, {"messages": CHAT}]) + "\n"
     )
     assert read_prompts(str(jsonl)) == ["plain", "keyed", CHAT]
+    # one JSON list of prompts, as a user writes it (strings or conversations)
+    whole = tmp_path / "prompts.json"
+    whole.write_text(json.dumps(["plain", CHAT, {"prompt": "keyed"}], indent=2))
+    assert read_prompts(str(whole)) == ["plain", CHAT, "keyed"]
+    one_chat = tmp_path / "chat.json"  # a list of messages alone: one conversation
+    one_chat.write_text(json.dumps(CHAT, indent=2))
+    assert read_prompts(str(one_chat)) == [CHAT]
     text = tmp_path / "p.txt"
     text.write_text("one\n\ntwo words\n")
     assert read_prompts(str(text)) == ["one", "two words"]
@@ -31,8 +38,10 @@ def test_list_jsonl_and_text_files(tmp_path):
     [
         ('"ok"\n{not json\n', "line 2 is not JSON"),
         ('{"text": "no prompt key"}\n', "line 1 is not a prompt"),
-        ('[{"role": "user"}]\n', "line 1 is not a prompt"),
+        ('[{"role": "user"}]\n', "item 0 is not a prompt"),
         ("\n\n", "holds no prompt"),
+        ('["ok", 3]\n', "item 1 is not a prompt"),
+        ("[]\n", "holds no prompt"),
     ],
 )
 def test_a_bad_prompt_file_is_one_line(tmp_path, content, message):
