@@ -28,7 +28,7 @@ from fsdp_lab.data.context import ContextShare
 from fsdp_lab.data.loader import Loader, build_data
 from fsdp_lab.engine import conversion, finetune, fsdp, loading, precision
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.engine.hardware import flops, memory, process_group
+from fsdp_lab.engine.hardware import devices, flops, memory, process_group
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.observe import metrics
 from fsdp_lab.state.checkpoint import Checkpointer, FrozenBase, checkpoint_root
@@ -93,6 +93,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         compiled=cfg.compile,
         replicas=cfg.parallel.tensor,
         sequences_split=cfg.parallel.context > 1,
+        compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
         kind=loss_lib.resolve_loss(
             cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
         ),

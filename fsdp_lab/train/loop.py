@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fsdp_lab.config import TrainerConfig
-from fsdp_lab.engine import context_parallel, tensor_parallel
+from fsdp_lab.engine import attention, context_parallel, tensor_parallel
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.moe import MoeStep
 from fsdp_lab.observe.heartbeat import Heartbeat
@@ -340,10 +340,12 @@ def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
 @contextlib.contextmanager
 def _whole_sequences(state: TrainState, keep_gathered: bool):
     """Generation and scoring: many small forwards over whole sequences, on every rank (a
-    context-parallel model attends over them, not over a split, inside)."""
+    context-parallel model attends over them, not over a split, inside), with their padding
+    masks built by transformers (not the training step's, ``engine.attention``)."""
     model = state.sharded.model
     with (
         state.sharded.weights_kept_gathered(keep_gathered),
         context_parallel.whole_sequences(model),
+        attention.transformers_masks(model),
     ):
         yield

@@ -28,12 +28,11 @@ step divides all ranks' micro-batches once by the global batch's count of target
 is the mean over the batch's trained tokens however unevenly ranks and micro-batches hold them
 (chat data, where only answers are labels; a masked LM's masked share). Packed rows
 (``position_ids`` restarting at each sequence, with the loader's ``sequence_index``) attend
-within their sequence, without a host sync: ``default_positions``.
+within their sequence, without a host sync: ``engine.attention``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import types
@@ -48,6 +47,7 @@ from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, Mod
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.data.context import CONTEXT_DOCUMENTS
 from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
+from fsdp_lab.engine import attention
 from fsdp_lab.engine.context_parallel import ContextSplit
 from fsdp_lab.train.linear_ce import linear_cross_entropy
 from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
@@ -227,39 +227,6 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
     model.forward = types.MethodType(forward, model)
 
 
-@contextlib.contextmanager
-def default_positions(batch: dict[str, torch.Tensor]):
-    """The model's inputs of a batch (``labels`` kept, ``sequence_index`` taken out), for a
-    forward without transformers' packed-sequence check, a host sync.
-
-    Given ``position_ids`` and no attention mask, a decoder asks whether the positions restart
-    within a row (sequences packed with position resets): ``find_packed_sequence_indices``
-    answers with each token's sequence index in its row, and first reads a device tensor to
-    decide whether there is any packing at all (``None`` if not), on every forward. Here the
-    answer is known without reading anything:
-
-    - no ``position_ids``: the decoder makes 0..T-1 on every row, never packed: ``None``;
-    - ``position_ids`` and ``sequence_index`` (B x T, the restarts' cumulative sum, computed by
-      the loader on the host and already on the device): that index, whatever the rows hold;
-    - ``position_ids`` alone: transformers' own check (and its sync) is kept.
-
-    An encoder (BERT) makes no causal mask and never asks: its packed rows would attend
-    across their sequences."""
-    from transformers import masking_utils
-
-    inputs = dict(batch)
-    index = inputs.pop("sequence_index", None)
-    check = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if check is None or ("position_ids" in inputs and index is None):
-        yield inputs
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: index
-    try:
-        yield inputs
-    finally:
-        masking_utils.find_packed_sequence_indices = check
-
-
 @dataclass(frozen=True)
 class Loss:
     """What the loop asks of the loss: the summed token losses of a micro-batch (training: the
@@ -272,21 +239,32 @@ class Loss:
     # Sequences split over a CP group (parallel.context > 1): the loader shifted the labels
     # before the split, and each forward tells the attention (engine.context_parallel).
     sequences_split: bool = False
+    compute_dtype: torch.dtype = torch.float32  # what an eager attention's additive mask is in
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """What each position learns: a causal LM's next token (already, for a split), a
         masked LM's label."""
         return shifted_targets(labels) if self.causal and not self.sequences_split else labels
 
-    @contextlib.contextmanager
-    def _inputs(self, batch: dict[str, torch.Tensor]):
-        """The model's keyword arguments of a batch, ``labels`` popped by the caller; a
+    def _inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+        """The model's keyword arguments of a batch, ``labels`` popped by the caller: the
+        attention mask made here (``engine.attention``: packed rows, ``position_ids`` with the
+        loader's ``sequence_index``, within their sequence; no host sync to find them); a
         context-parallel split's documents become the attention's ``context_split``."""
-        with default_positions(batch) as inputs:
-            if self.sequences_split:
-                documents = inputs.pop(CONTEXT_DOCUMENTS, None)
-                inputs["context_split"] = ContextSplit(documents)
-            yield inputs
+        inputs = dict(batch)
+        index = inputs.pop("sequence_index", None)
+        if attention.base_of(model) is not None:
+            inputs["attention_mask"] = attention.training_mask(
+                model,
+                inputs["input_ids"],
+                sequence_index=index,
+                position_ids=inputs.get("position_ids"),
+                dtype=self.compute_dtype,
+            )
+        if self.sequences_split:
+            documents = inputs.pop(CONTEXT_DOCUMENTS, None)
+            inputs["context_split"] = ContextSplit(documents)
+        return inputs
 
     def _fused(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
         """A fused loss's sum of the token losses (the model's head computes it)."""
@@ -312,12 +290,12 @@ class Loss:
         reduction="sum"; for loss=hf the model's logits and a cross-entropy sum computed as the
         model's own loss computes its mean (a causal LM's logits upcast to fp32 first, a masked
         LM's in their dtype, as BERT's: the same memory as ``model(**batch).loss``)."""
-        with self._inputs(batch) as inputs:
-            labels = inputs.pop("labels")
-            if loss_of(self.kind).fused:
-                return self._fused(model, inputs, labels).float()
-            logits = model(**inputs).logits
-            return self._cross_entropy_sum(logits.float() if self.causal else logits, labels)
+        inputs = self._inputs(model, batch)
+        labels = inputs.pop("labels")
+        if loss_of(self.kind).fused:
+            return self._fused(model, inputs, labels).float()
+        logits = model(**inputs).logits
+        return self._cross_entropy_sum(logits.float() if self.causal else logits, labels)
 
     def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         targets = self.targets(labels)
@@ -330,12 +308,12 @@ class Loss:
         in fp32 (no gradient is kept)."""
         labels = batch["labels"]
         count = (self.targets(labels) != IGNORE_INDEX).sum()
-        with self._inputs(batch) as inputs:
-            inputs.pop("labels")
-            if loss_of(self.kind).fused:
-                total = self._fused(model, inputs, labels)
-            else:
-                total = self._cross_entropy_sum(model(**inputs).logits.float(), labels)
+        inputs = self._inputs(model, batch)
+        inputs.pop("labels")
+        if loss_of(self.kind).fused:
+            total = self._fused(model, inputs, labels)
+        else:
+            total = self._cross_entropy_sum(model(**inputs).logits.float(), labels)
         return torch.stack([total.double(), count.double()])
 
 
@@ -348,11 +326,15 @@ def build_loss(
     compiled: bool,
     replicas: int = 1,
     sequences_split: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Loss:
-    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding; a
+    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding (a
+    causal LM's attention takes the masks the loss makes: ``engine.attention``); a
     mixture of experts' routers get the hooks of its aux loss (``replicas``: ranks that hold
     the same rows, a TP group; a CP group's hold different tokens of them and are counted
     each). ``sequences_split``: the batches are split over a CP group (``Loss.sequences_split``)."""
+    if task is ModelTask.causal_lm and not sequences_split:  # CP: its own attention
+        attention.install(model)
     if loss_of(kind).fused:
         apply_fused_loss(
             model,
@@ -366,4 +348,5 @@ def build_loss(
         causal=task is ModelTask.causal_lm,
         router=router,
         sequences_split=sequences_split,
+        compute_dtype=compute_dtype,
     )

@@ -132,7 +132,7 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 def test_the_step_reads_nothing_from_the_device_between_boundaries(gloo_group, monkeypatch, loss):
     """Every read of a tensor's value (a host sync on a GPU) happens inside the window's flush
     at a boundary: none in the steps between (transformers' own packed-sequence check, one
-    read per forward, included: see loss.default_positions). The loader's count of a step's
+    read per forward, included: see engine.attention). The loader's count of a step's
     targets reads host tensors before anything is placed on the device: not a device read."""
     state = {"step": 0, "flushing": False, "on_host": False}
     reads: list[tuple[int, str]] = []

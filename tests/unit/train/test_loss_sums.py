@@ -12,6 +12,7 @@ from test_loss import model_and_batch, tiny_config
 from transformers import masking_utils
 
 from fsdp_lab.config import LossConfig, LossKind, ModelTask
+from fsdp_lab.engine import attention
 from fsdp_lab.train import loss as loss_lib
 
 IGNORE = loss_lib.IGNORE_INDEX
@@ -108,7 +109,15 @@ def test_a_packed_row_is_its_conversations_run_alone(model_type, kind, monkeypat
     row = packed(ids)
     got = token_losses(model, loss, row)
     assert not asked  # the loader's index answered: transformers' check (a sync) never ran
-    assert masking_utils.find_packed_sequence_indices is spy  # put back after each forward
+    # ...with the same bits as transformers finding the sequences itself (its check, a sync)
+    assert model.config._attn_implementation == "fsdp_lab_sdpa"
+    with attention.transformers_masks(model):
+        assert token_losses(model, loss, row) == got and asked
+    assert masking_utils.find_packed_sequence_indices is spy  # never replaced
+    # position_ids alone: the sequences found on the device, the same losses, no sync either
+    asked.clear()
+    without_index = {k: v for k, v in row.items() if k != "sequence_index"}
+    assert token_losses(model, loss, without_index) == got and not asked
     want, start = [], 0
     for n in LENGTHS:
         alone = ids[:, start : start + n]
@@ -126,3 +135,30 @@ def test_a_packed_row_is_its_conversations_run_alone(model_type, kind, monkeypat
     # The test can fail: the same row without the packing attends across conversations.
     plain = token_losses(model, loss, {k: row[k] for k in ("input_ids", "labels")})
     assert max(abs(a - b) for a, b in zip(plain[first:], got[first:], strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_packed_sliding_window_layers_take_their_own_mask(model_type):
+    # A window of 4 inside conversations of 5-8 tokens: Mistral's every layer slides (one
+    # mask); Qwen2's first layer is full and its second slides (a mask per layer type).
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config.sliding_window = 4
+    if model_type == "qwen2":
+        config.layer_types = ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert len(attention.layer_kinds(model.config)) == (2 if model_type == "qwen2" else 1)
+    loss = loss_lib.build_loss(
+        LossConfig(kind=LossKind.hf), model, kind=LossKind.hf, task=ModelTask.causal_lm,
+        compiled=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    row = packed(torch.randint(0, 300, (1, sum(LENGTHS))))
+    got = token_losses(model, loss, row)
+    # transformers finding the sequences itself (its check, a host sync): the same bits
+    with attention.transformers_masks(model):
+        assert token_losses(model, loss, row) == got
+    config.sliding_window = 64  # the window no longer binds: another loss (the test can fail)
+    assert token_losses(model, loss, row) != got
