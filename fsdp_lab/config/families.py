@@ -82,10 +82,6 @@ class Family:
     experts: bool = False
     """Each sparse layer routes tokens to experts: a ``gate`` and fused 3-D ``experts``
     (``engine.moe``); model.num_experts > 0, parallel.expert applies."""
-    converts_keys: bool = False
-    """transformers has a conversion mapping of its own for it (a Mixtral's per-expert tensors
-    merged into fused ones at load), which ``engine.conversion`` replays for per-rank reads and
-    reverses for an export; the renames every model gets (legacy gamma/beta) are not counted."""
     low_precision_linears: tuple[str, ...] = ()
     """The linear layers (last name part) a low-precision path may convert: the blocks'
     projections, never the head, embeddings, norms or a router. GPT-2's are Conv1D (none);
@@ -254,7 +250,6 @@ _ROWS = (
         fused_loss=True,
         qk_norm=Q.head,
         experts=True,
-        converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
         context_parallel=True,
     ),
@@ -266,7 +261,6 @@ _ROWS = (
         _mixtral,
         fused_loss=True,
         experts=True,
-        converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
         context_parallel=True,
     ),
@@ -279,7 +273,6 @@ _ROWS = (
         fused_loss=True,
         qk_norm=Q.full,
         experts=True,
-        converts_keys=True,
         low_precision_linears=ATTENTION_LINEARS,
         context_parallel=True,
     ),

@@ -81,11 +81,6 @@ def loss_of(kind: LossKind) -> LossRow:
         ) from None
 
 
-def fused_kinds() -> tuple[LossKind, ...]:
-    """The losses that take the hidden states and the head's weight."""
-    return tuple(k for k, row in LOSSES.items() if row.fused)
-
-
 def runs_on_xla(kind: LossKind) -> bool:
     """loss.kind is allowed with hardware=tpu: auto (which resolves to a loss that is) or a row
     with ``on_xla``."""

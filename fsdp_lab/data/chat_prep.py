@@ -209,7 +209,7 @@ def load(entry: Path, meta, cfg: Config) -> ChatCorpus:
         path=entry,
         skipped=meta.skipped_rows,
     )
-    _check_rows(corpus, cfg)
+    _check_rows(corpus)
     return corpus
 
 
@@ -232,7 +232,7 @@ def _arrays(entry: Path, split: str, dtype: str) -> tuple[np.ndarray, ...]:
     )
 
 
-def _check_rows(corpus: ChatCorpus, cfg: Config) -> None:
+def _check_rows(corpus: ChatCorpus) -> None:
     t = corpus.train
     if len(t) == 0:
         raise ConfigError(

@@ -346,7 +346,7 @@ def build_model(
         mesh_axes=list(mesh.mesh_dim_names),
         units_desc=units_desc,
         num_units=len(units) + 1,
-        checkpointed=checkpointed,
+        recomputed_units=checkpointed,
         device=device,
         frozen_fingerprint=fingerprint,
         low_precision=low_precision.measured(model, lowp, held_whole),

@@ -46,7 +46,7 @@ class ShardedModel(ABC):
     mesh_axes: list[str]
     units_desc: str  # the FSDP units, as wrap.summarize_units says them
     num_units: int  # units plus the root
-    checkpointed: list[int]  # the units whose activations are recomputed, read off the model
+    recomputed_units: list[int]  # activation checkpointing: the units recomputed in backward
     checkpoint_io: ShardedStateIO | None = None  # sharded checkpoints' io; None: DTensors
     param_specs: dict[str, str] | None = None  # XLA sharding annotation per parameter
     frozen_fingerprint: str | None = None  # of the frozen base (loading.frozen_fingerprint)

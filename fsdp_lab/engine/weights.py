@@ -92,12 +92,6 @@ def local_files(name_or_path: str) -> WeightFiles | None:
     return WeightFiles(name_or_path) if Path(name_or_path).expanduser().is_dir() else None
 
 
-def read_headers(name_or_path: str) -> dict[str, tuple[int, ...]] | None:
-    """Every tensor's shape in a local model directory's safetensors files (``local_files``)."""
-    files = local_files(name_or_path)
-    return None if files is None else files.shapes()
-
-
 def _weight_files(path: Path, setting: str) -> list[Path]:
     if (path / INDEX).is_file():
         files = _indexed_files(path / INDEX, setting)

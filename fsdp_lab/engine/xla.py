@@ -136,7 +136,7 @@ def build_model(
         mesh_axes=list(mesh.axis_names),
         units_desc=units_desc,
         num_units=len(units) + 1,
-        checkpointed=checkpointed,
+        recomputed_units=checkpointed,
         checkpoint_io=XlaCheckpointIO(),
         param_specs={clean_name(k): sharding_spec(p) for k, p in root.named_parameters()},
         device=device,

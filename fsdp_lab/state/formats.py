@@ -1,5 +1,6 @@
 """The checkpoint formats, one reader/writer each behind ``StateFormat``: the only place that
-says how a format lays out the model and optimizer state.
+writes and reads a format's model and optimizer state (``safe_load.scan`` opens the same files
+first, to read every pickle in them through its guard before any rank loads one).
 
 | checkpoint.format | files                          | written by           | read by            |
 | sharded           | .metadata, __{rank}_*.distcp   | every rank (DCP)     | any world size     |

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
+from fsdp_lab.config.low_precision import NF4_BYTES_PER_PARAM
 from fsdp_lab.engine.model import ModelCounts
 from fsdp_lab.observe import metrics
 from fsdp_lab.tools import activation_memory, memory
+
+NF4_BITS = 8 * NF4_BYTES_PER_PARAM  # what the plan says an NF4 weight costs
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         notes.append(
             f"{lowp['scheme']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
             + (
-                " held in NF4 (4.13 bits a parameter) and gathered as such"
+                f" held in NF4 ({NF4_BITS:.2f} bits a parameter) and gathered as such"
                 if lowp["scheme"] == "nf4"
                 else " gathered in float8 (1 byte a parameter)"
                 if lowp.get("all_gather")

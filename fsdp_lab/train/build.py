@@ -63,7 +63,7 @@ class ModelFacts(model_lib.ModelCounts):
 
 @dataclass
 class TrainState:
-    model: ModelFacts
+    facts: ModelFacts  # what the run knows of its model (the sharded model is ``sharded``)
     sharded: ShardedModel
     loss: loss_lib.Loss
     tokenizer: object | None
@@ -91,7 +91,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         meta_model,
         task=facts.task,
         compiled=cfg.compile,
-        replicas=cfg.parallel.tensor,
+        tp_ranks=cfg.parallel.tensor,
         sequences_split=cfg.parallel.context > 1,
         compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
         kind=loss_lib.resolve_loss(
@@ -124,7 +124,7 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         frozen=FrozenBase.of(cfg, sharded),
     )
     state = TrainState(
-        model=facts,
+        facts=facts,
         sharded=sharded,
         loss=loss,
         tokenizer=tokenizer,

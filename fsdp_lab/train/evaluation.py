@@ -51,12 +51,12 @@ def evaluate(
     num_batches: int,
     device: torch.device,
     place,
-    replicas: int = 1,
+    tp_ranks: int = 1,
 ) -> EvalResult:
     """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
     number: each forward is a collective). Sums of token losses and counts are all-reduced, so
     the mean is over tokens, whatever rows a rank got or how many positions a mask chose.
-    ``replicas``: ranks that see the same rows (a TP group), counted once."""
+    ``tp_ranks``: ranks that see the same rows (a TP group), counted once."""
     start = time.perf_counter()
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -66,7 +66,7 @@ def evaluate(
     sums = sums.to(process_group.collective_device(device))
     dist.all_reduce(sums)
     model.train()
-    total, count = (x / replicas for x in sums.tolist())
+    total, count = (x / tp_ranks for x in sums.tolist())
     mean = total / max(count, 1.0)
     return EvalResult(
         loss=mean,

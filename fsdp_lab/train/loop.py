@@ -153,7 +153,7 @@ class LoopSetup:
     trainer: TrainerConfig  # max_steps, grad_accum_steps, log_every, eval_every
     grad_clip: float | None
     device: torch.device
-    replicas: int = 1  # ranks that see the same rows (a TP group): evaluation counts them once
+    tp_ranks: int = 1  # ranks that see the same rows (a TP group): evaluation counts them once
     reporter: Recorder | None = None  # rank 0's; the other ranks record nothing
     stop_requested: Callable[[], bool] = lambda: False  # a preemption signal (preempt.StopFlag)
     heartbeat: Heartbeat | None = None  # told of each step as it completes
@@ -313,7 +313,7 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
             num_batches=state.eval_batches,
             device=setup.device,
             place=state.sharded.place_batch,
-            replicas=setup.replicas,
+            tp_ranks=setup.tp_ranks,
         )
         if reporter is not None:
             reporter.validation(step, result)

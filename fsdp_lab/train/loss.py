@@ -324,13 +324,13 @@ def build_loss(
     kind: LossKind,
     task: ModelTask,
     compiled: bool,
-    replicas: int = 1,
+    tp_ranks: int = 1,
     sequences_split: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Loss:
     """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding (a
     causal LM's attention takes the masks the loss makes: ``engine.attention``); a
-    mixture of experts' routers get the hooks of its aux loss (``replicas``: ranks that hold
+    mixture of experts' routers get the hooks of its aux loss (``tp_ranks``: ranks that hold
     the same rows, a TP group; a CP group's hold different tokens of them and are counted
     each). ``sequences_split``: the batches are split over a CP group (``Loss.sequences_split``)."""
     if task is ModelTask.causal_lm and not sequences_split:  # CP: its own attention
@@ -342,7 +342,7 @@ def build_loss(
             chunk_size=tokens_per_chunk(cfg, model.config.vocab_size),
             compiled=compiled,
         )
-    router = build_router_aux(model, replicas=replicas)
+    router = build_router_aux(model, tp_ranks=tp_ranks)
     return Loss(
         kind=kind,
         causal=task is ModelTask.causal_lm,

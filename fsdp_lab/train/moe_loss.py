@@ -13,7 +13,7 @@ computes the same global aux. The all-reduce's backward sums every rank's gradie
 probability sums, so each rank's router gets ``dp`` times its rows' share of the gradient, and
 FSDP's average over dp makes it exactly the single process's gradient
 (``tests/unit/train/test_moe_loss.py``). A TP group's ranks hold the same rows: the world's
-sums are divided by ``replicas``.
+sums are divided by ``tp_ranks``.
 
 Rows are the positions the main loss learns from (a target): padding and prompt tokens are left
 out as the cross-entropy leaves them, the same mask in the reference. The logits are captured
@@ -91,7 +91,7 @@ class RouterAux:
     """The routers' logits of a forward, the global aux loss from them, and the step's numbers.
 
     ``coef``: the aux loss's weight in the objective (0: measured, not trained on);
-    ``replicas``: ranks that hold the same rows (a TP group)."""
+    ``tp_ranks``: ranks that hold the same rows (a TP group)."""
 
     def __init__(
         self,
@@ -100,10 +100,10 @@ class RouterAux:
         num_experts: int,
         top_k: int,
         coef: float,
-        replicas: int = 1,
+        tp_ranks: int = 1,
     ) -> None:
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
-        self.replicas = replicas
+        self.tp_ranks = tp_ranks
         self._recording = False
         self._logits: list[torch.Tensor] = []
         self._aux_sum: torch.Tensor | None = None
@@ -131,7 +131,7 @@ class RouterAux:
         logits, self._logits = self._logits, []
         sums = routing_sums(logits, mask, num_experts=self.num_experts, top_k=self.top_k)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            sums = _SumOverRanks.apply(sums) / self.replicas
+            sums = _SumOverRanks.apply(sums) / self.tp_ranks
         aux, counts = aux_from_sums(sums, num_experts=self.num_experts)
         detached = aux.detach()
         self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached
@@ -148,7 +148,7 @@ class RouterAux:
         return step
 
 
-def build_router_aux(model: nn.Module, *, replicas: int = 1) -> RouterAux | None:
+def build_router_aux(model: nn.Module, *, tp_ranks: int = 1) -> RouterAux | None:
     """The aux loss of a MoE model (None for a dense one), weighted by the config's
     ``router_aux_loss_coef`` (``model.router_aux_loss_coef`` set it, or the model's default)."""
     blocks = moe_blocks(model)
@@ -161,5 +161,5 @@ def build_router_aux(model: nn.Module, *, replicas: int = 1) -> RouterAux | None
         num_experts=counts.num_experts,
         top_k=counts.top_k,
         coef=coef,
-        replicas=replicas,
+        tp_ranks=tp_ranks,
     )

@@ -54,7 +54,7 @@ SAMPLE_LOG_CHARS = 120  # of the first sample's output, in the log line of an ev
 def collect_facts(cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
     """run.json's facts of the built run. Every rank takes part: the per-rank numbers are
     gathered."""
-    sharded, model, corpus = state.sharded, state.model, state.corpus
+    sharded, model, corpus = state.sharded, state.facts, state.corpus
     if corpus is not None:
         data = {
             "kind": cfg.data.kind.name,
@@ -90,7 +90,7 @@ def collect_facts(cfg: Config, ctx: RankContext, state: TrainState) -> RunFacts:
         task=model.task.name,
         pretrained=cfg.model.pretrained,
         load_peak_rss_bytes_per_rank=model.load_rss,
-        activation_checkpointing=sharded.checkpointed,
+        activation_checkpointing=sharded.recomputed_units,
         compiled=cfg.compile,
         loss_kind=state.loss.kind.name,
         optimizer=f"AdamW ({state.optim_impl.name})",

@@ -1,7 +1,8 @@
 """One rank of a run, in named steps: join -> build the train state -> fit -> finish.
 
-Started by the launcher as ``python -m fsdp_lab.launch.rank_main RUN_DIR`` (local spawn: it
-reads RUN_DIR/config.yaml, the config the parent composed and validated) or called in-process
+Started by the launcher as ``python -m fsdp_lab.launch.rank_main RUN_DIR PORT_FD`` (local
+spawn: it reads RUN_DIR/config.yaml, the config the parent composed and validated, and the
+store's port from the pipe PORT_FD) or called in-process
 under torchrun or srun (``launch.external``). Either way it ends with ``os._exit``: interpreter
 shutdown after ``destroy_process_group`` sometimes aborts ("terminate called without an active
 exception").
@@ -141,7 +142,7 @@ def fit(r: RankRun) -> FitResult:
         trainer=cfg.trainer,
         grad_clip=cfg.optim.grad_clip,
         device=ctx.device,
-        replicas=cfg.parallel.tensor,
+        tp_ranks=cfg.parallel.tensor,
         reporter=r.reporter,
         stop_requested=r.stop,
         heartbeat=heartbeat.current(),
@@ -225,7 +226,7 @@ def _export(r: RankRun) -> None:
         sharded.full_tensors,
         ExportTarget(out_dir, replace=True, tokenizer=r.state.tokenizer),  # the run's own
         r.cfg,
-        r.state.model.hf_config,
+        r.state.facts.hf_config,
         writer=r.ctx.rank == 0,
     )
     if r.ctx.rank == 0:

@@ -1,6 +1,7 @@
-"""The only package that names cuda, xla or cpu (with ``engine.xla``, the other importer of
+"""The only package that names cuda or xla (with ``engine.xla``, the other importer of
 torch_xla, only on hardware=tpu): the GPU and TPU paths differ from the tested CPU path only
-here. A test holds the other modules to it (tests/unit/test_layers.py).
+here. A test holds the other modules to it (tests/unit/test_layers.py); the host ("cpu") is
+named wherever a tensor moves to host memory.
 
 One module per concern; callers import the module that owns what they use:
 

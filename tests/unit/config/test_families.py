@@ -29,15 +29,6 @@ def test_every_preset_has_one_row_and_builds_its_model_type():
         assert build_hf_config(preset(arch)).model_type == row.model_type
 
 
-def test_the_converts_keys_column_is_transformers_own():
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    for model_type, row in fam.FAMILIES.items():
-        assert row.converts_keys == (get_checkpoint_conversion_mapping(model_type) is not None), (
-            model_type
-        )
-
-
 @pytest.mark.parametrize("arch", list(ModelArch))
 def test_low_precision_linears_are_linear_layers_and_never_the_head(arch):
     row = fam.preset_family(arch)

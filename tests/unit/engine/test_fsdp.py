@@ -214,7 +214,7 @@ def test_an_engine_is_a_class_with_methods():
         mesh_axes=["shard"],
         units_desc="root Linear",
         num_units=1,
-        checkpointed=[],
+        recomputed_units=[],
         device=torch.device("cpu"),
     )
     assert sharded.place_batch({"x": torch.ones(1)})["x"].device.type == "cpu"

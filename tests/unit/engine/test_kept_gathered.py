@@ -32,7 +32,7 @@ def sharded_llama():
         mesh_axes=["shard"],
         units_desc="",
         num_units=3,
-        checkpointed=[],
+        recomputed_units=[],
         device=torch.device("cpu"),
     )
 
