@@ -85,7 +85,7 @@ class TrainState:
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
     """Every rank builds the same state; only its shards and its rows of the data differ."""
     facts, meta_model = _model_on_meta(cfg, ctx)
-    # The loss: a fused one replaces the meta model's forward before it is sharded.
+    # The loss: a fused one subclasses the meta model and its head before they are sharded.
     loss = loss_lib.build_loss(
         cfg.loss,
         meta_model,

@@ -13,8 +13,9 @@ cost time. The fused kinds take the final hidden states and the head's weight in
 | liger     | liger-kernel's ``LigerFusedLinearCrossEntropyFunction``      | GPU         |
 | cce       | cut-cross-entropy's ``linear_cross_entropy`` (exact, no filter) | GPU      |
 
-``apply_fused_loss`` gives a causal LM a forward that computes the loss from the hidden states
-as the head's own forward: FSDP2's hooks on whichever module owns the head (the root, or a unit
+``apply_fused_loss`` makes a causal LM and its head subclasses of their own classes whose
+forward computes the loss from the hidden states as the head's own forward (transformers is
+extended, never patched): FSDP2's hooks on whichever module owns the head (the root, or a unit
 of its own with wrap=size) gather its weight for the loss and reduce its gradient after. Only
 model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
 get it (``config.families``' fused_loss column: no logit scaling, soft-capping or bias; each
@@ -33,9 +34,9 @@ within their sequence, without a host sync: ``engine.attention``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
-import types
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,38 +170,38 @@ FUSED_LOSSES: dict[LossKind, FusedLoss] = {
 # --- the model's forward with a fused loss ----------------------------------------------------
 
 
-def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
-    """Replace a causal LM's forward (on this instance) by one that computes ``kind``'s loss
-    from the final hidden states and the head's weight. ``model(input_ids=..., labels=...)``
-    still returns an output whose ``.loss`` is the mean over the predicted tokens;
-    ``loss_reduction="sum"`` gives their sum (evaluation). Without labels it returns logits.
+@dataclass(frozen=True)
+class FusedLossSpec:
+    """What a fused head computes: its loss's code, the chunk, whether the chunk is compiled."""
 
-    The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
-    root, or a unit of its own with wrap=size), FSDP gathers its weight before the loss reads it
-    and reduces its gradient after backward, as for any module's forward."""
-    compute = FUSED_LOSSES.get(kind)
-    if compute is None:
-        raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise RuntimeError(
-            f"{type(model).__name__}'s output head is not a bias-free Linear; "
-            "it cannot take a fused loss"
-        )
+    kind: LossKind
+    chunk_size: int
+    compiled: bool
 
-    def head_forward(self, hidden, targets=None, reduction: str = "mean"):
-        """The logits, as the Linear computes them; given ``targets``, the loss instead."""
+
+class FusedLossHead:
+    """A causal LM's output head under a fused loss (mixed into its class): the logits as the
+    Linear computes them; given ``targets``, the loss of its input against them instead."""
+
+    fused_loss: FusedLossSpec
+
+    def forward(self, hidden, targets=None, reduction: str = "mean"):
         if targets is None:
             return F.linear(hidden, self.weight)
-        hidden, targets = hidden.flatten(0, 1), targets.flatten()
-        return compute(
-            hidden,
+        spec = self.fused_loss
+        return FUSED_LOSSES[spec.kind](
+            hidden.flatten(0, 1),
             self.weight,
-            targets,
+            targets.flatten(),
             reduction=reduction,
-            chunk_size=chunk_size,
-            compiled=compiled,
+            chunk_size=spec.chunk_size,
+            compiled=spec.compiled,
         )
+
+
+class FusedLossLM:
+    """A causal LM under a fused loss (mixed into its class): its forward runs the base model,
+    then the head on the hidden states and the targets, the head computing the loss."""
 
     def forward(
         self,
@@ -211,20 +212,51 @@ def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compi
         labels_shifted: bool = False,
         **kwargs,
     ):
-        """``labels_shifted``: the labels are the targets already (a context-parallel split
+        """``model(input_ids=..., labels=...)`` returns an output whose ``.loss`` is the mean
+        over the predicted tokens (``loss_reduction="sum"``: their sum); without labels, the
+        logits (``logits_to_keep``: of the last positions only, as transformers' for decoding).
+        ``labels_shifted``: the labels are the targets already (a context-parallel split
         shifts them before cutting the sequence)."""
         from transformers.modeling_outputs import CausalLMOutput
 
         hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
         head = self.get_output_embeddings()
-        if labels is None:  # logits_to_keep: the last positions only, as transformers' (decoding)
+        if labels is None:
             kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
             return CausalLMOutput(logits=head(kept))
         targets = labels if labels_shifted else shifted_targets(labels)
         return CausalLMOutput(loss=head(hidden, targets, loss_reduction))
 
-    head.forward = types.MethodType(head_forward, head)
-    model.forward = types.MethodType(forward, model)
+
+@functools.cache
+def _with(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s forward, under ``cls``'s own name (what run.json's model class
+    and an export's ``architectures`` read), as ``fully_shard`` makes its FSDP<cls>."""
+    return type(cls.__name__, (mixin, cls), {"__module__": __name__})
+
+
+def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
+    """Make a causal LM compute ``kind``'s loss from the final hidden states and the head's
+    weight: the model and its head become subclasses of their classes (``FusedLossLM``,
+    ``FusedLossHead``), as ``fully_shard`` makes a module an FSDP one. Nothing in transformers
+    is replaced, and a copy of the model is the same (``copy.deepcopy``).
+
+    The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
+    root, or a unit of its own with wrap=size; checkpointed or not), FSDP gathers its weight
+    before the loss reads it and reduces its gradient after backward, as for any module's
+    forward. Only model types whose own forward is exactly ``lm_head(base(...))`` then
+    ``ForCausalLMLoss`` take it (``config.families``' fused_loss column)."""
+    if kind not in FUSED_LOSSES:
+        raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise RuntimeError(
+            f"{type(model).__name__}'s output head is not a bias-free Linear; "
+            "it cannot take a fused loss"
+        )
+    head.fused_loss = FusedLossSpec(kind, chunk_size, compiled)
+    head.__class__ = _with(FusedLossHead, type(head))
+    model.__class__ = _with(FusedLossLM, type(model))
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,60 @@ def test_every_long_reason_stands_above_a_function():
             if line.strip().startswith("# Long:") and i + 2 not in starts
         ]
     assert not stale, stale
+
+
+def patches_of_transformers(source: str) -> list[str]:
+    """Where ``source`` patches transformers: an assignment (or ``setattr``) into a name it
+    imported from transformers (``masking_utils.find_packed_sequence_indices = ...``), or a
+    function bound onto an instance (``types.MethodType``)."""
+    tree = ast.parse(source)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "transformers"
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
+            imported |= {a.asname or a.name for a in node.names}
+
+    def root(expr) -> str | None:
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.endswith("MethodType"):
+                found.append(f"line {node.lineno}: {name}")
+            if name == "setattr" and node.args and root(node.args[0]) in imported:
+                found.append(f"line {node.lineno}: setattr({ast.unparse(node.args[0])}, ...)")
+        for t in targets:
+            if isinstance(t, ast.Attribute) and root(t) in imported:
+                found.append(f"line {node.lineno}: {ast.unparse(t)} = ...")
+    return found
+
+
+def test_transformers_is_extended_never_patched():
+    # transformers is extended through its extension points (AttentionInterface, subclasses),
+    # never by replacing what its modules hold: a patch is process-wide and invisible.
+    seeded = (
+        "from transformers import masking_utils\nimport types\n"
+        "masking_utils.find_packed_sequence_indices = lambda p: None\n"
+        "head.forward = types.MethodType(f, head)\n"
+    )
+    assert len(patches_of_transformers(seeded)) == 2  # the check finds both kinds
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (hits := patches_of_transformers(path.read_text()))
+    }
+    assert not found, found

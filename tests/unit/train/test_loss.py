@@ -93,6 +93,12 @@ def test_chunked_loss_equals_the_models_own(model_type, chunk):
     total = fused(**batch, loss_reduction="sum").loss
     count = (loss_lib.shifted_targets(batch["labels"]) != loss_lib.IGNORE_INDEX).sum()
     assert abs(total.item() / count.item() - want.item()) <= 1e-6
+    # The model's own class, a subclass of it: records name it as before; a copy is its own
+    assert type(fused).__name__ == type(ref).__name__ and isinstance(fused, type(ref))
+    twin = copy.deepcopy(fused)
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.mul_(2.0)
+    assert twin(**batch).loss.item() != fused(**batch).loss.item()
 
 
 @pytest.mark.parametrize("kind", [LossKind.hf, LossKind.chunked])
