@@ -1,12 +1,15 @@
 """The losses, one row each: the only place that says what a loss needs and where it runs.
 
-``train.loss`` holds each loss's code (a registry from kind to implementation) and resolves
-loss=auto; the rules, the plan and the launch checks read this table, and nothing else
-dispatches on a loss's name. A new loss is a ``LossKind``, a row here, its implementation in
-``train.loss.FUSED_LOSSES`` and a ``conf/loss/`` file.
+``train.loss_code`` holds each loss's code (a registry from kind to implementation) and
+``train.loss`` resolves loss=auto; the rules, the plan and the launch checks read this
+table, and nothing else dispatches on a loss's name. A new loss is a ``LossKind``, a row
+here, its implementation in ``train.loss_code.FUSED_LOSSES`` (from the hidden states and
+the head's weight) or ``train.loss_code.LOGIT_LOSSES`` (from the model's logits), and a
+``conf/loss/`` file.
 
 | loss.kind | fused | package           | device   | hardware=tpu | plan's memory model |
 | hf        | no    |                   | any      | yes          | its own             |
+| z_loss    | no    |                   | any      | refused      | as hf's             |
 | chunked   | yes   |                   | any      | refused      | its own             |
 | liger     | yes   | liger-kernel      | GPU only | refused      | as chunked's        |
 | cce       | yes   | cut-cross-entropy | GPU only | refused      | as chunked's        |
@@ -54,6 +57,7 @@ class LossRow:
 L = LossKind
 LOSSES: dict[LossKind, LossRow] = {
     L.hf: LossRow(fused=False, on_xla=True),
+    L.z_loss: LossRow(fused=False, memory_as=L.hf),
     L.chunked: LossRow(fused=True),
     L.liger: LossRow(
         fused=True,

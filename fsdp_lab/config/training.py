@@ -19,6 +19,7 @@ class LossKind(enum.Enum):
     chunked = "chunked"  # fsdp_lab's linear + cross-entropy chunk by chunk (any device)
     liger = "liger"  # Liger kernel's fused linear cross-entropy (GPU, package liger-kernel)
     cce = "cce"  # Apple's cut cross-entropy (GPU, package cut-cross-entropy)
+    z_loss = "z_loss"  # the model's logits: cross-entropy + loss.z_loss_coef x log(Z)^2 (PaLM)
 
 
 class OptimImpl(enum.Enum):
@@ -78,6 +79,9 @@ class LossConfig:
     liger-kernel is installed (pip install 'fsdp_lab[gpu]'), else chunked; hf otherwise."""
     chunk_size: Optional[int] = None
     """chunked: tokens per chunk. None: as many as keep one chunk's fp32 logits within 256 MiB."""
+    z_loss_coef: float = 1e-4
+    """z_loss: the weight of each learned token's log(Z)^2 (Z: the softmax's normaliser), which
+    keeps the logits from drifting large (PaLM's 1e-4). Validation reports the cross-entropy."""
 
 
 @dataclass

@@ -34,14 +34,12 @@ within their sequence, without a host sync: ``engine.attention``.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
@@ -50,7 +48,13 @@ from fsdp_lab.data.context import CONTEXT_DOCUMENTS
 from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
 from fsdp_lab.engine import attention
 from fsdp_lab.engine.context_parallel import ContextSplit
-from fsdp_lab.train.linear_ce import linear_cross_entropy
+from fsdp_lab.train.loss_code import (  # noqa: F401 - each loss's code, read through here
+    FUSED_LOSSES,
+    LOGIT_LOSSES,
+    FusedLossHead,
+    FusedLossLM,
+    apply_fused_loss,
+)
 from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
 
 log = logging.getLogger(__name__)
@@ -118,155 +122,15 @@ def tokens_per_chunk(cfg: LossConfig, vocab_size: int) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-class FusedLoss(Protocol):
-    """A fused loss's code: the loss of ``hidden @ weight.T`` against ``targets`` (IGNORE_INDEX
-    skipped), mean or sum, from ``hidden`` (N, H) and ``weight`` (V, H) in the compute dtype."""
-
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        reduction: str,
-        chunk_size: int,
-        compiled: bool,
-    ) -> torch.Tensor: ...
-
-
-def _chunked(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
-    return linear_cross_entropy(
-        hidden, weight, targets, chunk_size=chunk_size, reduction=reduction, compiled=compiled
-    )
-
-
-def _liger(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
-    from liger_kernel.transformers.fused_linear_cross_entropy import (
-        LigerFusedLinearCrossEntropyLoss,
-    )
-
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)(
-        weight, hidden, targets
-    )
-
-
-def _cce(hidden, weight, targets, *, reduction: str, chunk_size: int, compiled: bool):
-    from cut_cross_entropy import linear_cross_entropy as cce
-
-    # filter_eps=None: exact gradients (CCE's default skips those below a threshold).
-    return cce(
-        hidden, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction, filter_eps=None
-    )
-
-
-# The code of each fused row of config.losses (a test checks they are the same kinds).
-FUSED_LOSSES: dict[LossKind, FusedLoss] = {
-    LossKind.chunked: _chunked,
-    LossKind.liger: _liger,
-    LossKind.cce: _cce,
-}
-
-
-# --- the model's forward with a fused loss ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FusedLossSpec:
-    """What a fused head computes: its loss's code, the chunk, whether the chunk is compiled."""
-
-    kind: LossKind
-    chunk_size: int
-    compiled: bool
-
-
-class FusedLossHead:
-    """A causal LM's output head under a fused loss (mixed into its class): the logits as the
-    Linear computes them; given ``targets``, the loss of its input against them instead."""
-
-    fused_loss: FusedLossSpec
-
-    def forward(self, hidden, targets=None, reduction: str = "mean"):
-        if targets is None:
-            return F.linear(hidden, self.weight)
-        spec = self.fused_loss
-        return FUSED_LOSSES[spec.kind](
-            hidden.flatten(0, 1),
-            self.weight,
-            targets.flatten(),
-            reduction=reduction,
-            chunk_size=spec.chunk_size,
-            compiled=spec.compiled,
-        )
-
-
-class FusedLossLM:
-    """A causal LM under a fused loss (mixed into its class): its forward runs the base model,
-    then the head on the hidden states and the targets, the head computing the loss."""
-
-    def forward(
-        self,
-        input_ids=None,
-        labels=None,
-        loss_reduction: str = "mean",
-        logits_to_keep=0,
-        labels_shifted: bool = False,
-        **kwargs,
-    ):
-        """``model(input_ids=..., labels=...)`` returns an output whose ``.loss`` is the mean
-        over the predicted tokens (``loss_reduction="sum"``: their sum); without labels, the
-        logits (``logits_to_keep``: of the last positions only, as transformers' for decoding).
-        ``labels_shifted``: the labels are the targets already (a context-parallel split
-        shifts them before cutting the sequence)."""
-        from transformers.modeling_outputs import CausalLMOutput
-
-        hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()
-        if labels is None:
-            kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-            return CausalLMOutput(logits=head(kept))
-        targets = labels if labels_shifted else shifted_targets(labels)
-        return CausalLMOutput(loss=head(hidden, targets, loss_reduction))
-
-
-@functools.cache
-def _with(mixin: type, cls: type) -> type:
-    """``cls`` with ``mixin``'s forward, under ``cls``'s own name (what run.json's model class
-    and an export's ``architectures`` read), as ``fully_shard`` makes its FSDP<cls>."""
-    return type(cls.__name__, (mixin, cls), {"__module__": __name__})
-
-
-def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
-    """Make a causal LM compute ``kind``'s loss from the final hidden states and the head's
-    weight: the model and its head become subclasses of their classes (``FusedLossLM``,
-    ``FusedLossHead``), as ``fully_shard`` makes a module an FSDP one. Nothing in transformers
-    is replaced, and a copy of the model is the same (``copy.deepcopy``).
-
-    The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
-    root, or a unit of its own with wrap=size; checkpointed or not), FSDP gathers its weight
-    before the loss reads it and reduces its gradient after backward, as for any module's
-    forward. Only model types whose own forward is exactly ``lm_head(base(...))`` then
-    ``ForCausalLMLoss`` take it (``config.families``' fused_loss column)."""
-    if kind not in FUSED_LOSSES:
-        raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise RuntimeError(
-            f"{type(model).__name__}'s output head is not a bias-free Linear; "
-            "it cannot take a fused loss"
-        )
-    head.fused_loss = FusedLossSpec(kind, chunk_size, compiled)
-    head.__class__ = _with(FusedLossHead, type(head))
-    model.__class__ = _with(FusedLossLM, type(model))
-
-
 @dataclass(frozen=True)
 class Loss:
     """What the loop asks of the loss: the summed token losses of a micro-batch (training: the
     step divides every micro-batch of every rank by the global batch's count of targets once),
     and those sums with their count (evaluation: a mean over every token of every rank)."""
 
-    kind: LossKind  # resolved: hf, chunked, liger or cce
+    kind: LossKind  # resolved: a row of config.losses
     causal: bool
+    config: LossConfig = dataclasses.field(default_factory=LossConfig)  # the loss group
     router: RouterAux | None = None  # a mixture of experts' load-balancing loss
     # Sequences split over a CP group (parallel.context > 1): the loader shifted the labels
     # before the split, and each forward tells the attention (engine.context_parallel).
@@ -319,21 +183,23 @@ class Loss:
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sum of the batch's token losses (fp32 scalar on the device): a fused loss's
-        reduction="sum"; for loss=hf the model's logits and a cross-entropy sum computed as the
-        model's own loss computes its mean (a causal LM's logits upcast to fp32 first, a masked
-        LM's in their dtype, as BERT's: the same memory as ``model(**batch).loss``)."""
+        reduction="sum"; a logit loss (``LOGIT_LOSSES``: hf, z_loss) from the model's logits,
+        computed as the model's own loss computes its mean (a causal LM's logits upcast to fp32
+        first, a masked LM's in their dtype, as BERT's: the same memory as
+        ``model(**batch).loss``)."""
         inputs = self._inputs(model, batch)
         labels = inputs.pop("labels")
         if loss_of(self.kind).fused:
             return self._fused(model, inputs, labels).float()
         logits = model(**inputs).logits
-        return self._cross_entropy_sum(logits.float() if self.causal else logits, labels)
+        return self._logit_sum(logits.float() if self.causal else logits, labels, self.kind)
 
-    def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _logit_sum(
+        self, logits: torch.Tensor, labels: torch.Tensor, kind: LossKind = LossKind.hf
+    ) -> torch.Tensor:
         targets = self.targets(labels)
-        return F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        ).float()
+        compute = LOGIT_LOSSES[kind]
+        return compute(logits.flatten(0, 1), targets.flatten(), cfg=self.config).float()
 
     def token_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(sum of token losses, tokens counted) in float64, on the batch's device; the logits
@@ -345,7 +211,8 @@ class Loss:
         if loss_of(self.kind).fused:
             total = self._fused(model, inputs, labels)
         else:
-            total = self._cross_entropy_sum(model(**inputs).logits.float(), labels)
+            # the cross-entropy whatever the objective (z_loss's term is not a validation loss)
+            total = self._logit_sum(model(**inputs).logits.float(), labels)
         return torch.stack([total.double(), count.double()])
 
 
@@ -378,6 +245,7 @@ def build_loss(
     return Loss(
         kind=kind,
         causal=task is ModelTask.causal_lm,
+        config=cfg,
         router=router,
         sequences_split=sequences_split,
         compute_dtype=compute_dtype,

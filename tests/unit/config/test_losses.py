@@ -20,16 +20,18 @@ def test_every_loss_but_auto_has_one_row():
         loss_of(L.auto)
 
 
-def test_every_fused_row_has_its_code():
+def test_every_row_has_its_code_once():
     from fsdp_lab.train import loss as loss_lib
 
     assert set(loss_lib.FUSED_LOSSES) == {k for k, row in LOSSES.items() if row.fused}
+    assert set(loss_lib.LOGIT_LOSSES) == {k for k, row in LOSSES.items() if not row.fused}
 
 
 @pytest.mark.parametrize(
     "kind,fused,package,gpu_only,xla",
     [
         (L.hf, False, None, False, True),
+        (L.z_loss, False, None, False, False),
         (L.chunked, True, None, False, False),
         (L.liger, True, "liger-kernel", True, False),
         (L.cce, True, "cut-cross-entropy", True, False),
@@ -46,13 +48,13 @@ def test_each_row_says_what_the_loss_needs(kind, fused, package, gpu_only, xla):
     assert runs_on_xla(L.auto)
 
 
-NAMED = re.compile(r"\bLossKind\.(hf|chunked|liger|cce)\b")
+NAMED = re.compile(r"\bLossKind\.(hf|z_loss|chunked|liger|cce)\b")
 
 
 def test_no_other_module_dispatches_on_a_loss_name():
-    # The schema names the kinds, the table says what each needs, train.loss holds their code
+    # The schema names the kinds, the table says what each needs, train.loss_code holds their code
     # and auto's choice among them.
-    allowed = {"config/losses.py", "config/training.py", "train/loss.py"}
+    allowed = {"config/losses.py", "config/training.py", "train/loss.py", "train/loss_code.py"}
     hits = named_outside(NAMED, allowed)
     assert not hits, "loss dispatch outside config.losses:\n" + "\n".join(hits)
     assert NAMED.search("if kind is LossKind.liger:")  # the check would see one

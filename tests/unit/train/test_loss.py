@@ -12,6 +12,7 @@ from conftest import train
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.train import loss as loss_lib
+from fsdp_lab.train.linear_ce import linear_cross_entropy
 
 
 def tiny_config(model_type: str):
@@ -137,7 +138,7 @@ def test_the_chunked_loss_builds_no_full_logits():
     weight = torch.randn(1000, 4, requires_grad=True)  # smaller than a chunk's logits
     targets = torch.randint(0, 1000, (64,))
     with Largest():
-        loss_lib.linear_cross_entropy(hidden, weight, targets, chunk_size=8).backward()
+        linear_cross_entropy(hidden, weight, targets, chunk_size=8).backward()
     assert Largest.numel == 8 * 1000  # not 64 x 1000
 
 
@@ -148,7 +149,7 @@ def test_fp16_gradients_survive_the_grad_scalers_factor():
     hidden = torch.randn(96, 32).half().requires_grad_()
     weight = (torch.randn(2048, 32) * 0.02).half().requires_grad_()
     targets = torch.randint(0, 2048, (96,))
-    (loss_lib.linear_cross_entropy(hidden, weight, targets, chunk_size=32) * 65536).backward()
+    (linear_cross_entropy(hidden, weight, targets, chunk_size=32) * 65536).backward()
     ref_h = hidden.detach().clone().requires_grad_()
     ref_w = weight.detach().clone().requires_grad_()
     (F.cross_entropy((ref_h @ ref_w.t()).float(), targets) * 65536).backward()

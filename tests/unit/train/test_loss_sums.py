@@ -162,3 +162,35 @@ def test_packed_sliding_window_layers_take_their_own_mask(model_type):
         assert token_losses(model, loss, row) == got
     config.sliding_window = 64  # the window no longer binds: another loss (the test can fail)
     assert token_losses(model, loss, row) != got
+
+
+def test_z_loss_is_the_cross_entropy_plus_its_coefficient_times_log_z_squared():
+    # A logit row of the loss table against a plain reference: PaLM's z-loss by hand.
+    ref, batch = model_and_batch("llama")
+    model = copy.deepcopy(ref)
+    cfg = LossConfig(kind=LossKind.z_loss, z_loss_coef=0.01)
+    loss = loss_lib.build_loss(
+        cfg, model, kind=LossKind.z_loss, task=ModelTask.causal_lm, compiled=False
+    )
+    logits = ref(input_ids=batch["input_ids"]).logits.float().flatten(0, 1)
+    targets = loss_lib.shifted_targets(batch["labels"]).flatten()
+    learned = targets != IGNORE
+    want = (
+        torch.nn.functional.cross_entropy(logits[learned], targets[learned], reduction="sum")
+        + 0.01 * torch.logsumexp(logits[learned], dim=-1).square().sum()
+    )
+    got = loss(model, batch)
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-7), name
+    # its term is there (the test can fail), and validation reports the cross-entropy alone
+    plain = loss_lib.build_loss(
+        LossConfig(kind=LossKind.hf), copy.deepcopy(ref), kind=LossKind.hf,
+        task=ModelTask.causal_lm, compiled=False,
+    )  # fmt: skip
+    assert got.item() > plain(ref, batch).item() + 1.0
+    assert loss.token_sums(model, batch)[0].item() == pytest.approx(
+        plain.token_sums(ref, batch)[0].item(), rel=1e-6
+    )
