@@ -31,8 +31,9 @@ from typing import ClassVar
 from fsdp_lab.config import Objective
 
 # A field's metadata: left out of the file while None; a fact every tracker records as a param.
-_OMIT, _SYSTEM = "omit_none", "system_param"
+_OMIT, _SYSTEM, _RECORD = "omit_none", "system_param", "run_json_only"
 OMIT_NONE, SYSTEM_PARAM = {_OMIT: True}, {_SYSTEM: True}
+MEASURED = {_OMIT: True, _RECORD: True}  # a result run.json keeps, not a summary metric
 
 
 def _to_dict(obj) -> dict:
@@ -78,10 +79,11 @@ class JobRecord:
         return _from_dict(cls, data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunFacts:
     """run.json's facts of a run, collected on every rank once it is built
-    (``train.reporter.collect_facts``); the trackers' params take some of them too."""
+    (``train.reporter.collect_facts``), never changed after: what the run measures as it goes
+    is its ``RunResults``'. The trackers' params take some of them too."""
 
     world_size: int = field(metadata=SYSTEM_PARAM)
     num_nodes: int = field(metadata=SYSTEM_PARAM)
@@ -117,16 +119,8 @@ class RunFacts:
     # precision=float8 / finetune.quantize_base=nf4: each linear layer's precision (a name
     # pattern per layer of the stack), why a layer was kept, an NF4 base's bytes per rank:
     low_precision: dict | None = field(default=None, metadata=OMIT_NONE)
-    # checkpoint.export_hf: each rank's host RSS before exporting, and its peak while exporting
-    export_start_rss_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)
-    export_peak_rss_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)
     # Each started tracker's run: ids, dirs (see logger=...):
     trackers: dict | None = field(default=None, metadata=OMIT_NONE)
-    memory_before_train_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)
-    # Measured after the first optimizer step:
-    state_bytes_per_rank: list | None = field(default=None, metadata=OMIT_NONE)
-    # profile=trace|memory: the window's analysis, or its files:
-    profile: dict | None = field(default=None, metadata=OMIT_NONE)
     # A mixture of experts: the parameters a token uses (router, top_k of E experts), which
     # flops_per_token counts, against total_params; and the experts' layout (moe_layers,
     # num_experts, top_k, expert_params).
@@ -173,6 +167,14 @@ class RunResults:
     # The time model's step for this run beside the measured median (tools.run_check): the
     # device priced on, both steps and their splits, the ratio, and where the run departs
     predicted: dict | None = field(default=None, metadata=OMIT_NONE)
+    # Measured on the way, each once (train.worker; written as it is known):
+    memory_before_train_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
+    state_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)  # after step 1
+    # profile=trace|memory: the window's analysis, or its files:
+    profile: dict | None = field(default=None, metadata=MEASURED)
+    # checkpoint.export_hf: each rank's host RSS before exporting, and its peak while exporting
+    export_start_rss_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
+    export_peak_rss_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
 
     def to_dict(self) -> dict:
         return _to_dict(self)
@@ -182,9 +184,19 @@ class RunResults:
         return _from_dict(cls, data)
 
     def summary(self, *, step: int | None = None) -> dict:
-        """The trackers' summary: the results (those set), and the last step once the run
-        ended."""
-        return {**self.to_dict(), **RunRecord(step=step).to_dict()}
+        """The trackers' summary: the results (those set; not the per-rank and profile
+        records, which run.json keeps), and the last step once the run ended."""
+        kept = {f.name for f in dataclasses.fields(self) if not f.metadata.get(_RECORD)}
+        results = {k: v for k, v in self.to_dict().items() if k in kept}
+        return {**results, **RunRecord(step=step).to_dict()}
+
+    def measured_fields(self) -> dict:
+        """The results measured on the way (``MEASURED``), those set."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get(_RECORD) and getattr(self, f.name) is not None
+        }
 
     def objective(self, objective: Objective, metric: str | None = None) -> float | None:
         """What train.py returns to a sweeper for ``objective=``; None if the run has none.

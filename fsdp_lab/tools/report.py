@@ -221,7 +221,7 @@ def summarize(job: Job) -> Figures:
         final_loss=losses[-1] if losses else (run.results or RunResults()).final_loss,
         val_loss=val_losses[-1] if val_losses else None,
         mfu=_median(r.mfu for r in steady),
-        profile=_profile(run.facts.profile if run.facts else None),
+        profile=_profile(run.results.profile if run.results else None),
         harness=_harness(run.results),
         sample=next((s.output for s in job.samples if s.step == last), None),
         predicted=run.results.predicted if run.results is not None else None,

@@ -103,7 +103,7 @@ def check(run_dir: Path) -> dict | None:
     if step is None:
         return None
     measured = statistics.median(steps)
-    profile = record.facts.profile if record.facts else None
+    profile = record.results.profile if record.results else None
     summary = profile.get("summary") if isinstance(profile, dict) else None
     predicted = step.to_json()
     ratio = measured / step.step_s if step.step_s > 0 else float("inf")

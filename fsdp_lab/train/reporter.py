@@ -30,6 +30,7 @@ from fsdp_lab.observe.record import (
     JobRecord,
     RunFacts,
     RunRecord,
+    RunResults,
     SampleRecord,
     SamplesRecord,
     StepRecord,
@@ -136,6 +137,7 @@ class Reporter:
         job: dict | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.facts, self.trackers = cfg, run_dir, facts, trackers
+        self.measured: dict = {}  # RunResults' MEASURED fields, as record() got them
         self.job = job  # the launcher's record of the job (launch.sweep.job_info)
         self.summary = RunSummary()
         self.writer = MetricsWriter(run_dir / METRICS_FILE)
@@ -161,7 +163,7 @@ class Reporter:
             logged_through=-1 if logged_through is None else logged_through,
             history=tracker_history(run_dir / METRICS_FILE) if continuing else [],
         )
-        facts.trackers = trackers.info
+        facts = dataclasses.replace(facts, trackers=trackers.info)
         write_run_file(run_dir, RunRecord(status="running", job=claimed.job, facts=facts))
         return cls(
             cfg, run_dir, facts, trackers=trackers, start_step=state.start_step, job=claimed.job
@@ -271,19 +273,28 @@ class Reporter:
             section["timeline"] = _draw_timeline(result, out / TIMELINE_PNG, self.run_dir)
             self._write_rows([metrics_record(result, result.steps[-1])])
             log.info("%s (details: fsdp-lab profile %s)", summary_line(result), self.run_dir)
-        self.facts.profile = section
-        written = read_run_file(self.run_dir)
-        write_run_file(self.run_dir, dataclasses.replace(written, facts=self.facts))
+        self.record(profile=section)
 
     def end_of_training(self) -> None:
         """The loop is over: no more step records."""
         self.progress.close()
         self.writer.close()
 
+    def record(self, **measured) -> None:
+        """Results measured on the way (``RunResults``' ``MEASURED`` fields: memory before
+        training, state bytes, the profile, the export's RSS), into run.json as each is known
+        and kept for its final results."""
+        self.measured.update(measured)
+        written = read_run_file(self.run_dir)
+        results = dataclasses.replace(written.results or RunResults(), **measured)
+        write_run_file(self.run_dir, dataclasses.replace(written, results=results))
+
     def close(self, end_step: int, *, preempted: bool, total_time_s: float) -> None:
-        """run.json's final facts and status; the trackers' summary and files."""
+        """run.json's final results and status; the trackers' summary and files."""
         status = "preempted" if preempted else "completed"
-        results = dataclasses.replace(self.summary.results(), total_time_s=total_time_s)
+        results = dataclasses.replace(
+            self.summary.results(), total_time_s=total_time_s, **self.measured
+        )
         write_run_file(
             self.run_dir,
             RunRecord(

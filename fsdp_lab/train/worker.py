@@ -129,12 +129,14 @@ def fit(r: RankRun) -> FitResult:
     cfg, ctx, state = r.cfg, r.ctx, r.state
     # The steps' peak memory is theirs: not the weight loading's, nor the trackers' start on rank 0.
     memory.reset_peak_memory(ctx.device)
-    r.facts.memory_before_train_bytes_per_rank = process_group.gather_from_processes(
-        memory.current_memory_bytes(ctx.device)
-    )
+    before = process_group.gather_from_processes(memory.current_memory_bytes(ctx.device))
+    if r.reporter is not None:
+        r.reporter.record(memory_before_train_bytes_per_rank=before)
 
     def measure_state(opt, args, kwargs) -> None:  # once, after the first optimizer step
-        r.facts.state_bytes_per_rank = state.sharded.state_bytes(state.optimizer)
+        state_bytes = state.sharded.state_bytes(state.optimizer)
+        if r.reporter is not None:
+            r.reporter.record(state_bytes_per_rank=state_bytes)
         hook.remove()
 
     hook = state.optimizer.register_step_post_hook(measure_state)
@@ -202,8 +204,10 @@ def finish(r: RankRun, result: FitResult) -> None:
         _export(r)
         rss = process_group.gather_from_processes((start, memory.host_peak_since_reset_bytes()))
         if r.reporter is not None:
-            r.reporter.facts.export_start_rss_bytes_per_rank = [a for a, _ in rss]
-            r.reporter.facts.export_peak_rss_bytes_per_rank = [b for _, b in rss]
+            r.reporter.record(
+                export_start_rss_bytes_per_rank=[a for a, _ in rss],
+                export_peak_rss_bytes_per_rank=[b for _, b in rss],
+            )
     if r.reporter is not None:
         r.reporter.close(
             end, preempted=result.preempted, total_time_s=time.perf_counter() - r.started

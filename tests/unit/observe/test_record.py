@@ -4,6 +4,7 @@ files stay readable, and no module outside observe/ reads (or writes) them by st
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -97,6 +98,18 @@ def test_the_records_fields_are_what_the_writers_give():
     assert run.job_record == JobRecord(["trainer.max_steps=4"], {"sharding": "full"})
     assert run.tracker_runs() == {"tensorboard": {"log_dir": "/tmp/rr1/tensorboard"}}
     assert RunFacts.from_dict(FACTS).system_params()["total_params"] == 155968
+
+
+def test_facts_are_built_once_and_what_the_run_measures_is_a_result():
+    run = RunRecord.from_dict({**COMPLETED, "state_bytes_per_rank": [10, 10], "profile": {}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.facts.world_size = 4
+    assert run.results.state_bytes_per_rank == [10, 10] and run.results.profile == {}
+    assert run.results.measured_fields() == {"state_bytes_per_rank": [10, 10], "profile": {}}
+    # run.json keeps them at its top level as before; the trackers' summary does not take them
+    assert run.to_dict()["state_bytes_per_rank"] == [10, 10]
+    assert "state_bytes_per_rank" not in run.results.summary(step=4)
+    assert run.results.summary(step=4)["final_loss"] == 5.54
 
 
 def test_an_older_run_json_reads_with_what_it_has_and_keeps_what_it_does_not_know():
