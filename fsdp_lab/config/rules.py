@@ -17,13 +17,12 @@ from fsdp_lab.config.hardware import HardwareKind, check_hardware
 from fsdp_lab.config.losses import runs_on_xla
 from fsdp_lab.config.low_precision import check_low_precision
 from fsdp_lab.config.model import FinetuneMethod, ModelTask, check_finetune, check_model
+from fsdp_lab.config.precisions import check_precision, dtype_row
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import (
-    Dtype,
     OffloadDevice,
     check_layout,
-    check_precision,
     check_sharding,
 )
 from fsdp_lab.config.strategies import strategy_of, with_expert_parallel, with_replica_groups
@@ -95,6 +94,7 @@ def refuse_for_xla(cfg: Config) -> None:
 def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
     """(refused, message) rows: how the model is split and computed."""
     s, p = cfg.sharding, cfg.precision
+    off_xla = [d.name for d in (p.param_dtype, p.reduce_dtype) if not dtype_row(d).on_xla]
     return (
         (
             s.reshard_after_forward is not None,
@@ -106,8 +106,9 @@ def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
             "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none",
         ),
         (
-            Dtype.fp16 in (p.param_dtype, p.reduce_dtype),
-            "precision=fp16: TPUs compute in bf16, without loss scaling; use precision=bf16",
+            bool(off_xla),
+            f"precision={off_xla[0] if off_xla else ''}: TPUs compute in bf16, without loss "
+            "scaling; use precision=bf16",
         ),
         (
             p.grad_scaler_enabled,
@@ -115,7 +116,7 @@ def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
             "scaling on XLA; set precision.grad_scaler_enabled=false",
         ),
         (
-            p.reduce_dtype is Dtype.bf16,
+            dtype_row(p.reduce_dtype).half,
             "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
             "reduces gradients in their own dtype (fp32 master weights); use precision=bf16",
         ),

@@ -186,26 +186,3 @@ def check_layout(p: ParallelConfig, w: WrapConfig, a: ActivationCheckpointingCon
         positive(w.min_num_params, "wrap.min_num_params")
     if a.every < 1:
         raise ConfigError(f"activation_checkpointing.every={a.every} must be >= 1")
-
-
-def check_precision(p: PrecisionConfig) -> None:
-    if p.float8_recipe is None and p.float8_all_gather is not None:
-        raise ConfigError(
-            "precision.float8_all_gather applies only to float8 training; set "
-            "precision=float8 (or precision.float8_recipe=tensorwise), or remove it"
-        )
-    if p.float8_recipe is Float8Recipe.rowwise and p.float8_all_gather:
-        raise ConfigError(
-            "precision.float8_all_gather=true needs precision.float8_recipe=tensorwise "
-            "(torchao all-gathers float8 weights with one scale per tensor only)"
-        )
-    if p.float8_recipe is not None and p.param_dtype is not Dtype.bf16:
-        raise ConfigError(
-            f"precision.float8_recipe computes around its float8 matmuls in bf16, not "
-            f"{p.param_dtype.name}; set precision.param_dtype=bf16 (precision=float8 does)"
-        )
-    if p.param_dtype is Dtype.fp16 and not p.grad_scaler_enabled:
-        raise ConfigError(
-            "precision.param_dtype=fp16 needs precision.grad_scaler_enabled=true "
-            "(fp16 gradients underflow without loss scaling); or use precision=fp16"
-        )

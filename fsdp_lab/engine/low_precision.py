@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.config import Config, Float8Recipe, QuantizeBase
+from fsdp_lab.config import Config, Float8Recipe, QuantizeBase, precisions
 from fsdp_lab.config.families import family_of
 from fsdp_lab.config.low_precision import NF4_SCALE_SPAN, nf4_splits
 from fsdp_lab.engine.hardware import process_group
@@ -127,12 +127,7 @@ def apply(model: nn.Module, cfg: Config) -> dict | None:
 
 
 def float8_all_gather(cfg: Config) -> bool:
-    p = cfg.precision
-    if p.float8_recipe is None:
-        return False
-    if p.float8_all_gather is None:
-        return p.float8_recipe is Float8Recipe.tensorwise
-    return p.float8_all_gather
+    return precisions.float8_all_gather(cfg.precision)
 
 
 def _no_layer(setting: str, choice: Choice) -> RuntimeError:

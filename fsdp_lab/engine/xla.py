@@ -37,7 +37,8 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
 
-from fsdp_lab.config import Config, Dtype, ShardingConfig
+from fsdp_lab.config import Config, ShardingConfig
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.strategies import REPLICATE_AXIS
 from fsdp_lab.config.topology import Topology, mesh_shape
 from fsdp_lab.engine import activations, wrap
@@ -102,7 +103,7 @@ def build_model(
     the wrap policy (checkpointed where activation_checkpointing chose it), then the root.
     ``meta_model`` is not needed: XLA shards tensors that exist."""
     model = source()
-    if cfg.precision.param_dtype is Dtype.bf16:
+    if dtype_row(cfg.precision.param_dtype).half:
         # XLA's autocast has no rule for scaled_dot_product_attention, which then meets fp32 q/k
         # (after the rotary embedding) and a bf16 v; eager attention's matmuls are autocast.
         model.set_attn_implementation("eager")
@@ -124,7 +125,7 @@ def build_model(
             f"tied parameters {tied} were untied on the XLA device "
             f"(now {model_lib.tied_groups(root, clean_name)})"
         )
-    if cfg.precision.param_dtype is Dtype.bf16:
+    if dtype_row(cfg.precision.param_dtype).half:
         _autocast_forward(root, torch.bfloat16)
     # checkpoint_module patches a unit's forward in place, leaving this mark
     checkpointed = [

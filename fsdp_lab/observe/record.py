@@ -13,13 +13,10 @@ it, ``from_dict`` reads one back. Other packages read the fields, never the keys
   ``SampleRecord``: a line of samples.jsonl, one prompt's completion at one evaluation.
 - ``JobRecord``: the launcher's record of a job (``launch.sweep.job_info``), run.json's ``job``.
 
-``from_dict`` takes what any version of fsdp_lab wrote: a key the file lacks reads None (or its
-default), a key this version does not know is kept (``RunRecord.extra``) and written back, so
-updating an older run.json loses nothing. A key is left out of the file while it is None where
-its field says ``OMIT_NONE`` (facts that only some runs have, the top-level keys a run gains as it
-goes), and written as null elsewhere (``mfu`` without a known peak).
-
-Torch-free: the launcher, sweepers and ``fsdp-lab report`` read these without a model.
+``from_dict`` takes what any version wrote: a missing key reads None (or its default), an
+unknown one is kept (``RunRecord.extra``) and written back. A key is left out while None where
+its field says ``OMIT_NONE``, written as null elsewhere. Torch-free (the launcher, sweepers and
+``fsdp-lab report`` read these without a model).
 """
 
 from __future__ import annotations
@@ -167,12 +164,11 @@ class RunResults:
     # The time model's step for this run beside the measured median (tools.run_check): the
     # device priced on, both steps and their splits, the ratio, and where the run departs
     predicted: dict | None = field(default=None, metadata=OMIT_NONE)
-    # Measured on the way, each once (train.worker; written as it is known):
+    # Measured on the way, each once, written as it is known (train.worker): memory before
+    # training, state after step 1, profile=trace|memory's analysis or files, the export's RSS
     memory_before_train_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
-    state_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)  # after step 1
-    # profile=trace|memory: the window's analysis, or its files:
+    state_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
     profile: dict | None = field(default=None, metadata=MEASURED)
-    # checkpoint.export_hf: each rank's host RSS before exporting, and its peak while exporting
     export_start_rss_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
     export_peak_rss_bytes_per_rank: list | None = field(default=None, metadata=MEASURED)
 
@@ -184,14 +180,12 @@ class RunResults:
         return _from_dict(cls, data)
 
     def summary(self, *, step: int | None = None) -> dict:
-        """The trackers' summary: the results (those set; not the per-rank and profile
-        records, which run.json keeps), and the last step once the run ended."""
+        """The trackers' summary: the results set (not the MEASURED records), the last step."""
         kept = {f.name for f in dataclasses.fields(self) if not f.metadata.get(_RECORD)}
         results = {k: v for k, v in self.to_dict().items() if k in kept}
         return {**results, **RunRecord(step=step).to_dict()}
 
-    def measured_fields(self) -> dict:
-        """The results measured on the way (``MEASURED``), those set."""
+    def measured_fields(self) -> dict:  # the MEASURED results set
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -277,9 +271,8 @@ class RunRecord:
         return self.facts.start_step if self.facts else None
 
     def tracker_runs(self) -> dict | None:
-        """What the trackers said of their runs last time (to continue them): run.json's
-        ``trackers``, or W&B's alone as run.json had it before trackers=...; None if it has
-        neither."""
+        """The trackers' runs of last time (to continue them): ``trackers``, or W&B's alone as
+        run.json had it before trackers=...; None if neither."""
         if self.facts is not None and self.facts.trackers is not None:
             return self.facts.trackers
         if _BEFORE_TRACKERS in self.extra:

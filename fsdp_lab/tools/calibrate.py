@@ -41,6 +41,7 @@ from fsdp_lab.config.hardware_profiles import (
     write_profile,
 )
 from fsdp_lab.config.load import compose
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.tools import memory, plan
 
@@ -103,7 +104,7 @@ def shapes_and_sizes(overrides: list[str]) -> tuple[object, object, list, tuple,
 
 
 def plan_bytes(cfg) -> int:
-    return {"fp32": 4}.get(cfg.precision.param_dtype.name, 2)
+    return dtype_row(cfg.precision.param_dtype).bytes
 
 
 def _rank_main(rank: int, job: Job, results) -> None:

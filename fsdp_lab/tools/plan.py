@@ -21,7 +21,6 @@ from fsdp_lab.config import (
     Config,
     ConfigError,
     DataKind,
-    Dtype,
     HardwareKind,
     OffloadDevice,
     Packing,
@@ -29,6 +28,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile, device_profile
 from fsdp_lab.config.load import compose
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
@@ -185,10 +185,9 @@ def strategy_plan(
 def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, reshard):
     """(activations, transients) of a step on one rank: what autograd saves, and FSDP2's
     gathered units and gradient buffers on a shard axis of ``shard`` ranks."""
-    from fsdp_lab.engine.hardware.devices import TORCH_DTYPES
 
     p, t, ep = cfg.precision, cfg.trainer, cfg.parallel.expert
-    b, rb = TORCH_DTYPES[p.param_dtype].itemsize, TORCH_DTYPES[p.reduce_dtype].itemsize
+    b, rb = dtype_row(p.param_dtype).bytes, dtype_row(p.reduce_dtype).bytes
     act = activation_memory.activations(
         facts.layer,
         batch=t.micro_batch_size,
@@ -228,7 +227,7 @@ def _context_layout(
         return None
     packed = cfg.data.kind is DataKind.chat and cfg.data.packing is Packing.documents
     window = layer.sliding_window is not None and layer.sliding_window < cfg.trainer.seq_len
-    materialised = topo.device is HardwareKind.cpu or cfg.precision.param_dtype is Dtype.fp32
+    materialised = topo.device is HardwareKind.cpu or not dtype_row(cfg.precision.param_dtype).half
     return activation_memory.ContextLayout(
         size=cfg.parallel.context,
         dense_masks=packed or window or materialised,
@@ -238,7 +237,6 @@ def _context_layout(
 
 def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape) -> dict:
     """Saved activations per micro-batch without and with full activation checkpointing."""
-    from fsdp_lab.engine.hardware.devices import TORCH_DTYPES
 
     t = cfg.trainer
     return {
@@ -246,7 +244,7 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
             facts.layer,
             batch=t.micro_batch_size,
             seq_len=t.seq_len,
-            b=TORCH_DTYPES[cfg.precision.param_dtype].itemsize,
+            b=dtype_row(cfg.precision.param_dtype).bytes,
             num_checkpointed=n,
             loss_chunk=facts.loss_chunk,
             tensor=cfg.parallel.tensor,

@@ -23,20 +23,19 @@ from dataclasses import dataclass
 
 from fsdp_lab.config import (
     Config,
-    Dtype,
     ExpertsImplementation,
     HardwareKind,
     OffloadDevice,
     ShardingStrategy,
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.tools import activation_memory, memory
 from fsdp_lab.tools.plan_model import ModelShape
 from fsdp_lab.tools.plan_result import StrategyPlan
 from fsdp_lab.tools.time_model import Collective, StepTime, StepWork, UnitWork, predict
 
-BYTES = {Dtype.fp32: 4, Dtype.bf16: 2, Dtype.fp16: 2}
 ELEMENTWISE_PASSES = 2  # forward: each saved activation written and read once; backward 2x
 # compile=true: Inductor fuses a layer's norms, activations and rotary into a few kernels that
 # read their inputs and write their outputs once, and launches fewer of them
@@ -140,7 +139,7 @@ class _Layout:
 
 def _layout(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> _Layout:
     p, tp, ep = cfg.precision, cfg.parallel.tensor, cfg.parallel.expert
-    b = BYTES[p.param_dtype]
+    b = dtype_row(p.param_dtype).bytes
     replicate, shard = (1, *s.fsdp_mesh)[-2:]
     per_node = topo.nproc_per_node
     return _Layout(
@@ -149,7 +148,7 @@ def _layout(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> 
         shard_across=shard * tp > per_node,
         replicate_across=replicate > 1 and replicate * shard * tp > per_node,
         b=b,
-        rb=BYTES[p.reduce_dtype],
+        rb=dtype_row(p.reduce_dtype).bytes,
         gathers=memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
         grads=memory.group_numels(facts.params, shard, trainable_only=True, ep=ep),
         per_node=per_node,

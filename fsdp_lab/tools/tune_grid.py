@@ -14,8 +14,6 @@ from fsdp_lab.config import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     ConfigError,
-    Dtype,
-    Float8Recipe,
     HardwareKind,
     OffloadConfig,
     OffloadDevice,
@@ -23,6 +21,7 @@ from fsdp_lab.config import (
     compose,
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile
+from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import dp_size
 from fsdp_lab.tools import plan, plan_time
@@ -188,7 +187,7 @@ def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
     if (
         topo.device is HardwareKind.gpu
         and not _held(overrides, "precision.float8_recipe", "precision.float8_all_gather")
-        and p.param_dtype is Dtype.bf16
+        and p.param_dtype is FLOAT8_RECIPES[TUNED_RECIPE].compute
         and p.float8_recipe is None
     ):
         return [False, True]
@@ -281,7 +280,7 @@ def _model_axes(
     do not divide."""
     if float8 and cfg.precision.float8_recipe is None:
         cfg = dataclasses.replace(
-            cfg, precision=dataclasses.replace(cfg.precision, float8_recipe=Float8Recipe.tensorwise)
+            cfg, precision=dataclasses.replace(cfg.precision, float8_recipe=TUNED_RECIPE)
         )
     base = dataclasses.replace(
         cfg,

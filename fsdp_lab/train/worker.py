@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import Config, ConfigError, Dtype, FinetuneMethod, HardwareKind
+from fsdp_lab.config import Config, ConfigError, FinetuneMethod, HardwareKind
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine.hardware import devices, flops, memory, process_group
@@ -186,7 +187,7 @@ def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
             f"before the learning rate; check it with `fsdp-lab verify {cfg.resume}` (and "
             "checkpoint.verify=checksum), or resume from an earlier one"
         )
-    if cfg.precision.param_dtype is Dtype.fp32:
+    if not dtype_row(cfg.precision.param_dtype).half:
         return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps"
     return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or use precision=fp32"
 

@@ -22,8 +22,9 @@ from fsdp_lab.config import (
     HardwareConfig,
     HardwareKind,
 )
+from fsdp_lab.config.precisions import DTYPES, dtype_row
 
-TORCH_DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
+TORCH_DTYPES = {dtype: getattr(torch, row.torch_name) for dtype, row in DTYPES.items()}
 
 # torch_xla pins the torch it was built against; this is the pair the tests run.
 XLA_PAIR = ("2.9.0", "2.9.0")  # (torch, torch-xla)
@@ -125,9 +126,12 @@ def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
     gloo reduces fp16 and bf16 (checked on torch 2.13) and CPU kernels cover both; on GPU,
     bf16 needs an Ampere-or-newer device (NCCL and the matmuls both rely on it).
     """
-    if kind is HardwareKind.gpu and dtype is Dtype.bf16 and not torch.cuda.is_bf16_supported():
+    probe = dtype_row(dtype).gpu_probe
+    if kind is HardwareKind.gpu and probe is not None and not getattr(torch.cuda, probe)():
+        others = [d.name for d, row in DTYPES.items() if row.gpu_probe is None]
         raise ConfigError(
-            f"{setting}=bf16 but this GPU has no bf16 support; use precision=fp16 or fp32"
+            f"{setting}={dtype.name} but this GPU has no {dtype.name} support; use "
+            f"precision.param_dtype={'/'.join(others)}"
         )
 
 
@@ -150,10 +154,10 @@ def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
     (AVX512-BF16, AMX; an AVX2 machine has neither) oneDNN falls back to generic kernels:
     measured on a 2-core AVX2 EPYC, a bf16 matmul of 256x49152 by 49152x576 took 40 s, the
     same in fp32 0.5 s, and a SmolLM2-135M step at 2x128 tokens 100 s in bf16."""
-    if kind is not HardwareKind.cpu or dtype not in (Dtype.bf16, Dtype.fp16):
+    probe = dtype_row(dtype).cpu_probe
+    if kind is not HardwareKind.cpu or probe is None:
         return None
-    probe = {Dtype.bf16: "_is_mkldnn_bf16_supported", Dtype.fp16: "_is_mkldnn_fp16_supported"}
-    supported = getattr(torch.ops.mkldnn, probe[dtype], None)
+    supported = getattr(torch.ops.mkldnn, probe, None)
     if supported is None or supported():
         return None
     return (

@@ -10,6 +10,7 @@ import torch
 
 from fsdp_lab.config import Dtype, HardwareConfig, HardwareKind
 from fsdp_lab.config.hardware_profiles import peak_tflops
+from fsdp_lab.config.precisions import dtype_row
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def peak_flops(
     peaks = peak_tflops(name)  # config.hardware_profiles' table: (bf16, tf32, fp32)
     if peaks is not None:
         low_precision, tf32_peak, fp32 = peaks
-        if compute is not Dtype.fp32:
+        if dtype_row(compute).half:
             return low_precision * 1e12
         return (tf32_peak if tf32 else fp32) * 1e12
     log.info("no peak FLOP/s known for %s: MFU not reported (set hardware.peak_tflops)", name)
@@ -56,7 +57,7 @@ TPU_PEAK_TFLOPS = (
 
 
 def _tpu_peak_flops(compute: Dtype) -> float | None:
-    if os.environ.get("PJRT_DEVICE") != "TPU" or compute is not Dtype.bf16:
+    if os.environ.get("PJRT_DEVICE") != "TPU" or not dtype_row(compute).half:
         return None  # XLA's CPU devices; fp32 matmuls on TPUs run as several bf16 passes
     try:
         from torch_xla._internal import tpu
