@@ -64,8 +64,8 @@ def choose_linears(model: nn.Module, format_name: str, fits) -> Choice:
     chosen: dict[str, nn.Linear] = {}
     kept: dict[str, str] = {}
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:
-            continue
+        if type(module) is not nn.Linear and module is not head:  # a fused loss's head
+            continue  # subclasses its Linear (train.loss_code)
         reason = None
         if ".lora_" in name:
             reason = "a LoRA adapter: it trains in the compute dtype"
