@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.config.errors import ConfigError
+from fsdp_lab.config.precisions import peak_key
 
 PROFILE_VERSION = 1  # calibrate's file format; another version is refused, not guessed at
 GB = 1e9
@@ -114,24 +115,24 @@ class DeviceProfile:
             return self.collectives[op]
         return self.inter_node if across_nodes else self.intra_node
 
-    def flops(self, dtype: str) -> float:
-        """Achievable matmul FLOP/s computing in ``dtype`` (fp16 as bf16)."""
-        dtype = "bf16" if dtype == "fp16" and "fp16" not in self.compute else dtype
+    def flops(self, dtype: str, fraction: float | None = None) -> float:
+        """Achievable matmul FLOP/s computing in ``dtype`` (one the profile has no figure of
+        at its precision row's peak: fp16 at bf16's), at ``fraction`` of the peak (default:
+        the matmuls', float8's own)."""
+        if dtype not in self.compute:
+            dtype = peak_key(dtype)
         if dtype not in self.compute:
             raise ConfigError(
                 f"--device {self.name} has no {dtype} FLOP/s; it has "
                 f"{', '.join(self.compute)}: choose another precision or device"
             )
-        fraction = self.fp8_fraction if dtype == "fp8" and self.fp8_fraction else None
-        return self.compute[dtype] * (fraction or self.matmul_fraction)
+        if fraction is None:
+            fraction = (self.fp8_fraction if dtype == "fp8" else None) or self.matmul_fraction
+        return self.compute[dtype] * fraction
 
     def grouped_flops(self, dtype: str) -> float:
         """Achievable FLOP/s of a mixture of experts' grouped GEMMs computing in ``dtype``."""
-        return (
-            self.flops(dtype)
-            / self.matmul_fraction
-            * (self.grouped_fraction or self.matmul_fraction)
-        )
+        return self.flops(dtype, self.grouped_fraction)
 
     def to_json(self) -> dict:
         return {"fsdp_lab_profile": PROFILE_VERSION, **dataclasses.asdict(self)}

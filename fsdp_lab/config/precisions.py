@@ -70,9 +70,10 @@ def dtype_row(dtype: Dtype) -> DtypeRow:
     return DTYPES[dtype]
 
 
-def dtype_named(name: str) -> DtypeRow:
-    """The row of a dtype by its name (the time model's and a profile's ``dtype``)."""
-    return DTYPES[Dtype(name)]
+def peak_key(name: str) -> str:
+    """The peak-FLOP/s key a compute dtype named ``name`` runs at (fp16: bf16's); a key that
+    names no dtype (fp8, tf32) as it is."""
+    return DTYPES[Dtype(name)].peak if name in Dtype._value2member_map_ else name
 
 
 @dataclass(frozen=True)

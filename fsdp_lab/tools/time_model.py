@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fsdp_lab.config.hardware_profiles import DeviceProfile
-from fsdp_lab.config.precisions import dtype_named
+from fsdp_lab.config.precisions import peak_key
 
 # AdamW per trainable element (fp32): param read+write 8, grad read 4, exp_avg and exp_avg_sq
 # read+write 16; clip_grad_norm_ reads the grad for the norm and scales it in place, 12 more.
@@ -228,7 +228,7 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     other = work.offload_bytes / device.host_link.bytes_per_s + work.step_overhead_s
     step = compute + exposed_fsdp + exposed_inner + optimizer + other
     tokens = work.tokens * m / step if step > 0 else 0.0
-    peak = device.compute.get(dtype_named(work.dtype).peak)
+    peak = device.compute.get(peak_key(work.dtype))
     mfu = tokens * work.model_flops_per_token / peak if peak and device.kind == "gpu" else None
     return StepTime(
         step_s=step,
