@@ -130,16 +130,21 @@ def training_mask(
 
 
 @contextlib.contextmanager
-def transformers_masks(model: nn.Module) -> Iterator[None]:
-    """Within the block the model runs its own implementation, transformers building its masks
-    (forwards that pass their own padding masks: generation, scoring)."""
-    base = base_of(model)
-    if base is None:
+def implementation(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Within the block ``model`` attends with the implementation ``name`` (None: its own),
+    its own again after."""
+    if name is None:
         yield
         return
-    name = model.config._attn_implementation
-    model.set_attn_implementation(base)
+    current = model.config._attn_implementation
+    model.set_attn_implementation(name)
     try:
         yield
     finally:
-        model.set_attn_implementation(name)
+        model.set_attn_implementation(current)
+
+
+def transformers_masks(model: nn.Module):
+    """A block in which the model runs its own implementation, transformers building its masks
+    (forwards that pass their own padding masks: generation, scoring)."""
+    return implementation(model, base_of(model))

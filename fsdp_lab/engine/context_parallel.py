@@ -29,8 +29,6 @@ and a forward of a split model without ``context_split`` fails instead of mixing
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +41,7 @@ from torch.nn.attention.bias import causal_lower_right
 from fsdp_lab.config import ConfigError, families
 from fsdp_lab.config.profiling import CONTEXT_ALL_GATHER_REGION, CONTEXT_REDUCE_SCATTER_REGION
 from fsdp_lab.config.topology import context_chunks
+from fsdp_lab.engine import attention
 from fsdp_lab.engine.hardware import devices, process_group
 
 ATTENTION_PREFIX = "fsdp_lab_context"  # + the CP group's name: the registered implementation
@@ -242,16 +241,7 @@ def is_split(model: nn.Module) -> bool:
     return isinstance(impl, str) and impl.startswith(ATTENTION_PREFIX)
 
 
-@contextlib.contextmanager
-def whole_sequences(model: nn.Module) -> Iterator[None]:
-    """Within the block a context-parallel model attends as SDPA does, over the whole
-    sequences every rank of its group holds (generation, scoring); outside, over the split."""
-    if not is_split(model):
-        yield
-        return
-    split = model.config._attn_implementation
-    model.set_attn_implementation(WHOLE_SEQUENCES)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(split)
+def whole_sequences(model: nn.Module):
+    """A block in which a context-parallel model attends as SDPA does, over the whole sequences
+    every rank of its group holds (generation, scoring); outside, over the split."""
+    return attention.implementation(model, WHOLE_SEQUENCES if is_split(model) else None)
