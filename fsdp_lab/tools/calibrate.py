@@ -147,7 +147,7 @@ def _rank_main(rank: int, job: Job, results) -> None:
                 job.sizes,
                 device,
                 job.repeats,
-                between=job.shapes[-1 if len(job.shapes) < 2 else 1],
+                between=job.shapes[min(1, len(job.shapes) - 1)],  # the MLP's (the only one)
                 dtype=dtype,
             )
         everyone = process_group.gather_from_processes(mine)
