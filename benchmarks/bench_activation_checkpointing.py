@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
 
 MB = 2**20
 

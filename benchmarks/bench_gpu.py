@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
 
 # Llama shapes. 160m: the first GPU run's model (hidden 1024, 8 layers, vocab 32000); 1b:
 # TinyLlama-1.1B's. batch: sequences per step at seq 2048 that fill an 80 GB device with every

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
 
 MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=8192)
 

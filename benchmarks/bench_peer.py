@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
 
 MODEL = dict(hidden=384, layers=4, heads=6, kv_heads=6, ffn=1024, vocab=8192)
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from reference import reference_run  # noqa: E402
 
 from fsdp_lab.config import to_typed  # noqa: E402
-from fsdp_lab.observe.loggers import read_metrics  # noqa: E402
+from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
 
 for arg in sys.argv[1:]:
     run = Path(arg)

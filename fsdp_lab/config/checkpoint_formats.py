@@ -2,7 +2,7 @@
 
 ``state.formats`` holds each format's reader/writer (a ``StateFormat`` per row); this table
 says, without torch, what the checks before launch need to know of a format. A new format is a
-``CheckpointFormat``, a row here, its ``StateFormat`` in ``state.formats.FORMATS`` and a
+``CheckpointFormat``, a row here, its ``StateFormat`` in ``state.formats.STATE_FORMATS`` and a
 ``conf/checkpoint/`` file.
 
 | checkpoint.format | saves | async saves | hardware=tpu |
@@ -28,7 +28,7 @@ class FormatRow:
     """hardware=tpu writes and reads it (torch_xla's DCP planners read only DCP's files)."""
 
 
-FORMATS: dict[CheckpointFormat, FormatRow] = {
+CHECKPOINT_FORMATS: dict[CheckpointFormat, FormatRow] = {
     CheckpointFormat.sharded: FormatRow(saves=True, async_saves=True, on_xla=True),
     CheckpointFormat.full: FormatRow(saves=True, async_saves=False, on_xla=False),
     CheckpointFormat.none: FormatRow(saves=False, async_saves=False, on_xla=True),
@@ -37,9 +37,9 @@ FORMATS: dict[CheckpointFormat, FormatRow] = {
 
 def format_row(fmt: CheckpointFormat | str) -> FormatRow:
     """The row of a format (or of its name, as a checkpoint's marker says it)."""
-    return FORMATS[CheckpointFormat[fmt] if isinstance(fmt, str) else fmt]
+    return CHECKPOINT_FORMATS[CheckpointFormat[fmt] if isinstance(fmt, str) else fmt]
 
 
 def with_async_saves() -> list[str]:
     """The formats checkpoint.async_enabled can write, by name, for an error's fix."""
-    return [f.name for f, row in FORMATS.items() if row.async_saves]
+    return [f.name for f, row in CHECKPOINT_FORMATS.items() if row.async_saves]

@@ -59,7 +59,7 @@ def compose(overrides: list[str]) -> Config:
     return to_typed(composed)
 
 
-def slurm_tasks_per_node(kind, nproc_per_node: int | None) -> int:
+def slurm_tasks_per_node(nproc_per_node: int | None) -> int:
     """SLURM tasks per node for hydra/launcher=slurm: one per rank (2 on CPU nodes by default;
     ``launch.slurm.check_launcher`` has refused what cannot be sized)."""
     return nproc_per_node or 2
@@ -69,4 +69,4 @@ def slurm_gpus_per_node(kind, nproc_per_node: int | None) -> int | None:
     """One GPU per rank with hardware=gpu; none on CPU nodes."""
     if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
         return None
-    return slurm_tasks_per_node(kind, nproc_per_node)
+    return slurm_tasks_per_node(nproc_per_node)

@@ -75,15 +75,16 @@ _ROWS = (
     Format("arrow", (), hub_readers.cut_arrow, texts=hub_readers.read_arrow),
     Format("stream", (), None, texts=hub_readers.read_stream, streamed=True),
 )  # fmt: skip
-FORMATS: dict[str, Format] = {row.name: row for row in _ROWS}
-HUB_FILES, HUB_STREAM = FORMATS["arrow"], FORMATS["stream"]  # what data=hub reads
+INPUT_FORMATS: dict[str, Format] = {row.name: row for row in _ROWS}
+HUB_FILES, HUB_STREAM = INPUT_FORMATS["arrow"], INPUT_FORMATS["stream"]  # what data=hub reads
 
 
-def format_of(name: str) -> Format:
+def input_format(name: str) -> Format:
     try:
-        return FORMATS[name]
+        return INPUT_FORMATS[name]
     except KeyError:
-        raise ValueError(f"no input format {name!r}; the formats are {sorted(FORMATS)}") from None
+        known = sorted(INPUT_FORMATS)
+        raise ValueError(f"no input format {name!r}; the formats are {known}") from None
 
 
 def read_by(kind: DataKind) -> list[Format]:
@@ -97,7 +98,7 @@ def read_by(kind: DataKind) -> list[Format]:
             reads = lambda row: row.ids is not None
         case _:
             raise ValueError(f"data.kind {kind} reads no files by their format")
-    return [row for row in FORMATS.values() if row.suffixes and reads(row)]
+    return [row for row in INPUT_FORMATS.values() if row.suffixes and reads(row)]
 
 
 def file_format(files: list[Path], kind: DataKind) -> Format:
@@ -146,7 +147,7 @@ def cut(files: list[Path], row: Format, *, step: int, **how) -> list[Segment]:
 
 def read_texts(seg: Segment, column: str, dataset=None) -> Iterator[str | object]:
     """A segment's texts in order (``dataset``: the open hub dataset of a stream segment)."""
-    row = format_of(seg.format)
+    row = input_format(seg.format)
     if row.texts is None:
         raise ValueError(f"format {row.name} holds token ids, not texts")
     return row.texts(dataset if row.streamed else seg, column)
@@ -154,7 +155,7 @@ def read_texts(seg: Segment, column: str, dataset=None) -> Iterator[str | object
 
 def read_rows(seg: Segment) -> readers.Rows:
     """A segment's whole rows (data=chat), each with a function naming it for an error."""
-    row = format_of(seg.format)
+    row = input_format(seg.format)
     if row.rows is None:
         chat = sorted(s for r in read_by(DataKind.chat) for s in r.suffixes)
         raise ConfigError(
@@ -165,7 +166,7 @@ def read_rows(seg: Segment) -> readers.Rows:
 
 def read_ids(seg: Segment, dtype: str) -> np.ndarray:
     """A token file segment's ids (``dtype``: data.dtype, for files without one of their own)."""
-    row = format_of(seg.format)
+    row = input_format(seg.format)
     if row.ids is None:
         raise ValueError(f"format {row.name} holds texts, not token ids")
     return np.asarray(row.ids(Path(seg.path), dtype)[seg.start : seg.stop])
@@ -173,4 +174,4 @@ def read_ids(seg: Segment, dtype: str) -> np.ndarray:
 
 def is_streamed(seg: Segment) -> bool:
     """Its size is known only as it is read (progress counts the text read)."""
-    return format_of(seg.format).streamed
+    return input_format(seg.format).streamed

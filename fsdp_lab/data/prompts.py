@@ -54,7 +54,7 @@ def _read_file(path: Path) -> list[Prompt]:
             "of prompts, one a line, or a list"
         ) from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if path.suffix not in formats.format_of("json").suffixes:  # one prompt a line of text
+    if path.suffix not in formats.input_format("json").suffixes:  # one prompt a line of text
         return [line for _, line in lines]
     whole = _json_list(text)
     if whole is not None:

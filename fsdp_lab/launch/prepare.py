@@ -17,7 +17,7 @@ from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
-from fsdp_lab.observe import loggers, rundir, trackers
+from fsdp_lab.observe import run_logs, rundir, trackers
 from fsdp_lab.observe.record import RunRecord
 
 if TYPE_CHECKING:  # the parent imports torch only once a check needs it
@@ -234,7 +234,7 @@ def _truncate_metrics(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)
-    steps = [loggers.step_of_line(line) for line in lines]
+    steps = [run_logs.step_of_line(line) for line in lines]
     kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s <= step]
     if len(kept) != len(lines):
         rundir.write_atomic(path, "".join(kept))

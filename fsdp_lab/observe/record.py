@@ -142,7 +142,7 @@ class RunFacts:
 
 @dataclass
 class RunResults:
-    """A run's final and best values (``observe.loggers.RunSummary``): run.json's and the
+    """A run's final and best values (``observe.run_logs.RunSummary``): run.json's and the
     trackers' summary. Steady-state medians skip each attempt's first step (warm-up)."""
 
     final_loss: float | None = None

@@ -38,7 +38,7 @@ from fsdp_lab.engine import fsdp
 from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, rng, safe_load
-from fsdp_lab.state.formats import FrozenBase, format_for, format_of, saved_shapes
+from fsdp_lab.state.formats import FrozenBase, format_for, format_saved_in, saved_shapes
 from fsdp_lab.state.integrity import MARKER, CheckpointError, verify
 from fsdp_lab.state.layout import (
     DAMAGED_SUFFIX,
@@ -274,7 +274,7 @@ class Checkpointer:
         marker = integrity.read_marker(path)
         trainer = json.loads((path / TRAINER_FILE).read_text())
         held = self._held(path, trainer)
-        reader = format_of(path, engine_io=self.io)
+        reader = format_saved_in(path, engine_io=self.io)
         reader.load(path, model=self.model, optimizer=self.optimizer, held=held)
         self.scheduler.load_state_dict(trainer["scheduler"])
         if self.scaler is not None and trainer["scaler"] is not None:

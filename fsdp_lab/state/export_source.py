@@ -48,7 +48,8 @@ def open_checkpoint(
     if not record["saved"]:
         held = set(finetune.trainable_names(model))
         frozen = _base_reader(path, record, model, cfg.seed, source)
-    fetch = _checkpoint_fetch(model, formats.format_of(path).tensor_reader(path), held, frozen)
+    reader = formats.format_saved_in(path).tensor_reader(path)
+    fetch = _checkpoint_fetch(model, reader, held, frozen)
     if cfg.finetune.quantize_base is QuantizeBase.nf4:  # the base as the run held it
         fetch = _dequantized_nf4(fetch, low_precision.base_weights(model))
     return model, fetch, hf_config, cfg

@@ -10,7 +10,7 @@ An engine with its own sharded io (``engine.sharded.ShardedStateIO``: XLA's) rep
 writer of checkpoint=sharded with ``EngineSharded``; the files are DCP's all the same. The rest
 of a checkpoint (trainer.json, RNG states, the marker, the atomic rename) is the
 ``checkpoint.Checkpointer``'s and the same for every format. A new format is a
-``CheckpointFormat``, a class here and its row in ``FORMATS``.
+``CheckpointFormat``, a class here and its row in ``STATE_FORMATS``.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class FullState(StateFormat):
         return fill
 
 
-FORMATS: dict[CheckpointFormat, StateFormat] = {
+STATE_FORMATS: dict[CheckpointFormat, StateFormat] = {
     CheckpointFormat.sharded: DcpSharded(),
     CheckpointFormat.full: FullState(),
 }
@@ -248,22 +248,22 @@ def format_for(fmt: CheckpointFormat, *, engine_io: ShardedStateIO | None = None
     if engine_io is not None and fmt is CheckpointFormat.sharded:
         return EngineSharded(engine_io)
     try:
-        return FORMATS[fmt]
+        return STATE_FORMATS[fmt]
     except KeyError:
         raise RuntimeError(f"checkpoint.format={fmt.name} has no reader/writer") from None
 
 
-def format_of(path: Path, *, engine_io: ShardedStateIO | None = None) -> StateFormat:
+def format_saved_in(path: Path, *, engine_io: ShardedStateIO | None = None) -> StateFormat:
     """The reader of a complete checkpoint, by its marker's format (the engine's own for
     sharded, where it has one). One it does not know, as a marker written by hand might say,
     is refused."""
     name = integrity.read_marker(path)["format"]
     fmt = CheckpointFormat.__members__.get(name)
-    if fmt not in FORMATS:
+    if fmt not in STATE_FORMATS:
         raise integrity.CheckpointError(f"checkpoint {path} has format {name}; cannot resume")
     return format_for(fmt, engine_io=engine_io)
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape as stored in a checkpoint, read without loading any weights."""
-    return format_of(path).saved_shapes(path)
+    return format_saved_in(path).saved_shapes(path)

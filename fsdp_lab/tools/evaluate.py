@@ -22,8 +22,8 @@ from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareConfig
 from fsdp_lab.observe import rundir
-from fsdp_lab.observe.loggers import MetricsWriter
 from fsdp_lab.observe.record import HarnessRecord, RunResults
+from fsdp_lab.observe.run_logs import MetricsWriter
 from fsdp_lab.train.evaluation import HarnessScores
 
 log = logging.getLogger("fsdp_lab")

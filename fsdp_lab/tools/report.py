@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.observe import rundir, trackers
-from fsdp_lab.observe.loggers import MetricRows, read_rows, read_samples
 from fsdp_lab.observe.profile.result import ProfileResult, StepBreakdown
 from fsdp_lab.observe.record import JobRecord, RunRecord, RunResults, StepRecord
+from fsdp_lab.observe.run_logs import MetricRows, read_rows, read_samples
 from fsdp_lab.observe.rundir import (
     METRICS_FILE,
     RUN_FILE,

@@ -25,8 +25,8 @@ from fsdp_lab.config import ConfigError
 from fsdp_lab.config.hardware_profiles import row_for
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
-from fsdp_lab.observe.loggers import read_rows
 from fsdp_lab.observe.record import RunRecord
+from fsdp_lab.observe.run_logs import read_rows
 from fsdp_lab.tools import plan, plan_time
 
 log = logging.getLogger("fsdp_lab")

@@ -20,7 +20,6 @@ from fsdp_lab.config import Config, HardwareKind, LossKind, ProfileMode, to_cont
 from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.engine.moe import ExpertCounts
 from fsdp_lab.observe import metrics
-from fsdp_lab.observe.loggers import MetricsWriter, Progress, RunSummary, tracker_history
 from fsdp_lab.observe.profile.recorder import PROFILE_DIR
 from fsdp_lab.observe.profile.result import ProfileResult, RankProfile
 from fsdp_lab.observe.profile.summary import TIMELINE_PNG, metrics_record, summary_line
@@ -35,6 +34,7 @@ from fsdp_lab.observe.record import (
     SamplesRecord,
     StepRecord,
 )
+from fsdp_lab.observe.run_logs import MetricsWriter, Progress, RunSummary, tracker_history
 from fsdp_lab.observe.rundir import (
     CONFIG_FILE,
     METRICS_FILE,

@@ -30,8 +30,8 @@ from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine.hardware import devices, flops, memory, process_group
 from fsdp_lab.observe import flight, heartbeat
-from fsdp_lab.observe.loggers import setup_rank_logging
 from fsdp_lab.observe.profile.recorder import WindowProfiler
+from fsdp_lab.observe.run_logs import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
 from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train

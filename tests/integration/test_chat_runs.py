@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import ROOT, check_ok, run_python, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from conftest import (
     wait_for_steps,
 )
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast

@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import SHARED_RUNS, check_ok, rank_pid, run_python, start_train, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 from fsdp_lab.state import safe_load
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from reference import reference_run
 
 from fsdp_lab.config import to_typed
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

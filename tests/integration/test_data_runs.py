@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import check_ok, start_train, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import ROOT, check_ok, rank_pid, start_train, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from mlflow_server import mlflow_server
 from test_models import save_tiny
 from wandb_files import offline_runs
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("lm_eval")

@@ -66,7 +66,7 @@ def moe_dir(tmp_path_factory) -> str:
 
 
 def _losses(run_dir) -> dict[int, float]:
-    from fsdp_lab.observe.loggers import read_metrics
+    from fsdp_lab.observe.run_logs import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
@@ -80,7 +80,7 @@ def _compare(run_dir, world: int) -> tuple[float, float, int]:
     from reference import reference_run
 
     from fsdp_lab.config import to_typed
-    from fsdp_lab.observe.loggers import read_metrics
+    from fsdp_lab.observe.run_logs import read_metrics
 
     cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
     records = read_metrics(run_dir / "metrics.jsonl")

@@ -20,7 +20,7 @@ from conftest import check_ok, run_python, train
 from test_models import save_tiny
 
 from fsdp_lab.config.low_precision import NF4_BYTES_PER_PARAM
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.tools import plan
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import check_ok, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

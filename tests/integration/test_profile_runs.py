@@ -13,7 +13,7 @@ from conftest import check_ok, run_python
 from report_files import assert_png, read_table
 from wandb_files import records
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

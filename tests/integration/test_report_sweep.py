@@ -10,7 +10,7 @@ import pytest
 from conftest import check_ok
 from report_files import assert_png, cli_report, fixed_line, read_table
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.tools.report import write_report
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import check_ok, train
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from conftest import check_ok, run_python, start_train, train, wait_for_steps
 from mlflow_server import mlflow_server
 from wandb_files import offline_runs
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import check_ok, train
 from wandb_files import offline_runs
 
-from fsdp_lab.observe.loggers import read_metrics
+from fsdp_lab.observe.run_logs import read_metrics
 
 pytestmark = pytest.mark.slow  # runs of train.py: make test, not make test-fast
 

@@ -164,7 +164,7 @@ def test_a_long_text_is_tokenised_in_pieces_exactly_as_whole(tmp_path, bpe_token
     cfg.data.validation_fraction = 0.0
     tok = corpus_lib.load_tokenizer(cfg)
     corpus = corpus_lib.prepare(cfg, tok, vocab_size=len(tok))
-    text = formats.format_of("text")
+    text = formats.input_format("text")
     pieces = formats.cut([tmp_path / "works.txt"], text, step=1 << 24, split_of=lambda *a: "")
     expected = tok.backend_tokenizer.encode(whole, add_special_tokens=False).ids
     assert len(pieces) > 3 and streams(corpus)["train"].tolist() == [*expected, tok.eos_token_id]

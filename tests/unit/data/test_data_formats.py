@@ -18,16 +18,16 @@ from fsdp_lab.data import formats
 
 
 def test_every_row_is_whole_and_every_suffix_names_one_format():
-    suffixes = [s for row in formats.FORMATS.values() for s in row.suffixes]
+    suffixes = [s for row in formats.INPUT_FORMATS.values() for s in row.suffixes]
     assert len(suffixes) == len(set(suffixes))
     assert all(s.startswith(".") and s == s.lower() for s in suffixes)
-    for name, row in formats.FORMATS.items():
+    for name, row in formats.INPUT_FORMATS.items():
         assert row.name == name
         assert (row.texts is None) != (row.ids is None), f"{name} reads texts or ids"
         assert row.cut is not None or row.streamed, f"{name} has no cutter"
-    assert {formats.HUB_FILES.name, formats.HUB_STREAM.name} <= set(formats.FORMATS)
+    assert {formats.HUB_FILES.name, formats.HUB_STREAM.name} <= set(formats.INPUT_FORMATS)
     with pytest.raises(ValueError, match="no input format 'docx'"):
-        formats.format_of("docx")
+        formats.input_format("docx")
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_each_kind_reads_the_formats_its_column_says(kind, suffixes):
 
 
 def test_which_formats_may_come_compressed_is_a_column(tmp_path):
-    assert {r.name for r in formats.FORMATS.values() if r.compressible} == {"json", "csv"}
+    assert {r.name for r in formats.INPUT_FORMATS.values() if r.compressible} == {"json", "csv"}
     for name in ("a.jsonl.gz", "b.csv.zst", "c.txt.gz"):
         (tmp_path / name).write_bytes(b"")
     for name, fmt in [("a.jsonl.gz", "json"), ("b.csv.zst", "csv")]:
@@ -56,8 +56,8 @@ def test_which_formats_may_come_compressed_is_a_column(tmp_path):
 def _dispatch_on_a_format() -> re.Pattern:
     """A format's name compared, matched or put in a segment, or one of its suffixes named: from
     the table itself, so a new row is guarded too."""
-    names = "|".join(map(re.escape, formats.FORMATS))
-    suffixes = "|".join(re.escape(s) for r in formats.FORMATS.values() for s in r.suffixes)
+    names = "|".join(map(re.escape, formats.INPUT_FORMATS))
+    suffixes = "|".join(re.escape(s) for r in formats.INPUT_FORMATS.values() for s in r.suffixes)
     return re.compile(
         rf"""(\bcase\s+|[!=]=\s*|\bin\s*[(\[{{]\s*)["']({names})["']"""
         rf"""|["']({suffixes})["']"""
@@ -117,11 +117,11 @@ def psv_format(tmp_path, monkeypatch):
     plugin.mkdir()
     (plugin / "fsdp_lab_psv_format.py").write_text(textwrap.dedent(PSV_MODULE))
     (plugin / "sitecustomize.py").write_text(
-        "import fsdp_lab_psv_format as psv\npsv.formats.FORMATS['psv'] = psv.ROW\n"
+        "import fsdp_lab_psv_format as psv\npsv.formats.INPUT_FORMATS['psv'] = psv.ROW\n"
     )
     monkeypatch.syspath_prepend(str(plugin))
     row = importlib.import_module("fsdp_lab_psv_format").ROW
-    monkeypatch.setitem(formats.FORMATS, "psv", row)
+    monkeypatch.setitem(formats.INPUT_FORMATS, "psv", row)
     path = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
     yield row

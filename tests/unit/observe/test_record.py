@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_lab.config import Objective
-from fsdp_lab.observe import loggers, rundir
+from fsdp_lab.observe import run_logs, rundir
 from fsdp_lab.observe.record import (
     EvalRecord,
     JobRecord,
@@ -178,10 +178,10 @@ def test_rows_round_trip_and_a_dense_step_has_no_expert_keys(tmp_path):
     old = {"step": 2, "loss": 5.0}  # before rows had splits: a train row
     lines = [json.dumps(r) for r in (val, step, old)] + ['{"split": "train", "st']
     path.write_text("\n".join(lines))
-    rows = loggers.read_rows(path, whole_lines_only=True)  # the cut last line skipped
+    rows = run_logs.read_rows(path, whole_lines_only=True)  # the cut last line skipped
     assert [r.step for r in rows.train] == [1, 2] and [r.val_loss for r in rows.val] == [5.5]
     with pytest.raises(ValueError):
-        loggers.read_rows(path)
+        run_logs.read_rows(path)
 
 
 def test_the_step_metrics_make_a_step_record():

@@ -11,7 +11,7 @@ from fsdp_lab.state import formats
 
 
 def test_every_format_but_none_has_a_reader_writer():
-    assert set(formats.FORMATS) == set(CheckpointFormat) - {CheckpointFormat.none}
+    assert set(formats.STATE_FORMATS) == set(CheckpointFormat) - {CheckpointFormat.none}
 
 
 def test_an_engine_io_replaces_the_sharded_writer_only():
@@ -44,9 +44,8 @@ def test_no_other_module_dispatches_on_the_format():
 
 
 def test_the_table_has_a_row_and_the_state_a_reader_writer_for_every_format():
-    assert set(checkpoint_formats.FORMATS) == set(CheckpointFormat)
-    saving = {f for f, row in checkpoint_formats.FORMATS.items() if row.saves}
-    assert saving == set(formats.FORMATS)
-    assert (
-        checkpoint_formats.format_row("full") is checkpoint_formats.FORMATS[CheckpointFormat.full]
-    )
+    assert set(checkpoint_formats.CHECKPOINT_FORMATS) == set(CheckpointFormat)
+    saving = {f for f, row in checkpoint_formats.CHECKPOINT_FORMATS.items() if row.saves}
+    assert saving == set(formats.STATE_FORMATS)
+    full = checkpoint_formats.CHECKPOINT_FORMATS[CheckpointFormat.full]
+    assert checkpoint_formats.format_row("full") is full
