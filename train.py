@@ -34,7 +34,7 @@ def main() -> int:
     jobs = sweep.SweepJobs()
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-    def run(cfg: DictConfig) -> float | None:
+    def one_job(cfg: DictConfig) -> float | None:
         hc = HydraConfig.get()
         return jobs.run_job(
             cfg,
@@ -44,7 +44,7 @@ def main() -> int:
             trial=hc.mode == RunMode.MULTIRUN and sweep.is_study(hc),
         )
 
-    run()
+    one_job()  # Hydra composes each job's config and calls one_job with it
     return jobs.exit_code()
 
 

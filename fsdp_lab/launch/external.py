@@ -13,7 +13,8 @@ from fsdp_lab.config import Config, ConfigError, HardwareKind, to_container, to_
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import slurm
 from fsdp_lab.observe import rundir
-from fsdp_lab.train.preempt import Preempted
+from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
+from fsdp_lab.train.preempt import Launched, Preempted
 
 log = logging.getLogger("fsdp_lab")
 
@@ -35,9 +36,12 @@ def _check_launcher_topology(cfg: Config, topo: Topology) -> None:
         )
 
 
-def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> int:
+def join_existing_group(
+    cfg: Config, hydra_run_dir: Path, job: dict | None, launched: Launched
+) -> int:
     """Join the group, adopt rank 0's config and run dir, run this rank. Never returns, except
-    in a submitit job (hydra/launcher=slurm), which must end through submitit: the exit code."""
+    when ``launched`` is submitit (hydra/launcher=slurm), whose job must end through
+    submitit: the exit code."""
     import torch.distributed as dist
 
     from fsdp_lab.engine.hardware import devices, process_group
@@ -77,27 +81,20 @@ def join_existing_group(cfg: Config, hydra_run_dir: Path, job: dict | None) -> i
             print(f"fsdp_lab: error: {shared['error']}", file=sys.stderr)
         dist.destroy_process_group()
         sys.stdout.flush()
-        if slurm.under_submitit():
+        if not launched.exits:
             return 2
         os._exit(2)
     run_dir = Path(shared["run_dir"])
     if rank != 0 and hydra_run_dir.resolve() != run_dir.resolve():
         _remove_if_empty(hydra_run_dir)  # this rank's own Hydra dir (hydra #2070)
-    return worker.run_and_exit(
-        to_typed(shared["config"]),
-        run_dir,
-        exit_process=not slurm.under_submitit(),
-        on_preempted=_requeue if rank == 0 else None,
-        # Rank 0 validated the config in prepare_run; the others check it against their own
-        # view of the launcher's topology.
-        validated=rank == 0,
-    )
-
-
-def _requeue(stopped: Preempted) -> None:
-    """A submitit job stopped by its time-limit signal requeues itself, checkpoint written."""
-    if slurm.requeue_for_submitit(stopped.signal):
-        log.info("requeued the SLURM job: it resumes from step %d", stopped.step)
+    # Rank 0 checked the config in prepare_run; the others check it against their own view of
+    # the launcher's topology (``Launched.checked``).
+    try:
+        return worker.run_rank(to_typed(shared["config"]), run_dir, launched)
+    except Preempted as stopped:  # only submitit's jobs return: one stopped by its time limit
+        if rank == 0 and slurm.requeue_for_submitit(stopped.signal):  # requeues itself
+            log.info("requeued the SLURM job: it resumes from step %d", stopped.step)
+        return PREEMPTED_EXIT_CODE
 
 
 def _remove_if_empty(path: Path) -> None:

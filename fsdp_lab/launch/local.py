@@ -208,11 +208,11 @@ def _fork_rank(
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
         rank_main.catch_signals()
-        rank_main.main(run_dir, port_fd)
+        rank_main.run_local_rank(run_dir, port_fd)
     except BaseException:  # noqa: BLE001 - the child's failure is reported by its exit code
         traceback.print_exc()
     finally:
-        os._exit(1)  # main ends the process itself; reached only when it failed to
+        os._exit(1)  # run_local_rank ends the process itself; reached only when it failed to
 
 
 class ForkedRank:

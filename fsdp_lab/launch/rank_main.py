@@ -1,11 +1,11 @@
 """Entry point of a rank the local launcher starts, one path for both ways it starts one.
 
 spawn: ``python -m fsdp_lab.launch.rank_main RUN_DIR PORT_FD`` in a fresh interpreter. fork: a
-child of the launcher calls ``catch_signals`` and ``main`` itself. Either way preemption signals
-are caught before the heavy imports (torch and transformers take seconds in a fresh
-interpreter), so a signal that arrives while a rank starts up is acted on after its first step
-instead of killing it without a checkpoint; and the rank reads the rendezvous port from the pipe
-``PORT_FD`` once the launcher has bound its store.
+child of the launcher calls ``catch_signals`` and ``run_local_rank`` itself. Either way
+preemption signals are caught before the heavy imports (torch and transformers take seconds in
+a fresh interpreter), so a signal that arrives while a rank starts up is acted on after its
+first step instead of killing it without a checkpoint; and the rank reads the rendezvous port
+from the pipe ``PORT_FD`` once the launcher has bound its store.
 """
 
 import os
@@ -40,20 +40,16 @@ def read_port(port_fd: int) -> str:
     return port
 
 
-def main(run_dir: Path, port_fd: int) -> None:
-    """Run this rank to the end; never returns (``worker.run_and_exit`` ends the process)."""
+def run_local_rank(run_dir: Path, port_fd: int) -> None:
+    """Run this rank of the config the launcher saved in ``run_dir``; never returns
+    (``worker.run_rank`` ends the process)."""
     os.environ["MASTER_PORT"] = read_port(port_fd)
     from fsdp_lab.train import worker
 
-    worker.run_and_exit(
-        rundir.load_run_config(run_dir),
-        run_dir,
-        early_signals=early_signals,
-        launcher_reports=True,
-        validated=True,  # the launcher's prepare_run, for the ranks it started
-    )
+    config = rundir.load_run_config(run_dir)
+    worker.run_rank(config, run_dir, preempt.Launched.local, early_signals=early_signals)
 
 
 if __name__ == "__main__":
     catch_signals()
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    run_local_rank(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,9 +1,10 @@
-"""From a composed config to N ranks running ``worker.run``: local spawn or an existing group.
+"""From one job's composed config to its ranks running ``worker.run_rank``.
 
-Bare ``python train.py`` validates the config here, in the parent (``prepare``), then starts
-``hardware.nproc_per_node`` worker processes (``local``) that read the resolved config from the
-run dir. Under torchrun or srun (RANK/WORLD_SIZE set, or SLURM's task variables) this process is
-one rank: ``external.join_existing_group`` takes over.
+Bare ``python train.py`` checks the config here, in the parent (``prepare``), then starts
+``hardware.nproc_per_node`` rank processes (``local``) that read the resolved config from the
+run dir (``Launched.local``). Under torchrun or srun (RANK/WORLD_SIZE set, or SLURM's task
+variables) this process is one rank: ``external.join_existing_group`` takes over
+(``Launched.external``, or ``Launched.submitit`` in a job of hydra/launcher=slurm).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from omegaconf import DictConfig
 from fsdp_lab.config import ConfigError, to_typed
 from fsdp_lab.launch import external, local, prepare, slurm
 from fsdp_lab.train import preempt
+from fsdp_lab.train.preempt import Launched
 
 
-def main(
+def launch_job(
     dict_cfg: DictConfig, *, run_dir: Path, multirun: bool, job: dict | None = None
 ) -> tuple[int, str | None]:
     """One run (a sweep's job) from its composed config: (exit code, the one-line error if the
@@ -39,7 +41,8 @@ def main(
                     "-m/--multirun under torchrun or srun would run the whole sweep on every "
                     "rank; run `python train.py -m ...` (it starts each job's ranks itself)"
                 )
-            return external.join_existing_group(cfg, run_dir, job), None  # submitit only
+            launched = Launched.submitit if slurm.under_submitit() else Launched.external
+            return external.join_existing_group(cfg, run_dir, job, launched), None  # submitit
         topo = prepare.local_topology(cfg)
         cfg = prepare.prepare_run(cfg, topo, run_dir, job)
     except ConfigError as e:

@@ -77,7 +77,7 @@ class SweepJobs:
         """Run one job; its objective (``objective=``, from its run.json) for a sweeper, None
         if the run failed or did not record it. ``trial``: the job is a study's trial."""
         self.trials = self.trials or trial
-        code, config_error = run.main(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
+        code, config_error = run.launch_job(dict_cfg, run_dir=run_dir, multirun=multirun, job=job)
         if code == 0:
             metric = OmegaConf.select(dict_cfg, "eval.objective_metric")
             return objective_value(run_dir, objective_of(dict_cfg), metric)

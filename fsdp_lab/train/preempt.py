@@ -1,4 +1,5 @@
-"""The preemption protocol shared by the launcher and the ranks (imports nothing heavy).
+"""The protocol shared by the launchers and the ranks (imports nothing heavy): who started a
+rank (``Launched``), which decides how it ends, and how a run is stopped early.
 
 SIGTERM (schedulers), SIGUSR1 (SLURM's --signal, as scripts/slurm/train.sbatch asks) or SIGUSR2
 (submitit's, hydra/launcher=slurm) asks a run to stop: the launcher forwards it
@@ -9,11 +10,45 @@ EXIT_CODE (EX_TEMPFAIL, "try again"): a scheduler requeues the job and resume=au
 
 from __future__ import annotations
 
+import enum
 import signal
 from typing import Protocol
 
 SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 EXIT_CODE = 75
+
+
+class Launched(enum.Enum):
+    """Who started a rank: the one value that decides how ``worker.run_rank`` ends it.
+
+    | launched | config checked by           | a failure reported by        | the rank ends       |
+    | local    | the launcher (prepare_run)  | the launcher (error files)   | os._exit(code)      |
+    | external | rank 0; others in join      | each rank on its stderr too  | os._exit(code)      |
+    | submitit | rank 0; others in join      | each rank on its stderr too  | returns its code    |
+
+    external: torchrun, or srun with ``launch.slurm.adopt_srun_env``. submitit: a job of
+    hydra/launcher=slurm, which must end through submitit; a preemption is raised to it as
+    ``Preempted`` (after the checkpoint), so that it can requeue the job."""
+
+    local = "local"
+    external = "external"
+    submitit = "submitit"
+
+    def checked(self, rank: int) -> bool:
+        """This process checked the config's rules against the topology the rank runs in, or
+        the launcher that started it did: else the rank checks them as it joins."""
+        return self is Launched.local or rank == 0
+
+    @property
+    def launcher_reports(self) -> bool:
+        """The launcher reads the ranks' error files and heartbeats and names the cause."""
+        return self is Launched.local
+
+    @property
+    def exits(self) -> bool:
+        """The rank ends its process (``os._exit``): interpreter shutdown after
+        ``destroy_process_group`` sometimes aborts."""
+        return self is not Launched.submitit
 
 
 class Preempted(Exception):

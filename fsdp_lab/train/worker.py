@@ -1,11 +1,10 @@
 """One rank of a run, in named steps: join -> build the train state -> fit -> finish.
 
-Started by the launcher as ``python -m fsdp_lab.launch.rank_main RUN_DIR PORT_FD`` (local
-spawn: it reads RUN_DIR/config.yaml, the config the parent composed and validated, and the
-store's port from the pipe PORT_FD) or called in-process
-under torchrun or srun (``launch.external``). Either way it ends with ``os._exit``: interpreter
-shutdown after ``destroy_process_group`` sometimes aborts ("terminate called without an active
-exception").
+``run_rank`` is called by ``launch.rank_main`` in a rank our local launcher started (spawned
+as ``python -m fsdp_lab.launch.rank_main RUN_DIR PORT_FD``, or forked), or by
+``launch.external`` in a rank torchrun, srun or submitit started. Who started it
+(``preempt.Launched``) decides who checked the config, who reports a failure and how the
+process ends.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +34,7 @@ from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file
 from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
-from fsdp_lab.train.preempt import Preempted, StopFlag
+from fsdp_lab.train.preempt import Launched, Preempted, StopFlag
 from fsdp_lab.train.reporter import Reporter, RunFacts, collect_facts
 
 log = logging.getLogger("fsdp_lab")
@@ -63,27 +61,48 @@ class FitResult:
     saved_step: int  # the last step a checkpoint was written at; -1: none
 
 
-def run(
-    cfg: Config, run_dir: Path, *, early_signals: list[int] | None = None, validated: bool = False
-) -> None:
-    """This rank's run; ``validated``: see ``run_and_exit``."""
-    started = time.perf_counter()
-    setup_rank_logging(run_dir / LOG_DIR, int(os.environ["RANK"]))
-    stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
-    ctx = join(cfg, run_dir / LOG_DIR, validated=validated)  # 1) device, threads, the group
-    state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
-    if (beat := heartbeat.current()) is not None:
-        beat.step_done(state.start_step)
-    facts = collect_facts(cfg, ctx, state)
-    reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if ctx.rank == 0 else None
-    rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
+def run_rank(
+    cfg: Config, run_dir: Path, launched: Launched, *, early_signals: list[int] | None = None
+) -> int:
+    """This rank's run, in named steps: join, build the train state, fit, finish. A failure
+    leaves a one-line error for the launcher. Ends the process (``os._exit``), unless
+    ``launched`` is submitit: then it returns the exit code, and a preemption is raised
+    (``Preempted``, checkpoint written) for submitit's job to requeue itself.
+    ``early_signals``: preemption signals that came while the rank started up."""
+    code, preempted, reporter = 0, None, None
     try:
+        started, rank = time.perf_counter(), int(os.environ["RANK"])
+        setup_rank_logging(run_dir / LOG_DIR, rank)
+        stop = StopFlag(early_signals)  # a signal during set-up is acted on at the first boundary
+        ctx = join(cfg, run_dir / LOG_DIR, checked=launched.checked(rank))  # 1) device, group
+        state = build_train_state(cfg, ctx, run_dir)  # 2) model, loss, data, optimizer, resume
+        if (beat := heartbeat.current()) is not None:
+            beat.step_done(state.start_step)
+        facts = collect_facts(cfg, ctx, state)
+        reporter = Reporter.start(cfg, run_dir, facts, ctx, state) if rank == 0 else None
+        rank_run = RankRun(cfg, run_dir, ctx, state, facts, reporter, stop, started)
         result = fit(rank_run)  # 3) the loop, with its evaluations and checkpoints
         finish(rank_run, result)  # 4) last checkpoint, export, run.json, the trackers' summary
-    except BaseException:
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         if reporter is not None:
             reporter.fail()
-        raise
+        if isinstance(e, Preempted):
+            code, preempted = PREEMPTED_EXIT_CODE, e
+        else:
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
+            _record_failure(run_dir, e, launcher_reports=launched.launcher_reports)
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a broken group cannot block the exit
+                dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if launched.exits:
+            logging.shutdown()
+            os._exit(code)
+    if preempted is not None:
+        raise preempted
+    return code
 
 
 def topology_from_env(kind: HardwareKind) -> Topology:
@@ -93,9 +112,9 @@ def topology_from_env(kind: HardwareKind) -> Topology:
     return Topology.from_launcher(os.environ, kind)
 
 
-def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
+def join(cfg: Config, log_dir: Path, *, checked: bool = False) -> RankContext:
     """Device, threads and the process group (under torchrun the launcher already joined it);
-    the topology's rules checked here unless this process has checked them (``validated``).
+    the topology's rules checked here unless they were (``checked``: ``Launched.checked``).
     ``log_dir``: where a flight recorder dump of this rank goes."""
     kind = devices.resolve_kind(cfg.hardware)
     device = devices.rank_device(kind, int(os.environ.get("LOCAL_RANK", 0)))
@@ -110,7 +129,7 @@ def join(cfg: Config, log_dir: Path, *, validated: bool = False) -> RankContext:
         process_group.init_process_group(kind, device, cfg.hardware.timeout_s, cfg.hardware.backend)
     if dist.get_world_size() > 1:  # so a timeout can name the rank that stopped
         heartbeat.start(dist.get_rank())
-    if not validated:
+    if not checked:
         validate(cfg, topo)
     flops.set_tf32(kind, cfg.precision.tf32)
     torch.manual_seed(cfg.seed)
@@ -238,49 +257,6 @@ def _export(r: RankRun) -> None:
         what = "LoRA adapter (PEFT)" if r.cfg.finetune.method is FinetuneMethod.lora else "model"
         log.info("exported Hugging Face %s: %s", what, out_dir)
     dist.barrier()
-
-
-def run_and_exit(
-    cfg: Config,
-    run_dir: Path,
-    *,
-    early_signals: list[int] | None = None,
-    exit_process: bool = True,
-    launcher_reports: bool = False,
-    on_preempted: Callable[[Preempted], None] | None = None,
-    validated: bool = False,
-) -> int:
-    """Run this rank; on failure leave a one-line error for the launcher. Never returns, unless
-    ``exit_process`` is false (a submitit job, whose own code must record the end): then the
-    exit code. ``on_preempted`` is the launcher's hook after a preempted run's checkpoint (a
-    submitit job requeues itself there). ``launcher_reports``: the local launcher reports the
-    failure (rank_main); else this rank says what it knows of a timeout itself.
-
-    ``validated``: this process already checked ``config.rules.validate`` against the topology
-    this rank runs in (rank 0 under torchrun or srun, in ``prepare_run``), or the process that
-    started it did and set that topology itself (the local launcher). Otherwise (the other
-    ranks under torchrun or srun, which adopt rank 0's config) the rank checks it in ``join``:
-    the rules run once in every process that needs them."""
-    code = 0
-    try:
-        run(cfg, run_dir, early_signals=early_signals, validated=validated)
-    except Preempted as e:
-        code = PREEMPTED_EXIT_CODE
-        if on_preempted is not None:
-            on_preempted(e)
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        code = 130 if isinstance(e, KeyboardInterrupt) else 1
-        _record_failure(run_dir, e, launcher_reports=launcher_reports)
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # a broken group cannot block the exit
-                dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if exit_process:
-            logging.shutdown()
-            os._exit(code)
-    return code
 
 
 def _record_failure(run_dir: Path, e: BaseException, *, launcher_reports: bool) -> None:

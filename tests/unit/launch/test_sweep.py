@@ -13,7 +13,7 @@ from fsdp_lab.train import preempt
 @pytest.fixture
 def failing(monkeypatch):
     def fake(code, error):
-        monkeypatch.setattr(run, "main", lambda dict_cfg, **kw: (code, error))
+        monkeypatch.setattr(run, "launch_job", lambda dict_cfg, **kw: (code, error))
         return sweep.SweepJobs()
 
     return fake
