@@ -1,5 +1,6 @@
 """The run's configuration, torch-free: the typed schema of every group (``schema``), the
-strategy table (``strategies``), the loss table (``losses``), the topology and its mesh
+strategy table (``strategies``), the loss table (``losses``), the data kinds
+(``data_kinds``), the topology and its mesh
 (``topology``), the rules a config must satisfy (``rules``) and the way in from Hydra
 (``load``). Imports nothing else of ours.
 
@@ -12,12 +13,12 @@ fsdp_lab.config import Config, to_typed`` is how the other packages read them.
 from fsdp_lab.config.data import (
     ChatLayout,
     DataConfig,
-    DataKind,
     Overlong,
     Packing,
     TokenDtype,
     TrainOn,
 )
+from fsdp_lab.config.data_kinds import DataKind
 from fsdp_lab.config.errors import ConfigError, first_line
 from fsdp_lab.config.evaluation import HARNESS_EXTRA, EvalConfig
 from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod

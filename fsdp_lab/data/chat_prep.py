@@ -33,7 +33,7 @@ BATCH_ROWS = 256  # conversations rendered and tokenised at once
 def chat_format(cfg: Config, tok) -> dict:
     """What turns a row into pieces, as plain data (ChatFormat's fields)."""
     d = cfg.data
-    first, where = _first_row(d.files, d.messages_column)
+    first, where = _first_row(d.files, d.kind, d.messages_column)
     layout = d.layout.value
     if layout == "auto":
         layout = chat.detect_layout(
@@ -72,11 +72,11 @@ def _default_bos(tok) -> str | None:
     return bos if ids and ids[0] == tok.bos_token_id else None
 
 
-def _first_row(patterns: list[str], column: str) -> tuple[dict, str]:
+def _first_row(patterns: list[str], kind: DataKind, column: str) -> tuple[dict, str]:
     """The first row of the first non-empty file, and where it is (for the layout): read
     through the first segment the planner cuts, as a preparing process reads it."""
     files = local_files(patterns)
-    fmt = formats.file_format(files, DataKind.chat)
+    fmt = formats.file_format(files, kind)
     path = next((f for f in files if f.stat().st_size), None)  # (plan warns of empty ones)
     if path is None:
         raise ConfigError("data.files: every file is empty; add conversations")

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from fsdp_lab.config import Config, ConfigError, DataKind, ModelTask
+from fsdp_lab.config import Config, ConfigError, ModelTask
+from fsdp_lab.config.data_kinds import Holds, Rows, Source, kind_row
 from fsdp_lab.data import cache, cache_lock, chat_prep, encode, tasks, worker
 from fsdp_lab.data.worker import Setup, in_validation
 
@@ -74,11 +75,12 @@ def load_tokenizer(cfg: Config):
         path = Path(cfg.model.name_or_path).expanduser()
         if not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
-    if source is None and cfg.data.kind in (DataKind.synthetic, DataKind.tokens):
-        if cfg.data.kind is DataKind.tokens and cfg.model.task is ModelTask.masked_lm:
+    row = kind_row(cfg.data.kind)
+    if source is None and not row.tokenised:
+        if row.prepared and cfg.model.task is ModelTask.masked_lm:
             raise ConfigError(
-                "data=tokens with model.task=masked_lm needs the tokenizer's mask and special "
-                "tokens; set data.tokenizer=<its tokenizer directory>"
+                f"data={cfg.data.kind.value} with model.task=masked_lm needs the tokenizer's "
+                "mask and special tokens; set data.tokenizer=<its tokenizer directory>"
             )
         return None
     from transformers import AutoTokenizer, ByT5Tokenizer  # after the return: seconds to import
@@ -100,7 +102,7 @@ def load_tokenizer(cfg: Config):
                 f"{setting}={source}: no tokenizer can be loaded from it ({first[:200]}); "
                 "point data.tokenizer at a tokenizer directory"
             )
-            if cfg.data.kind is DataKind.synthetic and setting == "model.name_or_path":
+            if not row.prepared and setting == "model.name_or_path":
                 log.warning("%s; synthetic data needs none, the export will have none", message)
                 return None
             raise ConfigError(message) from e
@@ -124,6 +126,7 @@ def absolute_paths(cfg: Config) -> Config:
         return str(Path(path).expanduser().resolve())
 
     d = cfg.data
+    hub = kind_row(d.kind).source is Source.hub
     data = dataclasses.replace(
         d,
         tokenizer=absolute(d.tokenizer),
@@ -131,7 +134,7 @@ def absolute_paths(cfg: Config) -> Config:
         cache_dir=absolute(d.cache_dir),
         files=[
             # a hub dataset's data_files may be paths inside its repository: only local ones
-            absolute(f) if d.kind is DataKind.hub else str(Path(os.path.expanduser(f)).absolute())
+            absolute(f) if hub else str(Path(os.path.expanduser(f)).absolute())
             for f in d.files
         ],
     )
@@ -178,7 +181,8 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
         "dtype": dtype.name,
         "validation_fraction": d.validation_fraction,
     }
-    if d.kind is DataKind.chat:  # the template and what is learned decide the tokens and mask
+    chat = kind_row(d.kind).rows is Rows.conversations
+    if chat:  # the template and what is learned decide the tokens and mask
         import transformers  # its renderer renders the template: another version may differ
 
         key["chat"] = chat_prep.chat_format(cfg, tok)
@@ -201,7 +205,7 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
             finally:
                 lock.release()
     meta = cache.EntryMeta.read(entry)
-    if d.kind is DataKind.chat:
+    if chat:
         corpus = chat_prep.load(entry, meta, cfg)
     else:
         corpus = _load(entry, meta, cfg.trainer.seq_len, d.validation_fraction)
@@ -211,12 +215,13 @@ def prepare(cfg: Config, tok, *, vocab_size: int) -> Corpus:
 
 
 def _eos(cfg: Config, tok) -> int:
-    if cfg.data.kind is DataKind.tokens and cfg.data.eos_id is not None:
+    ids = kind_row(cfg.data.kind).reads is Holds.ids  # token files: data.eos_id may say
+    if ids and cfg.data.eos_id is not None:
         return cfg.data.eos_id
     if tok is None:
         raise ConfigError(
-            "data=tokens needs the id that ends each document: set data.eos_id (50256 for "
-            "GPT-2's tokenizer), or data.tokenizer to take its EOS"
+            f"data={cfg.data.kind.value} needs the id that ends each document: set "
+            "data.eos_id (50256 for GPT-2's tokenizer), or data.tokenizer to take its EOS"
         )
     return eos_id(tok)
 
@@ -234,11 +239,12 @@ def _build(
             "val" if in_validation(head, length, d.validation_fraction) else "train"
         ),
     )
-    tokens = d.kind is DataKind.tokens
+    tokens = kind_row(d.kind).reads is Holds.ids
     stream = None
     if d.streaming:
         fields = ("name", "subset", "split", "files", "max_tokens")
         stream = {f: getattr(d, f) for f in fields} | {"hf_cache": str(root / "hf_datasets")}
+        stream["kind"] = d.kind.value
     setup = Setup(
         shard_dir="",
         dtype=dtype.name,
@@ -339,7 +345,7 @@ def _check_ids(meta: cache.EntryMeta, vocab_size: int) -> None:
 
 def _report(corpus: Corpus, meta: cache.EntryMeta, cfg: Config, *, prepared: bool) -> None:
     """The last line of a preparation (or the line of a cached corpus)."""
-    seq_len, chat = cfg.trainer.seq_len, cfg.data.kind is DataKind.chat
+    seq_len, chat = cfg.trainer.seq_len, kind_row(cfg.data.kind).rows is Rows.conversations
     kind = f"rows ({cfg.data.packing.value})" if chat else "blocks"
     blocks = f"{len(corpus.train):,} train + {len(corpus.val):,} validation {kind} of {seq_len}"
     if not prepared:

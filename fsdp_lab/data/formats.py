@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_lab.config import ConfigError, DataKind
+from fsdp_lab.config.data_kinds import Holds, kind_row
 from fsdp_lab.data import hub_readers, readers, token_readers
 from fsdp_lab.data.segment import Cutting, Segment
 from fsdp_lab.data.sources import COMPRESSED, format_suffix, is_compressed
@@ -57,6 +58,11 @@ class Format:
     streamed: bool = False
     """Read from the open hub dataset as it arrives (its reader takes the dataset, not the
     segment), so its size is known only as it is read."""
+
+    def holds(self, what: Holds) -> bool:
+        """Its reader gives ``what`` (a data kind reads the formats that give its column)."""
+        reader = {Holds.texts: self.texts, Holds.rows: self.rows, Holds.ids: self.ids}[what]
+        return reader is not None
 
 
 # A table, a row a format: laid out by hand.
@@ -88,17 +94,12 @@ def input_format(name: str) -> Format:
 
 
 def read_by(kind: DataKind) -> list[Format]:
-    """The file formats data=<kind> reads: a column of the table says, not a list of names."""
-    match kind:
-        case DataKind.text | DataKind.shakespeare:
-            reads = lambda row: row.texts is not None
-        case DataKind.chat:
-            reads = lambda row: row.rows is not None
-        case DataKind.tokens:
-            reads = lambda row: row.ids is not None
-        case _:
-            raise ValueError(f"data.kind {kind} reads no files by their format")
-    return [row for row in INPUT_FORMATS.values() if row.suffixes and reads(row)]
+    """The file formats data=<kind> reads: the kind's row names a column of this table (the
+    formats whose reader gives texts, whole rows or ids), not a list of formats."""
+    holds = kind_row(kind).reads
+    if holds is None:
+        raise ValueError(f"data.kind {kind} reads no files by their format")
+    return [row for row in INPUT_FORMATS.values() if row.suffixes and row.holds(holds)]
 
 
 def file_format(files: list[Path], kind: DataKind) -> Format:
@@ -157,9 +158,10 @@ def read_rows(seg: Segment) -> readers.Rows:
     """A segment's whole rows (data=chat), each with a function naming it for an error."""
     row = input_format(seg.format)
     if row.rows is None:
-        chat = sorted(s for r in read_by(DataKind.chat) for s in r.suffixes)
+        whole = sorted(s for r in INPUT_FORMATS.values() if r.holds(Holds.rows) for s in r.suffixes)
         raise ConfigError(
-            f"data.files: {seg.path} is {row.name}; data=chat reads rows of {', '.join(chat)}"
+            f"data.files: {seg.path} is {row.name}; {Holds.rows.value} are read from "
+            f"{', '.join(whole)}"
         )
     return row.rows(seg)
 

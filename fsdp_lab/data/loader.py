@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdp_lab.config import Config, DataKind, ModelTask
+from fsdp_lab.config import Config, ModelTask
+from fsdp_lab.config.data_kinds import Rows, kind_row
 from fsdp_lab.data.context import ContextShare
 from fsdp_lab.data.labels import IGNORE_INDEX
 from fsdp_lab.data.packing import ChatSplit
@@ -320,7 +321,7 @@ def _masking(cfg: Config, tokenizer, vocab_size: int) -> Masking | None:
     """A masked LM's corruption (None for a causal LM)."""
     masking = None
     if cfg.model.task is ModelTask.masked_lm:
-        if cfg.data.kind is DataKind.synthetic:  # ids, not text: the last id is [MASK]
+        if kind_row(cfg.data.kind).rows is Rows.generated:  # ids: the last id is [MASK]
             masking = Masking(
                 mask_id=vocab_size - 1,
                 vocab_size=vocab_size - 1,
@@ -372,14 +373,14 @@ def build_data(
         local_ranks=local_ranks,
         context=context,
     )
-    match cfg.data.kind:
-        case DataKind.synthetic:
+    match kind_row(cfg.data.kind).rows:
+        case Rows.generated:
             return SyntheticData(vocab_size=vocab_size, seq_len=t.seq_len, **common)
-        case DataKind.text | DataKind.hub | DataKind.shakespeare | DataKind.tokens:
+        case Rows.blocks:
             return PackedData(
                 train=corpus.train, val=corpus.val, fingerprint=corpus.fingerprint, **common
             )
-        case DataKind.chat:
+        case Rows.conversations:
             pad = tokenizer.pad_token_id
             return ChatData(
                 train=corpus.train,
@@ -389,4 +390,4 @@ def build_data(
                 **common,
             )
         case _:
-            raise ValueError(f"unknown data.kind {cfg.data.kind}")
+            raise ValueError(f"data.kind {cfg.data.kind}: no loader builds its rows")

@@ -18,7 +18,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_lab.config import ConfigError, DataConfig, DataKind
+from fsdp_lab.config import ConfigError, DataConfig
+from fsdp_lab.config.data_kinds import Holds, kind_row
+from fsdp_lab.config.data_kinds import Source as Origin
 from fsdp_lab.data import formats
 from fsdp_lab.data.segment import Segment
 from fsdp_lab.data.sources import file_stats, load_hub, local_files, non_empty, shakespeare_files
@@ -80,7 +82,8 @@ def group_tasks(segments: list[Segment], per_task: int) -> list[Task]:
 def source_key(d: DataConfig, *, eos: int | None) -> dict:
     """What identifies the corpus in the cache key: the files (path, size, mtime) and how they
     are read, or the hub dataset. Cheap: no file is opened."""
-    if d.kind is DataKind.hub:
+    origin = kind_row(d.kind).source
+    if origin is Origin.hub:
         local = [f for f in d.files if os.path.exists(os.path.expanduser(f))]
         return {
             "hub": d.name,
@@ -92,7 +95,7 @@ def source_key(d: DataConfig, *, eos: int | None) -> dict:
             "max_tokens": d.max_tokens,
             "text_column": d.text_column,
         }
-    files = shakespeare_files() if d.kind is DataKind.shakespeare else local_files(d.files)
+    files = shakespeare_files() if origin is Origin.package else local_files(d.files)
     fmt = formats.file_format(files, d.kind)
     if fmt.ids is not None:  # token ids: their dtype and the EOS that ends a document
         return {"files": file_stats(files), "dtype": d.dtype.value, "eos": eos}
@@ -104,7 +107,7 @@ def source_key(d: DataConfig, *, eos: int | None) -> dict:
 
 def _column(d: DataConfig) -> str | None:
     """The text column to check in each file; None: whole rows are read (data=chat)."""
-    return None if d.kind is DataKind.chat else d.text_column
+    return None if kind_row(d.kind).reads is Holds.rows else d.text_column
 
 
 def plan(d: DataConfig, key: dict, *, eos: int | None, hf_cache: Path, split_of) -> Source:

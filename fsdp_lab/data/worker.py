@@ -172,7 +172,7 @@ class TaskRunner:
         """A streamed hub dataset, opened by the task that reads it (its errors are the task's)."""
         if self._stream is None and self.setup.stream is not None:
             fields = {k: v for k, v in self.setup.stream.items() if k != "hf_cache"}
-            d = DataConfig(kind=DataKind.hub, streaming=True, **fields)
+            d = DataConfig(kind=DataKind(fields.pop("kind")), streaming=True, **fields)
             self._stream = load_hub(d, Path(self.setup.stream["hf_cache"]), streaming=True)
         return self._stream
 

@@ -11,8 +11,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_lab.config import Config, ConfigError, DataKind, HardwareKind, StartMethod
+from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
 from fsdp_lab.config.checkpoint_formats import format_row
+from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
@@ -83,21 +84,7 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     files = weights.local_files(cfg.model.name_or_path) if cfg.model.pretrained else None
     _check_vocab(tokenizer, hf_config)
-    if cfg.data.kind is not DataKind.synthetic:
-        # Tokenise and pack once, here: missing files, an empty dataset or a wrong column fail
-        # before any rank starts, and the ranks find the result in the cache.
-        corpus = corpus_lib.prepare(cfg, tokenizer, vocab_size=hf_config.vocab_size)
-        if cfg.data.kind is DataKind.chat and corpus.train.learned_tokens() == 0:
-            raise ConfigError(
-                f"data=chat: no reply token lies within the first trainer.seq_len="
-                f"{cfg.trainer.seq_len} tokens of any training conversation, so nothing would "
-                "be learned; raise trainer.seq_len (fsdp-lab data preview shows the rows)"
-            )
-        if cfg.trainer.eval_every and len(corpus.val) == 0:
-            log.warning(
-                "data.validation_fraction=%s leaves no validation blocks: no evaluation",
-                cfg.data.validation_fraction,
-            )
+    _check_corpus(cfg, tokenizer, hf_config.vocab_size)
     cfg = _check_eval(cfg, tokenizer, hf_config)
     # The model's structure on meta costs no memory: wrap errors (a class that matches nothing)
     # and checkpoints of another model surface here once, not in every worker.
@@ -119,6 +106,29 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         expert_parallel.check(meta_model, cfg.parallel.expert)
     wrap.select_units(meta_model, cfg.wrap)
     return cfg, meta_model
+
+
+def _check_corpus(cfg: Config, tokenizer, vocab_size: int) -> None:
+    """Tokenise and pack the corpus once, here: missing files, an empty dataset or a wrong
+    column fail before any rank starts, and the ranks find the result in the cache."""
+    from fsdp_lab.data import corpus as corpus_lib
+
+    row = kind_row(cfg.data.kind)
+    if not row.prepared:
+        return
+    corpus = corpus_lib.prepare(cfg, tokenizer, vocab_size=vocab_size)
+    if row.replies_only and corpus.train.learned_tokens() == 0:
+        raise ConfigError(
+            f"data={cfg.data.kind.value}: no reply token lies within the first "
+            f"trainer.seq_len={cfg.trainer.seq_len} tokens of any training conversation, so "
+            "nothing would be learned; raise trainer.seq_len (fsdp-lab data preview shows the "
+            "rows)"
+        )
+    if cfg.trainer.eval_every and len(corpus.val) == 0:
+        log.warning(
+            "data.validation_fraction=%s leaves no validation blocks: no evaluation",
+            cfg.data.validation_fraction,
+        )
 
 
 def _check_vocab(tokenizer, hf_config) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from fsdp_lab.config import ConfigError, DataKind, compose
+from fsdp_lab.config import ConfigError, compose
+from fsdp_lab.config.data_kinds import kind_row, kinds_where
 from fsdp_lab.config.rules import validate
 from fsdp_lab.launch.prepare import check_model_and_data
 from fsdp_lab.tools.plan import topology
@@ -21,10 +22,11 @@ from fsdp_lab.tools.plan import topology
 def prepare_command(overrides: list[str]) -> int:
     """Prepare the corpus ``overrides`` describe (its progress and last line on stderr)."""
     cfg = compose(overrides)
-    if cfg.data.kind is DataKind.synthetic:
+    if not kind_row(cfg.data.kind).prepared:
+        others = ", ".join(kinds_where(lambda row: row.prepared))
         raise ConfigError(
-            "data=synthetic is made as it is read: nothing to prepare; set data=text (or hub, "
-            "shakespeare, tokens) and its files"
+            f"data={cfg.data.kind.value} is made as it is read: nothing to prepare; set data= "
+            f"to one of {others}, with its files"
         )
     _log_to_stderr()
     topo, _ = topology(cfg)
@@ -43,10 +45,11 @@ def preview_command(overrides: list[str], *, rows: int, out=None) -> int:
 
     out = out or sys.stdout
     cfg = compose(overrides)
-    if cfg.data.kind is not DataKind.chat:
+    if not kind_row(cfg.data.kind).replies_only:
+        chat = kinds_where(lambda row: row.replies_only)[0]
         raise ConfigError(
-            f"data preview shows what a data=chat run learns; this is data={cfg.data.kind.value} "
-            "(every token learned); add data=chat and its data.files"
+            f"data preview shows what a data={chat} run learns; this is "
+            f"data={cfg.data.kind.value} (every token learned); add data={chat} and its data.files"
         )
     _log_to_stderr()
     validate(cfg, topology(cfg)[0])  # what the run would refuse, refused here too

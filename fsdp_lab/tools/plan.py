@@ -20,12 +20,12 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
     ConfigError,
-    DataKind,
     HardwareKind,
     OffloadDevice,
     Packing,
     ShardingStrategy,
 )
+from fsdp_lab.config.data_kinds import Rows, kind_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile, device_profile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.precisions import dtype_row
@@ -225,7 +225,8 @@ def _context_layout(
     causal mask SDPA materialises (CPU; CUDA without flash, i.e. in fp32)."""
     if cfg.parallel.context == 1:
         return None
-    packed = cfg.data.kind is DataKind.chat and cfg.data.packing is Packing.documents
+    rows = kind_row(cfg.data.kind).rows
+    packed = rows is Rows.conversations and cfg.data.packing is Packing.documents
     window = layer.sliding_window is not None and layer.sliding_window < cfg.trainer.seq_len
     materialised = topo.device is HardwareKind.cpu or not dtype_row(cfg.precision.param_dtype).half
     return activation_memory.ContextLayout(

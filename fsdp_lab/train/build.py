@@ -15,13 +15,13 @@ import torch
 
 from fsdp_lab.config import (
     Config,
-    DataKind,
     HardwareKind,
     ModelTask,
     OptimImpl,
     WeightLoading,
     to_container,
 )
+from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.context import ContextShare
@@ -160,7 +160,7 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
     tokenizer = corpus_lib.load_tokenizer(cfg)
     corpus = (
         None
-        if cfg.data.kind is DataKind.synthetic
+        if not kind_row(cfg.data.kind).prepared
         else corpus_lib.prepare(cfg, tokenizer, vocab_size=vocab_size)
     )
     ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
