@@ -57,3 +57,15 @@ def test_preempted_carries_the_step_and_signal():
     e = preempt.Preempted(12, signal=signal.SIGUSR1)
     assert (e.step, e.signal, str(e)) == (12, signal.SIGUSR1, "stopped after step 12")
     assert preempt.EXIT_CODE == 75  # EX_TEMPFAIL: schedulers read it as "try again"
+
+
+def test_who_launched_a_rank_decides_its_checks_reports_and_end():
+    """One value, not four flags: the local launcher checked the config for every rank and
+    reads their errors; under torchrun/srun rank 0 checked it and the others check it as they
+    join; only a submitit job's rank returns instead of ending its process."""
+    assert [preempt.Launched.local.checked(r) for r in (0, 3)] == [True, True]
+    for launched in (preempt.Launched.external, preempt.Launched.submitit):
+        assert [launched.checked(r) for r in (0, 3)] == [True, False]
+        assert not launched.launcher_reports
+    assert preempt.Launched.local.launcher_reports
+    assert [m for m in preempt.Launched if not m.exits] == [preempt.Launched.submitit]
