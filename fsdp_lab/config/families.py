@@ -279,16 +279,45 @@ _ROWS = (
 )
 del A, Q
 FAMILIES: dict[str, Family] = {row.model_type: row for row in _ROWS}
+ENTRY_POINTS = "fsdp_lab.families"
+_plugged: list[str] = []  # the user packages' rows, added once per process
+
+
+def _rows() -> dict[str, Family]:
+    """The table, with the rows users' packages register: an entry point in the group
+    ``fsdp_lab.families`` naming a ``Family`` (or a list of them), e.g. in the user's
+    pyproject.toml ``[project.entry-points."fsdp_lab.families"] phi3 = "my_lab.families:PHI3"``.
+    Every process that reads the table (the launcher, each rank, plan) finds them the same."""
+    if not _plugged:
+        from importlib.metadata import entry_points
+
+        _plugged.append("")  # once, even if a package fails below
+        for ep in entry_points(group=ENTRY_POINTS):
+            loaded = ep.load()
+            for row in loaded if isinstance(loaded, (list, tuple)) else [loaded]:
+                if not isinstance(row, Family):
+                    raise ConfigError(
+                        f"entry point {ep.name} = {ep.value} (group {ENTRY_POINTS}) is a "
+                        f"{type(row).__name__}, not a fsdp_lab.config.families.Family"
+                    )
+                if row.model_type in FAMILIES and FAMILIES[row.model_type] is not row:
+                    raise ConfigError(
+                        f"entry point {ep.name} = {ep.value} registers model_type "
+                        f"{row.model_type!r}, which fsdp_lab has a row for; name another type"
+                    )
+                FAMILIES[row.model_type] = row
+                _plugged.append(ep.value)
+    return FAMILIES
 
 
 def family_of(model_type: str) -> Family | None:
     """The row of a Hugging Face model type; None for a type fsdp_lab has no row for."""
-    return FAMILIES.get(model_type)
+    return _rows().get(model_type)
 
 
 def preset_family(arch: ModelArch) -> Family:
     """The row of a preset; a preset without one is a bug, not a user error."""
-    for row in FAMILIES.values():
+    for row in _rows().values():
         if row.preset is arch:
             return row
     raise RuntimeError(f"model.arch {arch} has no row in FAMILIES")
@@ -296,17 +325,17 @@ def preset_family(arch: ModelArch) -> Family:
 
 def fused_loss_types() -> list[str]:
     """The model types the fused losses may take, by name."""
-    return sorted(t for t, row in FAMILIES.items() if row.fused_loss)
+    return sorted(t for t, row in _rows().items() if row.fused_loss)
 
 
 def context_parallel_types() -> list[str]:
     """The model types context parallelism runs, by name."""
-    return sorted(t for t, row in FAMILIES.items() if row.context_parallel)
+    return sorted(t for t, row in _rows().items() if row.context_parallel)
 
 
 def expert_presets() -> list[str]:
     """The mixture-of-experts presets, by name."""
-    return [row.preset.name for row in FAMILIES.values() if row.experts and row.preset]
+    return [row.preset.name for row in _rows().values() if row.experts and row.preset]
 
 
 def check_preset(m: ModelConfig) -> None:

