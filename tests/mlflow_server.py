@@ -1,16 +1,11 @@
-"""A real MLflow tracking server for the tests, on localhost, with a SQLite backend.
-
-`mlflow server` needs the full mlflow package and SQLAlchemy 2 (with SQLAlchemy 1.4 it dies at
-start: "module 'sqlalchemy' has no attribute 'Engine'"), which the project's environment cannot
-have: the optuna extra's optuna<3 pins SQLAlchemy below 2. So the server runs from an
-environment of its own, .venv-mlflow, built here the first time (about a minute),
-with the same MLflow version as the project's mlflow-skinny client.
-"""
+"""A real MLflow tracking server for the tests, on localhost, with a SQLite backend, run from
+the tests' own environment: since the Optuna sweeper no longer pins SQLAlchemy below 2, MLflow's
+server (which needs SQLAlchemy 2) and fsdp_lab share one environment (the trackers extra
+installs the full ``mlflow``)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import socket
 import subprocess
 import sys
@@ -18,22 +13,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venv-mlflow"
-
-
-def server_env() -> Path:
-    """.venv-mlflow/bin/mlflow, built if missing."""
-    mlflow = VENV / "bin" / "mlflow"
-    if not mlflow.is_file():
-        version = importlib.metadata.version("mlflow-skinny")
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run(
-            [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", f"mlflow=={version}"],
-            check=True,
-        )
-    return mlflow
 
 
 def free_port() -> int:
@@ -49,7 +28,9 @@ def mlflow_server(root: Path, timeout: float = 180) -> Iterator[str]:
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
         [
-            str(server_env()),
+            sys.executable,
+            "-m",
+            "mlflow",
             "server",
             "--host=127.0.0.1",
             f"--port={port}",
