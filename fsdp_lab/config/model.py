@@ -126,6 +126,12 @@ class FinetuneConfig:
     NF4Tensor: blocks of 64 with double-quantised scales, ~4.13 bits a parameter), sharded and
     all-gathered in 4 bits; norms, embeddings, the head and the adapters keep their dtypes."""
 
+    def chosen(self) -> str:
+        """The option as the user names it (conf/finetune/): LoRA on an NF4 base is qlora."""
+        if self.method is FinetuneMethod.lora and self.quantize_base is QuantizeBase.nf4:
+            return "qlora"
+        return self.method.name
+
 
 def check_model(m: ModelConfig) -> None:
     if (m.arch is None) == (m.name_or_path is None):

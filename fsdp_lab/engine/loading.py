@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.engine import nf4
+from fsdp_lab.config import ConfigError
+from fsdp_lab.engine import finite, nf4
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.conversion import LORA_BASE, NotPerRank, checkpoint_key, owned_tensors
 
@@ -264,11 +265,21 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=N
     does."""
     files, plan = _planned(model, name_or_path, planned)
     owned = owned_tensors(model)
+    damaged = None
     for name, (_, _, t) in owned.items():
         source = plan.sources.get(name)
         if source is None:
             continue
-        _store(t, source.read(files, local_region(t)))
+        value = source.read(files, local_region(t))
+        if damaged is None and (bad := finite.count(value)):  # as read: cheap beside the read
+            where = files.tensors[source.keys[0]].file
+            damaged = f"{where}: tensor {source.keys[0]} holds {bad:,} NaN/inf value(s)"
+        _store(t, value)
+    if (damaged := finite.agree(damaged)) is not None:
+        raise ConfigError(
+            f"model.name_or_path={name_or_path}: {damaged}; the weights are damaged: copy the "
+            "checkpoint again, or repair that tensor"
+        )
     if any(n not in plan.sources for n in owned):  # LoRA adapters: drawn, not read
         init_groups(model, seed, wanted=lambda n: n not in plan.sources, hf_init=False)
 

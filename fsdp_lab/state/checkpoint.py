@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fsdp_lab.config import CheckpointConfig
 from fsdp_lab.config.checkpoint_formats import format_row
-from fsdp_lab.engine import fsdp
+from fsdp_lab.engine import finite, fsdp
 from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, rng, safe_load
@@ -276,6 +276,7 @@ class Checkpointer:
         held = self._held(path, trainer)
         reader = format_saved_in(path, engine_io=self.io)
         reader.load(path, model=self.model, optimizer=self.optimizer, held=held)
+        self._check_finite(path)
         self.scheduler.load_state_dict(trainer["scheduler"])
         if self.scaler is not None and trainer["scaler"] is not None:
             self.scaler.load_state_dict(trainer["scaler"])
@@ -292,6 +293,26 @@ class Checkpointer:
         return Restored(
             step=trainer["step"], tokens_seen=trainer["tokens_seen"], data_state=trainer.get("data")
         )
+
+    def _check_finite(self, path: Path) -> None:
+        """The restored model and optimizer state hold no NaN or inf (each rank its shards,
+        one verdict for all): a damaged checkpoint is named here, not as a loss later."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        found = None
+        for name, p in self.model.named_parameters():
+            if bad := finite.count(p):
+                found = f"model tensor {name} holds {bad:,} NaN/inf value(s)"
+                break
+        for p, slots in self.optimizer.state.items() if found is None else ():
+            bad = [k for k, v in slots.items() if torch.is_tensor(v) and finite.count(v)]
+            if bad:
+                found = f"optimizer state {bad[0]} of {names.get(id(p), '?')} holds NaN/inf"
+                break
+        if (found := finite.agree(found)) is not None:
+            raise CheckpointError(
+                f"checkpoint {path}: {found}; it is damaged: resume from an earlier checkpoint "
+                "(resume=<its path>) or resume=never"
+            )
 
     def _held(self, path: Path, trainer: dict) -> FrozenBase:
         """What of the model ``path`` holds. One without the frozen base resumes only onto the

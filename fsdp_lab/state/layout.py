@@ -129,6 +129,14 @@ def frozen_base_record(trainer: dict) -> dict:
     return trainer.get("frozen_base") or {"saved": True}
 
 
+def _adapter_part(name: str) -> bool:
+    """A LoRA-wrapped model's name a whole model's checkpoint lacks: an adapter, or the base
+    layer PEFT moved the weight under."""
+    from fsdp_lab.engine.conversion import LORA_BASE
+
+    return ".lora_" in name or LORA_BASE + "." in name
+
+
 def check_compatible(path: Path, model: torch.nn.Module) -> dict:
     """A checkpoint of another model fails before launch, naming a parameter that differs.
     Returns its ``frozen_base_record``.
@@ -146,6 +154,12 @@ def check_compatible(path: Path, model: torch.nn.Module) -> dict:
         trainable = finetune.trainable_names(model)
         expected = {k: v for k, v in expected.items() if k in trainable}
     for name, tensor in expected.items():
+        if name not in saved and record["saved"] and _adapter_part(name):
+            raise CheckpointError(
+                f"checkpoint {path} is a whole model's, without LoRA adapters ({name}); to "
+                f"start LoRA from its weights, export it (fsdp-lab export {path} DIR) and train "
+                "finetune=lora model=local model.name_or_path=DIR resume=never"
+            )
         if name not in saved:
             raise CheckpointError(
                 f"checkpoint {path} has no {name}: it is of another model; set resume=never "

@@ -39,11 +39,12 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(FloatingPointError):
-    """A non-finite loss at ``step`` (the worker adds what to do about it)."""
+    """A non-finite loss at ``step`` (the worker adds what to do about it), and the step
+    before it (None: the first step of this run)."""
 
-    def __init__(self, step: int, loss: float) -> None:
+    def __init__(self, step: int, loss: float, before: StepMetrics | None = None) -> None:
         super().__init__(f"loss is {loss} at step {step}")
-        self.step, self.loss = step, loss
+        self.step, self.loss, self.before = step, loss, before
 
 
 @dataclass
@@ -249,7 +250,8 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
         if setup.reporter is not None:
             setup.reporter.train_records(records[:bad])
         if bad is not None:
-            raise NonFiniteLoss(records[bad].step, records[bad].loss)
+            before = records[bad - 1] if bad else last
+            raise NonFiniteLoss(records[bad].step, records[bad].loss, before)
         last = records[-1]
         if profiled:  # after the window's step records: trackers take steps in order
             _profile_window(prof, setup.reporter)

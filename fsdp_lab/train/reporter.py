@@ -345,6 +345,14 @@ def tracker_params(cfg: Config, facts: RunFacts, job: JobRecord | None) -> dict:
     return {k: redact(v) for k, v in params.items()}
 
 
+def _nf4_base(facts: RunFacts) -> str:
+    """An NF4 base's bytes on the rank that holds most (``low_precision.measured``)."""
+    held = (facts.low_precision or {}).get("bytes_per_rank")
+    if not held:
+        return ""
+    return f"; the frozen base in NF4 (~4.13 bits a weight): {max(held) / 2**20:,.1f} MiB per rank"
+
+
 def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:
     log.info(
         "%s | %d ranks, mesh %s %s | units: %s | %s params (%s per rank)",
@@ -359,10 +367,11 @@ def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:
     if facts.trainable_params != facts.total_params:
         log.info(
             "finetune=%s: %s trainable parameters (%.2f%%); the rest hold no gradient and no "
-            "optimizer state",
-            cfg.finetune.method.name,
+            "optimizer state%s",
+            cfg.finetune.chosen(),
             f"{facts.trainable_params:,}",
             100 * facts.trainable_params / facts.total_params,
+            _nf4_base(facts),
         )
     log.info(
         "loss=%s%s | optimizer %s | numbers read from the device every %d steps",

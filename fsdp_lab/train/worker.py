@@ -199,16 +199,24 @@ RESUME_SUSPECT_STEPS = 10
 
 
 def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
+    """The error, what was checked (the weights as they were read, the last finite step's
+    gradient norm), and the fix the evidence points at."""
+    checked = []
+    if cfg.model.pretrained or cfg.resume != "never":
+        checked.append("the weights were finite as they were read")
+    if e.before is not None:
+        checked.append(f"the gradient norm at step {e.before.step} was {e.before.grad_norm:.4g}")
+    seen = f" ({'; '.join(checked)})" if checked else ""
     after = e.step - start_step
     if cfg.resume != "never" and after <= RESUME_SUSPECT_STEPS:
         return (
-            f"{e}, {after} step(s) after resuming from {cfg.resume}: suspect the checkpoint "
-            f"before the learning rate; check it with `fsdp-lab verify {cfg.resume}` (and "
-            "checkpoint.verify=checksum), or resume from an earlier one"
+            f"{e}{seen}, {after} step(s) after resuming from {cfg.resume}: suspect the "
+            f"checkpoint before the learning rate; check it with `fsdp-lab verify {cfg.resume}` "
+            "(and checkpoint.verify=checksum), or resume from an earlier one"
         )
     if not dtype_row(cfg.precision.param_dtype).half:
-        return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps"
-    return f"{e}; lower optim.lr (now {cfg.optim.lr:g}) or use precision=fp32"
+        return f"{e}{seen}; lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps"
+    return f"{e}{seen}; lower optim.lr (now {cfg.optim.lr:g}) or use precision=fp32"
 
 
 def finish(r: RankRun, result: FitResult) -> None:

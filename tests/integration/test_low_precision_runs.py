@@ -146,6 +146,10 @@ def test_qlora_is_the_same_at_every_world_size_in_4_bits_per_rank(runs, nf4_base
     want = losses(one)
     assert relative(losses(two), want) <= EXACT
     assert relative(losses(four), want) <= EXACT
+    # The log names the option chosen, and what its NF4 base holds on a rank.
+    log = (two / "logs" / "rank0.log").read_text().splitlines()
+    (line,) = [x for x in log if "finetune=" in x]
+    assert "finetune=qlora: " in line and "the frozen base in NF4" in line, line
     # The base's quantised projections: 4 bits and their scales per parameter, over the
     # shard axis (2 ranks here and in 4 ranks hybrid), measured from each rank's shards. The
     # attention's 64x256 projections (16384 values, one scale block) cannot split over 2

@@ -185,3 +185,41 @@ def test_transformers_conversions_are_planned_from_the_headers(tmp_path):
     model = build_meta_model(gpt2)
     plan = conversion.plan_loading(model, weights.WeightFiles(str(tmp_path / "gpt2")), "g")
     assert plan.sources["transformer.h.0.attn.c_attn.weight"].keys == ["h.0.attn.c_attn.weight"]
+
+
+def rewrite_header(path, edit) -> None:
+    """The file with its JSON header changed by ``edit(header)``, the data left as it is."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (length - len(raw))  # the same length: the data's offsets stay true
+    assert len(raw) == length
+    path.write_bytes(data[:8] + raw + data[8 + length :])
+
+
+def test_overlapping_ranges_or_a_length_unlike_dtype_times_shape_are_named(saved, tmp_path):
+    """Both passed the header check before and stopped a rank with safetensors' own error."""
+    path = copy_of(saved, tmp_path)
+    first = sorted(path.glob("*.safetensors"))[0]
+    data = first.read_bytes()
+    keys = sorted(k for k in json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]]))
+    keys = [k for k in keys if k != "__metadata__"]
+
+    rewrite_header(first, lambda h: h[keys[0]].update(dtype="F16"))  # F32 bytes called F16
+    message = refused(path)
+    assert f"{first}: tensor {keys[0]} (F16 " in message and "has a byte range of" in message
+    first.write_bytes(data)
+
+    def shift(header):  # the tensor at offset 0 claims 4 bytes more: the next one overlaps it
+        key = min(keys, key=lambda k: header[k]["data_offsets"][0])
+        end = header[key]["data_offsets"][1] + 4
+        header[key].update(dtype="F32", shape=[end // 4], data_offsets=[0, end])
+
+    rewrite_header(first, shift)
+    message = refused(path)
+    assert "overlaps the tensor before it" in message and str(first) in message
+    first.write_bytes(data)
+    rewrite_header(first, lambda h: h[keys[0]].update(dtype="Q4"))
+    assert f"tensor {keys[0]} has dtype 'Q4'" in refused(path)
