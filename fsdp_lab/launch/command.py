@@ -14,6 +14,22 @@ from fsdp_lab import config
 from fsdp_lab.config.config_dirs import CONF_MODULE, check_dir, searchpath_dirs, split_dir_flags
 
 
+def _one_run(overrides: list[str]) -> bool:
+    """The command line is one run's overrides: no Hydra flag (-m, --cfg, ...) and no sweep
+    value (a,b / range(...), which a study's config may run without -m). A sweep's jobs are
+    composed by Hydra's sweeper, each checked as it runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if any(o.startswith("-") for o in overrides):
+        return False
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return True  # compose names what is wrong with it, in one line
+    return not any(o.is_sweep_override() for o in parsed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the job (or each job of a -m sweep) of ``argv`` (default: the command line's
     arguments); the exit code: 1 if a sweep job failed (each failure is recorded in its
@@ -32,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             check_dir(d, "--config-dir")
         for d in searchpath_dirs(args):
             check_dir(d, "hydra.searchpath")
-        if not any(o.startswith("-") for o in overrides):  # one run, no Hydra flag
+        if _one_run(overrides):
             config.compose(overrides, dirs)  # a bad key in one line, naming its file
     except config.ConfigError as e:
         print(f"fsdp_lab: error: {e}", file=sys.stderr)
