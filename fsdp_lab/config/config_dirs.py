@@ -44,14 +44,25 @@ def check_dir(path: str, setting: str) -> Path:
     return where.resolve()
 
 
-def searchpath_dirs(overrides: Iterable[str]) -> list[str]:
-    """The directories a ``hydra.searchpath=[...]`` override names (file:// or plain)."""
-    dirs: list[str] = []
+def _is_searchpath(item: str) -> bool:
+    """A ``hydra.searchpath=`` override, also as ``+``/``++`` adds it."""
+    return item.lstrip("+").startswith(SEARCHPATH)
+
+
+def _searchpath_entries(overrides: Iterable[str]) -> list[str]:
+    """Every entry of the ``hydra.searchpath=[...]`` overrides, in order, schemes kept."""
+    entries: list[str] = []
     for item in overrides:
-        if item.startswith(SEARCHPATH):
-            listed = item[len(SEARCHPATH) :].strip().strip("[]")
-            dirs += [d.strip().strip("'\"") for d in listed.split(",") if d.strip()]
-    return [d for d in dirs if not d.startswith("pkg://")]
+        if _is_searchpath(item):
+            listed = item.lstrip("+")[len(SEARCHPATH) :].strip().strip("[]")
+            entries += [d.strip().strip("'\"") for d in listed.split(",") if d.strip()]
+    return entries
+
+
+def searchpath_dirs(overrides: Iterable[str]) -> list[str]:
+    """The local directories ``hydra.searchpath`` overrides name (file:// or plain paths; a
+    ``pkg://`` entry is a package, which Hydra finds itself)."""
+    return [d for d in _searchpath_entries(overrides) if "://" not in d or d.startswith("file:")]
 
 
 def split_dir_flags(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -75,16 +86,15 @@ def split_dir_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def with_config_dirs(overrides: list[str], dirs: list[str]) -> list[str]:
-    """``overrides`` with ``dirs`` (checked) and any ``hydra.searchpath`` dirs (checked) as one
-    ``hydra.searchpath`` override (Hydra searches them after the package's groups)."""
-    named = searchpath_dirs(overrides)
-    checked = [check_dir(d, "--config-dir") for d in dirs]
-    checked += [check_dir(d, "hydra.searchpath") for d in named]
-    rest = [o for o in overrides if not o.startswith(SEARCHPATH)]
-    if not checked:
-        return rest
-    listed = ",".join(f"file://{d}" for d in checked)
-    return [f"{SEARCHPATH}[{listed}]", *rest]
+    """``overrides`` with ``dirs`` (checked, absolute) and every ``hydra.searchpath`` entry
+    (local ones checked and made absolute, ``pkg://`` ones kept) as one ``hydra.searchpath``
+    override (Hydra searches them after the package's groups)."""
+    listed = [f"file://{check_dir(d, '--config-dir')}" for d in dirs]
+    for entry in _searchpath_entries(overrides):
+        local = "://" not in entry or entry.startswith("file:")
+        listed.append(f"file://{check_dir(entry, 'hydra.searchpath')}" if local else entry)
+    rest = [o for o in overrides if not _is_searchpath(o)]
+    return [f"{SEARCHPATH}[{','.join(listed)}]", *rest] if listed else rest
 
 
 _OPTIONS = re.compile(r"Available options in '([^']+)':\s*\n((?:[ \t]+\S+\n?)+)")

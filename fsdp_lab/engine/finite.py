@@ -35,3 +35,12 @@ def agree(found: str | None) -> str | None:
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, found)
     return next((f for f in every if f is not None), None)
+
+
+def first_in(named) -> str | None:
+    """The first of ``(name, tensor)`` pairs (this rank's shards) holding NaN or inf, said in
+    words; None if all are finite."""
+    for name, t in named:
+        if bad := count(t):
+            return f"tensor {name} holds {bad:,} NaN/inf value(s)"
+    return None

@@ -259,6 +259,16 @@ def _planned(model: nn.Module, name_or_path: str, planned=None):
     return files, conversion.plan_loading(model, files, name_or_path)
 
 
+def _source_of(files, source, name: str) -> str:
+    """Where a model tensor was read from, in words: its file and tensor, or the files and
+    tensors a conversion built it of."""
+    where = ", ".join(sorted({str(files.tensors[k].file) for k in source.keys}))
+    if len(source.keys) == 1:
+        return f"{where}: tensor {source.keys[0]}"
+    more = ", ..." if len(source.keys) > 3 else ""
+    return f"{where}: one of {', '.join(source.keys[:3])}{more} (converted into {name})"
+
+
 def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=None) -> None:
     """Fill every parameter and persistent buffer of ``model`` the checkpoint holds with this
     rank's part of it; LoRA adapters (which it does not hold) are drawn as ``init_groups``
@@ -272,8 +282,7 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=N
             continue
         value = source.read(files, local_region(t))
         if damaged is None and (bad := finite.count(value)):  # as read: cheap beside the read
-            where = files.tensors[source.keys[0]].file
-            damaged = f"{where}: tensor {source.keys[0]} holds {bad:,} NaN/inf value(s)"
+            damaged = f"{_source_of(files, source, name)} holds {bad:,} NaN/inf value(s)"
         _store(t, value)
     if (damaged := finite.agree(damaged)) is not None:
         raise ConfigError(

@@ -362,7 +362,12 @@ def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | 
     with torch.no_grad():
         for name, value in payload[0].items():
             own[name].copy_(value.to(own[name].device))
-    from fsdp_lab.engine import loading
+    from fsdp_lab.engine import finite, loading
 
     loading.check_filled(model)
+    if (damaged := finite.agree(finite.first_in(model.named_parameters()))) is not None:
+        raise ConfigError(  # every rank checked its shards of what rank 0 read
+            f"the initial weights rank 0 read: {damaged}; the weights are damaged: copy the "
+            "checkpoint again, or repair that tensor"
+        )
     return payload[1]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from fsdp_lab import config
-from fsdp_lab.config.config_dirs import CONF_MODULE, check_dir, searchpath_dirs, split_dir_flags
+from fsdp_lab.config.config_dirs import CONF_MODULE, split_dir_flags, with_config_dirs
 
 
 def _one_run(overrides: list[str]) -> bool:
@@ -41,15 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_lab.launch import sweep
 
-    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        overrides, dirs = split_dir_flags(args)
-        for d in dirs:
-            check_dir(d, "--config-dir")
-        for d in searchpath_dirs(args):
-            check_dir(d, "hydra.searchpath")
-        if _one_run(overrides):
-            config.compose(overrides, dirs)  # a bad key in one line, naming its file
+        # Config dirs, checked and absolute, become one hydra.searchpath that both the check
+        # below and Hydra's own run search (Hydra would keep only the last --config-dir).
+        args, dirs = split_dir_flags(sys.argv[1:] if argv is None else list(argv))
+        args = with_config_dirs(args, dirs)
+        if _one_run(args):
+            config.compose(args)  # a bad key in one line, naming its file
     except config.ConfigError as e:
         print(f"fsdp_lab: error: {e}", file=sys.stderr)
         return 2

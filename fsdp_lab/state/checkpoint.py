@@ -298,11 +298,8 @@ class Checkpointer:
         """The restored model and optimizer state hold no NaN or inf (each rank its shards,
         one verdict for all): a damaged checkpoint is named here, not as a loss later."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        found = None
-        for name, p in self.model.named_parameters():
-            if bad := finite.count(p):
-                found = f"model tensor {name} holds {bad:,} NaN/inf value(s)"
-                break
+        found = finite.first_in(self.model.named_parameters())
+        found = f"model {found}" if found is not None else None
         for p, slots in self.optimizer.state.items() if found is None else ():
             bad = [k for k, v in slots.items() if torch.is_tensor(v) and finite.count(v)]
             if bad:

@@ -154,7 +154,8 @@ def check_compatible(path: Path, model: torch.nn.Module) -> dict:
         trainable = finetune.trainable_names(model)
         expected = {k: v for k, v in expected.items() if k in trainable}
     for name, tensor in expected.items():
-        if name not in saved and record["saved"] and _adapter_part(name):
+        whole = record["saved"] and not any(_adapter_part(k) for k in saved)
+        if name not in saved and whole and _adapter_part(name):
             raise CheckpointError(
                 f"checkpoint {path} is a whole model's, without LoRA adapters ({name}); to "
                 f"start LoRA from its weights, export it (fsdp-lab export {path} DIR) and train "

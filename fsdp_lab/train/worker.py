@@ -181,7 +181,10 @@ def fit(r: RankRun) -> FitResult:
     try:
         end = train(state, setup)
     except NonFiniteLoss as e:
-        raise FloatingPointError(_nonfinite_advice(cfg, state.start_step, e)) from None
+        # The weights were checked as they were read: a resumed checkpoint's, and pretrained
+        # ones on the engines that read them (torch_xla's loader is its own).
+        read = cfg.resume != "never" or (cfg.model.pretrained and ctx.kind is not HardwareKind.tpu)
+        raise FloatingPointError(_nonfinite_advice(cfg, state.start_step, e, read)) from None
     if r.reporter is not None:
         r.reporter.end_of_training()
     saved_step = end.saved_step
@@ -198,11 +201,11 @@ def fit(r: RankRun) -> FitResult:
 RESUME_SUSPECT_STEPS = 10
 
 
-def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss) -> str:
-    """The error, what was checked (the weights as they were read, the last finite step's
-    gradient norm), and the fix the evidence points at."""
+def _nonfinite_advice(cfg: Config, start_step: int, e: NonFiniteLoss, read: bool) -> str:
+    """The error, what was checked (``read``: the weights, finite as they were read; the last
+    finite step's gradient norm), and the fix the evidence points at."""
     checked = []
-    if cfg.model.pretrained or cfg.resume != "never":
+    if read:
         checked.append("the weights were finite as they were read")
     if e.before is not None:
         checked.append(f"the gradient norm at step {e.before.step} was {e.before.grad_norm:.4g}")

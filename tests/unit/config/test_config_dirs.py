@@ -36,6 +36,10 @@ def test_user_dirs_become_one_searchpath(tmp_path, monkeypatch):
     out = dirs.with_config_dirs(["x=1", f"hydra.searchpath=[file://{tmp_path / 'b'}]"], ["a"])
     assert out[1:] == ["x=1"]
     assert out[0] == f"hydra.searchpath=[file://{tmp_path / 'a'},file://{tmp_path / 'b'}]"
+    # a package's configs are Hydra's to find: kept as named; a relative dir made absolute
+    out = dirs.with_config_dirs(["+hydra.searchpath=[pkg://my_lab.conf,'b']"], [])
+    assert out == [f"hydra.searchpath=[pkg://my_lab.conf,file://{tmp_path / 'b'}]"]
+    assert dirs.with_config_dirs(["x=1"], []) == ["x=1"]
 
 
 def test_a_user_option_composes_and_a_typo_names_its_file(tmp_path, monkeypatch):
