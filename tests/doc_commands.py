@@ -51,6 +51,10 @@ class Command:
         word = (os.path.basename(a[0]) or a[0]) if a else ""
         if "train.py" in a and word in ("python", "python3", "torchrun", "srun"):
             return "train"
+        if word == "fsdp-lab" and a[1:2] == ("train",):  # the same command, installed
+            return "train"
+        if word in ("python", "python3") and a[1:3] == ("-m", "fsdp_lab"):
+            return "train"
         if word == "sbatch" and any(t.endswith(".sbatch") for t in a):
             return "sbatch"
         if word in ("python", "python3") and a[1:2] == ("-m",):
@@ -192,7 +196,10 @@ def train_args(c: Command) -> TrainArgs:
     """The overrides of ``... train.py ARGS`` or ``sbatch ... X.sbatch ARGS`` (flags set aside,
     ellipses dropped), and the ranks its launcher asks for."""
     a = list(c.argv)
-    i = next(i for i, t in enumerate(a) if t == "train.py" or t.endswith(".sbatch"))
+    # train.py, an sbatch script, or the installed command's last word (fsdp-lab train,
+    # python -m fsdp_lab)
+    ends = ("train.py", "train", "fsdp_lab")
+    i = next(i for i, t in enumerate(a) if t in ends or t.endswith(".sbatch"))
     opts = _launcher_options(a[:i])
     nodes = int(opts["nodes"]) if opts.get("nodes", "").isdigit() else None
     nodes = nodes or (int(opts["nnodes"]) if opts.get("nnodes", "").isdigit() else None)
@@ -202,7 +209,9 @@ def train_args(c: Command) -> TrainArgs:
     args, overrides, flags = a[i + 1 :], [], set()
     while args:
         t = args.pop(0)
-        if t in ("-m", "--multirun", "--cfg", "-c"):
+        if t in ("--config-dir", "-cd") and args:  # a user's config dir: kept as Hydra takes it
+            overrides.append(f"hydra.searchpath=[{args.pop(0)}]")
+        elif t in ("-m", "--multirun", "--cfg", "-c"):
             flags.add("multirun" if t in ("-m", "--multirun") else "cfg")
             if t in ("--cfg", "-c") and args:
                 args.pop(0)

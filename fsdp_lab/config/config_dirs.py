@@ -97,6 +97,7 @@ def with_config_dirs(overrides: list[str], dirs: list[str]) -> list[str]:
     return [f"{SEARCHPATH}[{','.join(listed)}]", *rest] if listed else rest
 
 
+_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 _OPTIONS = re.compile(r"Available options in '([^']+)':\s*\n((?:[ \t]+\S+\n?)+)")
 _IN_FILE = re.compile(r"In '([^']+)': \w+ raised while composing config:\s*\n(.+)")
 
@@ -111,7 +112,10 @@ def compose_error(message: str, dirs: Iterable[str]) -> str:
         first = message.strip().splitlines()[0]
         return f"{first}; Available options in '{options.group(1)}': {listed}"
     if found is None:
-        return message.strip().splitlines()[0]
+        first = message.strip().splitlines()[0]
+        if "override_grammar" in message:  # a command-line override that does not parse
+            return f"an override does not parse: {first} (Hydra's override grammar: {_GRAMMAR})"
+        return first
     option, reason = found.group(1), found.group(2).strip()
     key = re.search(r"full_key: (\S+)", message)
     for root in [CONF_DIR, *(Path(d.removeprefix("file://")) for d in dirs)]:

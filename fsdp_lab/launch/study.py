@@ -2,296 +2,299 @@
 
     python train.py hparams_search=lr                                   # conf/hparams_search/
     python train.py hparams_search=lr hydra.sweep.dir=multirun/lr-1     # again: it continues
+    python train.py hparams_search=lr hydra.sweeper.storage=journal hydra/launcher=slurm
 
-It is Hydra's Optuna sweeper (hydra-optuna-sweeper, the ``optuna`` extra: search-space syntax,
-samplers and ``hydra.sweeper.params`` are its own) with what a search of training runs needs:
+fsdp_lab's own sweeper on current Optuna; what it searches, towards what and how it samples
+is ``launch.search_space`` (hydra-optuna-sweeper's syntax), its settings study.yaml's.
 
-- The study lives in the sweep dir (``optuna.db``, SQLite). Rerun with the same
-  ``hydra.sweep.dir`` and it continues: finished trials count towards ``n_trials``; a trial that
-  was running when the study stopped is recorded as failed ("interrupted") and its parameters
-  are tried again first. The stock sweeper would run ``n_trials`` more and number the jobs from
-  0 again, over the earlier trials' run dirs.
+- The study lives in the sweep dir (``optuna.db``; ``storage=journal``: ``optuna.journal``, for
+  sweep processes on several nodes). Rerun with the same ``hydra.sweep.dir`` and it continues:
+  finished trials count towards ``n_trials``; a trial left running when the study stopped is
+  failed as "interrupted" and its parameters run again first.
+- Sweep processes may share one study at once: each asks its next trial, ``n_trials`` counts
+  all of theirs, and a trial a live process runs is left to it (``Worker``).
 - Job dirs are numbered by Optuna's trial number, so no trial's dir is another's.
-- A trial that fails (refused before launch, diverged, crashed) is told to Optuna as failed, with
-  its run's one-line reason, and the study goes on. ``max_failure_rate`` (1.0 here, 0.0 in the
-  stock sweeper) stops the study when a batch fails more often than that.
-- The objective is ``objective`` (val_loss, best_val_loss, tokens_per_s), read from each run's
-  run.json; a direction that contradicts it is refused.
-- ``study.json`` in the sweep dir, after every batch: every trial's number, state, value,
-  parameters and reason, and the best one (``fsdp-lab report`` reads it).
+- A failed trial (refused, diverged, crashed) is told to Optuna as failed, with its run's
+  one-line reason; the study goes on until a batch fails more often than ``max_failure_rate``.
+- ``study.json`` in the sweep dir after every batch (each trial's number, state, value,
+  parameters and reason; the best), ``optimization_results.yaml`` at the end.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import logging
-import math
-import random
+import os
+import socket
 import sys
-import warnings
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+from uuid import uuid4
 
-import numpy as np
 import optuna
 from hydra.core.utils import JobReturn, JobStatus
-from hydra_plugins.hydra_optuna_sweeper._impl import (
-    OptunaSweeperImpl,
-    create_params_from_overrides,
-)
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
 from fsdp_lab.config import ConfigError, Objective
-from fsdp_lab.launch import sweep
+from fsdp_lab.launch import search_space
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunRecord, objective_result
 
+if TYPE_CHECKING:
+    from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeperConf
+
 log = logging.getLogger(__name__)
+# (trial numbers, their overrides) -> the jobs' returns: the shim's StudySweeper.launch.
+Launch = Callable[[Sequence[int], list[list[str]]], list[JobReturn]]
 
-RESULTS_FILE = "optimization_results.yaml"  # what the stock sweeper writes, for its readers
+RESULTS_FILE = "optimization_results.yaml"  # what hydra-optuna-sweeper wrote, for its readers
 INTERRUPTED = "interrupted: the study stopped while this trial ran; its parameters ran again"
-DIRECTION = {
-    Objective.val_loss: "minimize",
-    Objective.best_val_loss: "minimize",
-    Objective.tokens_per_s: "maximize",
-    Objective.harness: "maximize",  # accuracy, exact match
-}
+HEARTBEAT_S = 60  # how often a sweep process tells the study it is alive
+STALE_AFTER_S = 600  # a process silent this long (other hosts: their clocks may differ) is gone
+UNCLAIMED_AFTER_S = 60  # a trial asked but never claimed (killed in between) after this long
 
 
-class StudySweeper(OptunaSweeperImpl):
-    """The stock sweeper's configuration and parsing; its own loop (see the module doc)."""
-
-    def sweep(self, arguments: list[str]) -> None:
-        try:
-            self._sweep(arguments)
-        except ConfigError as e:
-            print(f"fsdp_lab: error: {e}", file=sys.stderr)
-            sys.exit(2)
-
-    # The study's life in order: check, load or create, recover, batches, summary.
-    def _sweep(self, arguments: list[str]) -> None:
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        directions = self._get_directions()
-        objective = _checked_objective(self.config, directions)
-        distributions, fixed = self._search_space(arguments)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        study = _open_study(self, sweep_dir, directions, objective)
-        reruns = recover_interrupted(study)
-        seed = self.config.hydra.sweeper.sampler.get("seed")
-        seed = self.config.seed if seed is None else seed
-        _seed_sampler(self.sampler, seed, study)
-        ran = [
-            t
-            for t in study.get_trials(deepcopy=False)
-            if t.state.is_finished() and t.user_attrs.get("error") != INTERRUPTED
-        ]
-        to_go = self.n_trials - len(ran)
-        if ran or reruns:
+def run_study(
+    settings: StudySweeperConf, *, config: DictConfig, launch: Launch, arguments: list[str]
+) -> None:
+    """The study's life: check, open, recover, batches (``launch``: jobs by trial), summary."""
+    sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+    objective = search_space.checked_objective(config, settings.direction)
+    search_space.check_counts(settings.n_jobs, settings.max_failure_rate)
+    space = search_space.parse_space(settings.params, arguments)
+    seed = int(config.seed if settings.seed is None else settings.seed)
+    sampling = search_space.Sampling(settings.sampler, settings.sampler_options, seed, space)
+    n_trials = sampling.num_trials(settings.n_trials)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    study = open_study(settings, sweep_dir, objective)
+    study.sampler = sampling.sampler()
+    worker = Worker.start(study)
+    try:
+        reruns = recover_interrupted(study, worker, set(space.distributions))
+        counted, running = _counts(study)
+        if counted or reruns:
             log.info(
-                "study %s in %s: %d trial(s) ran, %d interrupted (to run again); %d to go",
-                study.study_name,
-                sweep_dir,
-                len(ran),
-                len(reruns),
-                max(to_go, 0),
+                f"study {study.study_name} in {sweep_dir}: {counted - running} trial(s) ran, "
+                f"{running} running, {len(reruns)} interrupted (to run again); "
+                f"{max(n_trials - counted, 0)} to go"
             )
-        while to_go > 0:
-            trials = [_ask(study, seed) for _ in range(min(self.n_jobs, to_go))]
-            for trial in trials:
-                _regrid(study, trial, reruns)
-                _check_job_dir_free(sweep_dir, trial.number)
-            overrides = self._configure_trials(trials, distributions, fixed)
-            returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
-            failed = sum(
-                not tell(study, trial, ret, objective)
-                for trial, ret in zip(trials, returns, strict=True)
-            )
-            write_study_file(study, sweep_dir, objective)
-            if failed / len(trials) > self.max_failure_rate:
+        while (size := min(settings.n_jobs, n_trials - _counts(study)[0])) > 0:
+            trials = [_ask(study, worker, sampling) for _ in range(size)]
+            failed = _run_batch(study, trials, space, launch, sweep_dir, objective)
+            if failed / size > settings.max_failure_rate:
                 raise ConfigError(
-                    f"{failed} of {len(trials)} trial(s) failed, over "
-                    f"hydra.sweeper.max_failure_rate={self.max_failure_rate}; the study stops "
-                    "(it continues from here when rerun with the same hydra.sweep.dir)"
+                    f"{failed} of {size} trial(s) failed, over hydra.sweeper.max_failure_rate="
+                    f"{settings.max_failure_rate}; the study stops (it continues from here when "
+                    "rerun with the same hydra.sweep.dir)"
                 )
-            to_go -= len(trials)
-        write_study_file(study, sweep_dir, objective)
-        _summarize(study, sweep_dir, objective)
-
-    def _search_space(self, arguments: list[str]) -> tuple[dict, dict]:
-        """(Optuna distributions, fixed overrides) from hydra.sweeper.params and the command
-        line, parsed by the stock sweeper; sampler=grid is built from them here."""
-        self._process_searchspace_config()
-        distributions, fixed = create_params_from_overrides(
-            [*self._parse_sweeper_params_config(), *arguments]
-        )
-        if self.search_space_distributions:
-            distributions = {**self.search_space_distributions, **distributions}
-        if isinstance(self.sampler, functools.partial):  # sampler=grid: built from the space
-            grid = {k: self._to_grid_sampler_choices(d) for k, d in distributions.items()}
-            self.sampler = self.sampler(grid)
-            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
-        for name in fixed:
-            distributions.pop(name, None)
-        if not distributions:
-            raise ConfigError(
-                "the study has nothing to search: give hydra.sweeper.params (see "
-                "conf/hparams_search/) or a range on the command line, e.g. "
-                "'optim.lr=interval(1e-4,1e-2)'"
-            )
-        return distributions, fixed
+    finally:
+        worker.stopped.set()
+    write_study_file(study, sweep_dir, objective)
+    _summarize(study, sweep_dir, objective)
 
 
-def _checked_objective(config, directions: list[str]) -> Objective:
-    """``objective=``, refused where the search could not read it or would go the wrong way."""
-    objective = sweep.objective_of(config)
-    if objective is Objective.harness:
-        tasks, metric = list(config.eval.harness_tasks), config.eval.get("objective_metric")
-        if not tasks:
-            raise ConfigError(
-                "objective=harness needs eval.harness_tasks (the scores it reads); set "
-                "eval.harness_tasks=[task] and eval.objective_metric=task/metric"
-            )
-        if metric is not None and metric.split("/")[0] not in tasks:
-            raise ConfigError(
-                f"eval.objective_metric={metric} names no task of eval.harness_tasks={tasks}; "
-                f"give it as task/metric, e.g. {tasks[0]}/acc"
-            )
-    if objective in (Objective.val_loss, Objective.best_val_loss) and not config.trainer.eval_every:
+def _run_batch(study, trials, space, launch: Launch, sweep_dir: Path, objective) -> int:
+    """Launch the trials as jobs, tell Optuna how each ended, study.json; how many failed."""
+    for trial in trials:
+        _check_job_dir_free(sweep_dir, trial.number)
+    overrides = [space.overrides(trial.params) for trial in trials]  # in the space's order
+    returns = launch([t.number for t in trials], overrides)
+    failed = sum(
+        not tell(study, trial, ret, objective) for trial, ret in zip(trials, returns, strict=True)
+    )
+    write_study_file(study, sweep_dir, objective)
+    return failed
+
+
+def storage_of(setting: str, sweep_dir: Path) -> tuple[str | optuna.storages.BaseStorage, str]:
+    """``hydra.sweeper.storage`` as (Optuna's storage, where it is, for messages): ``sqlite``:
+    optuna.db in the sweep dir; ``journal``: optuna.journal there; ``journal://PATH``: a journal
+    file at PATH; ``sqlite:///PATH`` or another database URL as it is. Relative paths are taken
+    from the dir train.py was started in, made absolute."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if setting == "sqlite":
+        setting = f"sqlite:///{sweep_dir / 'optuna.db'}"
+    elif setting == "journal":
+        setting = f"journal://{sweep_dir / 'optuna.journal'}"
+    if setting.startswith("journal://") and setting != "journal://":
+        path = Path(setting[len("journal://") :]).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _check_journal(path, where := f"journal://{path}")
+        return JournalStorage(JournalFileBackend(str(path))), where
+    if setting.startswith("sqlite:///") and not setting.startswith("sqlite:////"):
+        setting = "sqlite:///" + str(Path(setting[len("sqlite:///") :]).resolve())
+    if "://" not in setting or setting.startswith("journal://"):
         raise ConfigError(
-            f"objective={objective.name} needs validation but trainer.eval_every=0: set "
-            "trainer.eval_every (validation also runs after the last step) or "
-            "objective=tokens_per_s"
+            f"hydra.sweeper.storage={setting}: use sqlite (optuna.db in the sweep dir), journal "
+            "(optuna.journal there, for processes on several nodes), journal://PATH, "
+            "sqlite:///PATH or another database URL"
         )
-    if directions != [DIRECTION[objective]]:
-        raise ConfigError(
-            f"hydra.sweeper.direction={','.join(directions)} but objective="
-            f"{objective.name} is to {DIRECTION[objective]}: set "
-            f"hydra.sweeper.direction={DIRECTION[objective]}"
-        )
-    return objective
+    return setting, setting
 
 
-def _storage(storage, sweep_dir: Path):
-    """The storage URL; a relative SQLite path is taken from the working dir at launch, made
-    absolute so that the jobs (and SLURM's) find the same file."""
-    if storage is None:
-        return f"sqlite:///{sweep_dir / 'optuna.db'}"
-    text = str(storage)
-    prefix = "sqlite:///"
-    if text.startswith(prefix) and not text.startswith(prefix + "/"):
-        return prefix + str(Path(text[len(prefix) :]).resolve())
-    return storage
+def _check_journal(path: Path, where: str) -> None:
+    """Optuna appends to any file it is given as a journal: one whose first line is not a
+    journal entry is refused before, and left as it is."""
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            entry = json.loads(f.readline(1 << 16) or b'{"op_code": 0}')
+    except (OSError, ValueError) as e:
+        raise ConfigError(_unreadable(where, e)) from None
+    if not isinstance(entry, dict) or "op_code" not in entry:
+        raise ConfigError(_unreadable(where, ValueError("not an Optuna journal")))
 
 
-def _open_study(
-    sweeper: StudySweeper, sweep_dir: Path, directions: list[str], objective: Objective
-) -> optuna.Study:
+def open_study(settings: StudySweeperConf, sweep_dir: Path, objective: Objective) -> optuna.Study:
     """The study in its storage: created, or loaded to continue. Refused, and left as it is:
-    one that cannot be read (not a database, a newer Optuna's), one in use or read-only, and
-    one made for another objective or direction (its values would not compare with the new)."""
+    one that cannot be read (not a database or a journal, a newer Optuna's), one in use or
+    read-only, and one made for another objective or direction (its values would not compare
+    with the new). Optuna loads a study of another direction silently: checked here."""
     import sqlalchemy.exc
 
-    url = _storage(sweeper.storage, sweep_dir)
+    name, direction = settings.study_name, settings.direction
+    storage, where = storage_of(settings.storage, sweep_dir)
     try:
         study = optuna.create_study(
-            study_name=sweeper.study_name,
-            storage=url,
-            sampler=sweeper.sampler,
-            directions=directions,
-            load_if_exists=True,
+            study_name=name, storage=storage, direction=direction, load_if_exists=True
         )
         made_for = study.user_attrs.get("objective")
         if made_for is None:
             study.set_user_attr("objective", objective.value)
-    except ValueError as e:  # "Cannot overwrite study direction from [...] to [...]"
-        raise ConfigError(
-            _another_study(url, sweeper.study_name, f"another direction ({e})")
-        ) from None
     except (
         sqlalchemy.exc.SQLAlchemyError,
         optuna.exceptions.StorageInternalError,  # a failed write: its cause is SQLAlchemy's
         RuntimeError,
+        ValueError,  # a journal file that is not one (JSONDecodeError)
     ) as e:
-        cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
-        reason = (str(getattr(cause, "orig", None) or cause).splitlines() or [repr(cause)])[0]
-        if "locked" in reason:
-            raise ConfigError(
-                f"hydra.sweeper.storage={url}: {reason} (another sweep is writing this study): "
-                "wait for it to end, or set another hydra.sweep.dir"
-            ) from None
-        if "readonly" in reason:
-            raise ConfigError(
-                f"hydra.sweeper.storage={url}: {reason}: make it writable, or set another "
-                "hydra.sweep.dir"
-            ) from None
-        raise ConfigError(
-            f"hydra.sweeper.storage={url} cannot be opened as an Optuna study ({reason}); "
-            "move that file away to start a new study, or set another hydra.sweep.dir"
-        ) from None
-    if made_for is not None and made_for != objective.value:
+        raise ConfigError(_unreadable(where, e)) from None
+    why = None
+    if [d.name.lower() for d in study.directions] != [direction]:
+        why = f"another direction ({study.directions[0].name.lower()}, not {direction})"
+    elif made_for is not None and made_for != objective.value:
         why = f"objective={made_for}, not {objective.value}"
-        raise ConfigError(_another_study(url, sweeper.study_name, why))
+    if why:
+        raise ConfigError(
+            f"study {name} in {where} was made for {why}: continue it with its own settings, "
+            "or give this search another hydra.sweep.dir (or hydra.sweeper.study_name)"
+        )
     return study
 
 
-def _another_study(url: str, name: str, why: str) -> str:
+def _unreadable(where: str, e: Exception) -> str:
+    cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
+    reason = (str(getattr(cause, "orig", None) or cause).splitlines() or [repr(cause)])[0]
+    if "locked" in reason:
+        return (
+            f"hydra.sweeper.storage={where}: {reason} (another sweep is writing this study): "
+            "wait for it to end, or set another hydra.sweep.dir"
+        )
+    if "readonly" in reason:
+        return (
+            f"hydra.sweeper.storage={where}: {reason}: make it writable, or set another "
+            "hydra.sweep.dir"
+        )
     return (
-        f"study {name} in {url} was made for {why}: continue it with its own settings, or "
-        "give this search another hydra.sweep.dir (or hydra.sweeper.study_name)"
+        f"hydra.sweeper.storage={where} cannot be opened as an Optuna study ({reason}); "
+        "move that file away to start a new study, or set another hydra.sweep.dir"
     )
 
 
-def recover_interrupted(study: optuna.Study) -> dict[int, int | None]:
-    """Trials left running by a study that was stopped (Ctrl-C, a killed process, a preempted
-    allocation): recorded as failed, their parameters queued to run first. Returns {queued
-    trial's number: the interrupted trial's grid point, None outside sampler=grid} (see
-    ``_regrid``)."""
-    stale = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.RUNNING]
-    reruns = {}
+@dataclass
+class Worker:
+    """This sweep process as the study's other processes see it: ``host:pid:token`` on each
+    trial it runs (user attr ``worker``), and a heartbeat (study user attr ``heartbeat:ID``,
+    the time) every HEARTBEAT_S from a thread. Another process takes over a trial only once its
+    worker is gone (``is_gone``), never one a live process is running."""
+
+    study: optuna.Study
+    id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid4()}")
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def start(cls, study: optuna.Study) -> Worker:
+        worker = cls(study)
+        worker.beat()
+        threading.Thread(target=worker._beat_until_stopped, daemon=True).start()
+        return worker
+
+    def beat(self) -> None:
+        self.study.set_user_attr(f"heartbeat:{self.id}", time.time())
+
+    def _beat_until_stopped(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                self.beat()
+            except Exception as e:  # noqa: BLE001 (a missed beat is retried; the sweep goes on)
+                log.warning("study heartbeat not recorded: %s", e)
+
+    def is_gone(self, trial: optuna.trial.FrozenTrial, beats: Mapping[str, object]) -> bool:
+        """Whether the process that runs ``trial`` is gone: silent for STALE_AFTER_S, dead on
+        this host (or its pid now this process's), or it never claimed the trial."""
+        owner = trial.user_attrs.get("worker")
+        if owner is None:
+            started = trial.datetime_start or datetime.now()
+            return (datetime.now(started.tzinfo) - started).total_seconds() > UNCLAIMED_AFTER_S
+        if owner == self.id:
+            return False
+        if time.time() - float(beats.get(f"heartbeat:{owner}", 0.0)) > STALE_AFTER_S:
+            return True
+        host, pid, _ = owner.rsplit(":", 2)
+        return host == socket.gethostname() and (int(pid) == os.getpid() or not _alive(int(pid)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # PermissionError: another user's, alive
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def recover_interrupted(study: optuna.Study, worker: Worker, searched: set[str]) -> list[int]:
+    """Trials left running by a process that is gone (Ctrl-C, a killed process, a preempted
+    allocation): failed, their parameters queued to run first. Their numbers."""
+    beats = study.user_attrs
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    stale = [t for t in running if worker.is_gone(t, beats)]
     for t in stale:
         study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
         _tell(study, t.number, state=TrialState.FAIL)
-        with warnings.catch_warnings():  # enqueue_trial is "experimental" in Optuna 2
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.enqueue_trial(t.params)
-        reruns[study.get_trials(deepcopy=False)[-1].number] = t.system_attrs.get("grid_id")
-    return reruns
+        if searched <= set(t.params):  # launched: its point runs again first
+            # as enqueue_trial does, keeping sampler=grid's point (GridSampler.after_trial needs it)
+            attrs = {k: v for k, v in t.system_attrs.items() if k in ("grid_id", "search_space")}
+            attrs["fixed_params"] = t.params
+            study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, system_attrs=attrs))
+    return [t.number for t in stale]
 
 
-def _regrid(study: optuna.Study, trial: optuna.Trial, reruns: dict[int, int | None]) -> None:
-    """Optuna 2's GridSampler gives a queued trial an unvisited grid point, which its fixed
-    parameters then replace: that point would never run. The queued rerun takes the grid point
-    of the trial it repeats instead."""
-    if reruns.get(trial.number) is not None:
-        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", reruns[trial.number])
+def _counts(study: optuna.Study) -> tuple[int, int]:
+    """(trials that count towards n_trials, of them running): finished but not interrupted
+    (its rerun counts), and running (here, or in another live process)."""
+    trials = study.get_trials(deepcopy=False)
+    running = sum(t.state is TrialState.RUNNING for t in trials)
+    done = sum(t.state.is_finished() and t.user_attrs.get("error") != INTERRUPTED for t in trials)
+    return done + running, running
 
 
-def _seed_sampler(sampler, seed: int, study: optuna.Study) -> None:
-    """Seed the sampler from (the sampler's seed, else the run's ``seed``; the trials so far):
-    a study is reproducible, and a continued one does not propose its first trials' parameters
-    again (a sampler seeded alike would restart the same random sequence)."""
-    new_seed = _derived_seed(seed, study)
-    parts = [sampler, getattr(sampler, "_random_sampler", None)]
-    reseeded = False
-    for part in parts:
-        if isinstance(getattr(part, "_rng", None), np.random.RandomState):
-            part._rng = np.random.RandomState(new_seed)
-            reseeded = True
-    if not reseeded and study.trials:  # a sampler laid out otherwise: a fresh, unseeded one
-        sampler.reseed_rng()
-
-
-def _derived_seed(seed: int, study: optuna.Study) -> int:
-    return int(np.random.SeedSequence([int(seed), len(study.trials)]).generate_state(1)[0])
-
-
-def _ask(study: optuna.Study, seed: int) -> optuna.Trial:
-    """study.ask, reproducibly: Optuna 2's GridSampler picks each trial's grid point with the
-    global ``random``, which nothing seeds (the same grid study ran in another order each
-    time); it is seeded from (seed, trials so far) before each ask. Nothing in a run uses it."""
-    if isinstance(study.sampler, optuna.samplers.GridSampler):
-        random.seed(_derived_seed(seed, study))
-    return study.ask()
+def _ask(study: optuna.Study, worker: Worker, sampling: search_space.Sampling) -> optuna.Trial:
+    """The study's next trial (a queued rerun first), claimed by this process, its values
+    drawn at once by a sampler seeded for its number (``Sampling.draw``)."""
+    trial = study.ask()
+    trial.set_user_attr("worker", worker.id)
+    sampling.draw(study, trial)
+    return trial
 
 
 def _check_job_dir_free(sweep_dir: Path, number: int) -> None:
@@ -312,7 +315,8 @@ def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Ob
     else:
         error = f"{type(ret._return_value).__name__}: {ret._return_value}"
     if value is None and error is None:
-        job_dir = _job_dir(ret)
+        cfg = ret.hydra_cfg
+        job_dir = Path(str(cfg.hydra.runtime.output_dir)) if cfg is not None else None
         run = rundir.read_run_file(job_dir) if job_dir else RunRecord()
         error = run.error or (
             f"the run recorded no {objective_result(objective)} (validation needs "
@@ -330,8 +334,8 @@ def tell(study: optuna.Study, trial: optuna.Trial, ret: JobReturn, objective: Ob
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial | int, **outcome) -> None:
-    """study.tell; Optuna 2's GridSampler calls study.stop() after the grid's last point, which
-    raises outside study.optimize once the trial is already recorded: the loop ends anyway."""
+    """study.tell; GridSampler calls study.stop() after the grid's last point, which raises
+    outside study.optimize once the trial is already recorded: the loop ends anyway."""
     try:
         study.tell(trial, **outcome)
     except RuntimeError as e:
@@ -339,24 +343,15 @@ def _tell(study: optuna.Study, trial: optuna.Trial | int, **outcome) -> None:
             raise
 
 
-def _job_dir(ret: JobReturn) -> Path | None:
-    if ret.hydra_cfg is None:
-        return None
-    return Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
-
-
 def study_record(study: optuna.Study, objective: Objective) -> dict:
     """study.json's content: the objective, the best trial, and every trial."""
     trials = study.get_trials(deepcopy=False)
-    complete = [t for t in trials if t.state is TrialState.COMPLETE]
-    best = None
-    if complete:
-        b = study.best_trial
-        best = {"trial": b.number, "value": b.value, "params": b.params}
+    b = study.best_trial if any(t.state is TrialState.COMPLETE for t in trials) else None
+    best = b and {"trial": b.number, "value": b.value, "params": b.params}
     return {
         "study_name": study.study_name,
         "objective": objective.name,
-        "direction": DIRECTION[objective],
+        "direction": search_space.DIRECTION[objective],
         "best": best,
         "trials": [
             {
@@ -377,11 +372,17 @@ def write_study_file(study: optuna.Study, sweep_dir: Path, objective: Objective)
 
 def _summarize(study: optuna.Study, sweep_dir: Path, objective: Objective) -> None:
     record = study_record(study, objective)
-    failed = [t for t in record["trials"] if t["state"] == "FAIL"]
-    best = record["best"]
+    states = [t["state"] for t in record["trials"]]
+    best, failed, running = record["best"], states.count("FAIL"), states.count("RUNNING")
+    line = f"fsdp_lab: study {study.study_name}: {len(states)} trials, {failed} failed"
+    if running:
+        line += f", {running} running in other processes"
+    if best is None and running:
+        print(f"{line}; none completed yet", file=sys.stderr)
+        return
     if best is None:
         raise ConfigError(
-            f"no trial of study {study.study_name} completed ({len(failed)} failed; see "
+            f"no trial of study {study.study_name} completed ({failed} failed; see "
             f"{sweep_dir / rundir.STUDY_FILE})"
         )
     OmegaConf.save(
@@ -392,8 +393,6 @@ def _summarize(study: optuna.Study, sweep_dir: Path, objective: Objective) -> No
     )
     params = " ".join(f"{k}={v}" for k, v in best["params"].items())
     print(
-        f"fsdp_lab: study {study.study_name}: {len(record['trials'])} trials, "
-        f"{len(failed)} failed; best {objective.name} {best['value']:.6g} "
-        f"(trial {best['trial']}: {params})",
+        f"{line}; best {objective.name} {best['value']:.6g} (trial {best['trial']}: {params})",
         file=sys.stderr,
     )

@@ -77,6 +77,10 @@ NOT_RUN = {
 SKIP: dict[str, str] = {
     "python train.py 'logger=[wandb,csv]'": "the docs' example tracker: its module and YAML are "
     "the reader's to write (tests/integration/test_trackers.py runs one written by the test)",
+    "fsdp-lab train --config-dir my_experiments/conf": "the reader's own config dir "
+    "(tests/integration/test_wheel.py runs one written by the test)",
+    "fsdp-lab plan --config-dir my_experiments/conf": "the reader's own config dir",
+    "fsdp-lab tune --config-dir my_experiments/conf": "the reader's own config dir",
 }
 # Appended to a real run: short, and nothing that reaches outside the run dir.
 SHORT = (

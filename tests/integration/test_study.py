@@ -27,7 +27,7 @@ def _study_args(sweep: Path) -> list[str]:
         "-m",  # a range on the command line (hparams_search alone needs no -m)
         "hparams_search=lr",
         f"hydra.sweep.dir={sweep}",
-        "hydra/sweeper/sampler=grid",  # the six points below, each once, in a seeded order
+        "hydra.sweeper.sampler=grid",  # the six points below, each once, in a seeded order
         "hydra.sweeper.params=null",  # lr.yaml's space, replaced by one parameter's six points
         f"optim.lr=choice({','.join(map(str, LRS))})",
         "optim.warmup_steps=0",
@@ -101,6 +101,46 @@ def test_an_objective_against_the_direction_is_one_line_before_any_trial(tmp_pat
         in proc.stderr
     )
     assert not (sweep / "0").exists()
+
+
+def test_two_study_processes_on_one_journal_share_the_study(tmp_path):
+    """hydra.sweeper.storage=journal, two train.py started at once on one sweep dir: one study
+    of n_trials, each process running a trial of its own (numbered apart, neither taken over
+    as interrupted), every job's dir its trial's."""
+    import optuna
+
+    from fsdp_lab.launch import study
+
+    sweep = tmp_path / "study"
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "hparams_search=lr",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweeper.storage=journal",
+        "hydra.sweeper.n_trials=2",
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
+        "trainer.progress_bar=false",
+        "hardware.nproc_per_node=1",
+        "checkpoint=none",
+        "logger=none",
+    ]
+    procs = [subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+    record = json.loads((sweep / "study.json").read_text())
+    assert [(t["number"], t["state"]) for t in record["trials"]] == [
+        (0, "COMPLETE"),
+        (1, "COMPLETE"),
+    ]
+    for n in (0, 1):
+        assert json.loads((sweep / str(n) / "run.json").read_text())["job"]["num"] == n
+    storage, _ = study.storage_of("journal", sweep)
+    shared = optuna.load_study(study_name="fsdp_lab", storage=storage)
+    owners = {int(t.user_attrs["worker"].split(":")[1]) for t in shared.trials}
+    assert owners == {p.pid for p in procs}
 
 
 def agent_command(sweep_yaml: Path, values: dict) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,8 +74,12 @@ def venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     user = tmp / "my_lab"
     _write(user, USER_PACKAGE)
+    # Built from a copy: setuptools' build/ in the checkout would keep files deleted since.
+    source = tmp / "source"
+    skip = shutil.ignore_patterns(".git", "build", ".venv*", "outputs", "multirun", "*.egg-info")
+    shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*build, "-w", str(tmp / "dist"), str(ROOT), str(user)], check=True)
+    subprocess.run([*build, "-w", str(tmp / "dist"), str(source), str(user)], check=True)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     wheels = sorted(str(p) for p in (tmp / "dist").glob("*.whl"))

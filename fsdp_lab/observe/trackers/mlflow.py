@@ -15,9 +15,8 @@
 - A server that cannot be reached fails the start after ``request_timeout_s`` and
   ``max_retries``: one warning, and the run goes on without MLflow.
 
-Needs only ``mlflow-skinny`` (the ``trackers`` extra). A server needs the full ``mlflow`` package,
-whose SQLAlchemy 2 conflicts with the study sweeper's optuna<3: run it in an environment of its
-own (docs/experiments-and-wandb.md).
+Needs MLflow's client (``mlflow-skinny`` is enough); the ``trackers`` extra installs the full
+``mlflow``, whose server runs in the same environment (docs/experiments-and-wandb.md).
 """
 
 from __future__ import annotations
