@@ -4,6 +4,7 @@ the user's own config dir and the user's own package (a model family, a tracker)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +19,9 @@ from test_trackers import MY_TRACKER
 pytestmark = pytest.mark.slow  # builds a wheel and runs it: make test, not make test-fast
 
 ROOT = Path(__file__).resolve().parents[2]
+# This environment's setuptools builds the wheels where it has one (no download); else pip
+# fetches it into an isolated build environment, as a user's pip would.
+NO_ISOLATION = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
 
 USER_PACKAGE = {
     "pyproject.toml": """
@@ -78,7 +82,7 @@ def venv(tmp_path_factory) -> Path:
     source = tmp / "source"
     skip = shutil.ignore_patterns(".git", "build", ".venv*", "outputs", "multirun", "*.egg-info")
     shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *NO_ISOLATION]
     subprocess.run([*build, "-w", str(tmp / "dist"), str(source), str(user)], check=True)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
