@@ -1,6 +1,6 @@
 """What `fsdp-lab tune` measures: a rank's memory before its model (the budget's baseline), each
 candidate's predicted peak on the budget's basis, a probe's few steps on the real ranks, and the
-winner as one train.py command.
+winner as one `fsdp-lab train` command.
 """
 
 from __future__ import annotations
@@ -103,8 +103,10 @@ def probe(
 
 
 def command(overrides: list[str], c: Candidate, host: list[str]) -> str:
-    """The winner as one train.py command: the overrides (less the axes it sets), its own, and
-    the host allocator's setting the probes ran with."""
+    """The winner as one ``fsdp-lab train`` command (``python train.py``'s, from any
+    directory): the overrides (less the axes it sets), its own, and the host allocator's
+    setting the probes ran with."""
     axes = {override_key(o) for o in c.overrides()}
     kept = [o for o in overrides if override_key(o) not in axes]
-    return " ".join(["python", "train.py", *map(shlex.quote, [*kept, *c.overrides(), *host])])
+    words = [*kept, *c.overrides(), *host]  # fsdp-lab train: the same as python train.py, anywhere
+    return " ".join(["fsdp-lab", "train", *map(shlex.quote, words)])

@@ -90,7 +90,7 @@ def test_the_command_replaces_the_axes_the_overrides_held():
     c = tune.Candidate(ShardingStrategy.no_shard, AC.full, False, 8)
     cmd = tune.command(["sharding=full", "model.hidden_size=64", "trainer.seq_len=128"], c, [])
     assert cmd == (
-        "python train.py model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
+        "fsdp-lab train model.hidden_size=64 trainer.seq_len=128 sharding=no_shard "
         "activation_checkpointing=full offload=none trainer.micro_batch_size=8"
     )
     host = [tune_probes.MALLOC_OVERRIDE]
