@@ -31,6 +31,7 @@ engine.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -280,33 +281,36 @@ _ROWS = (
 del A, Q
 FAMILIES: dict[str, Family] = {row.model_type: row for row in _ROWS}
 ENTRY_POINTS = "fsdp_lab.families"
-_plugged: list[str] = []  # the user packages' rows, added once per process
+
+
+@functools.cache
+def _plug_in() -> None:
+    """The rows users' packages register, added to the table once per process: an entry point
+    in the group ``fsdp_lab.families`` naming a ``Family`` (or a list of them), e.g. in the
+    user's pyproject.toml ``[project.entry-points."fsdp_lab.families"] phi3 =
+    "my_lab.families:PHI3"``. Every process that reads the table (the launcher, each rank,
+    plan) finds them the same. A bad one raises on every call, not only the first."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        loaded = ep.load()
+        for row in loaded if isinstance(loaded, (list, tuple)) else [loaded]:
+            if not isinstance(row, Family):
+                raise ConfigError(
+                    f"entry point {ep.name} = {ep.value} (group {ENTRY_POINTS}) is a "
+                    f"{type(row).__name__}, not a fsdp_lab.config.families.Family"
+                )
+            if row.model_type in FAMILIES and FAMILIES[row.model_type] is not row:
+                raise ConfigError(
+                    f"entry point {ep.name} = {ep.value} registers model_type "
+                    f"{row.model_type!r}, which fsdp_lab has a row for; name another type"
+                )
+            FAMILIES[row.model_type] = row
 
 
 def _rows() -> dict[str, Family]:
-    """The table, with the rows users' packages register: an entry point in the group
-    ``fsdp_lab.families`` naming a ``Family`` (or a list of them), e.g. in the user's
-    pyproject.toml ``[project.entry-points."fsdp_lab.families"] phi3 = "my_lab.families:PHI3"``.
-    Every process that reads the table (the launcher, each rank, plan) finds them the same."""
-    if not _plugged:
-        from importlib.metadata import entry_points
-
-        _plugged.append("")  # once, even if a package fails below
-        for ep in entry_points(group=ENTRY_POINTS):
-            loaded = ep.load()
-            for row in loaded if isinstance(loaded, (list, tuple)) else [loaded]:
-                if not isinstance(row, Family):
-                    raise ConfigError(
-                        f"entry point {ep.name} = {ep.value} (group {ENTRY_POINTS}) is a "
-                        f"{type(row).__name__}, not a fsdp_lab.config.families.Family"
-                    )
-                if row.model_type in FAMILIES and FAMILIES[row.model_type] is not row:
-                    raise ConfigError(
-                        f"entry point {ep.name} = {ep.value} registers model_type "
-                        f"{row.model_type!r}, which fsdp_lab has a row for; name another type"
-                    )
-                FAMILIES[row.model_type] = row
-                _plugged.append(ep.value)
+    """The table, users' rows included (``_plug_in``)."""
+    _plug_in()
     return FAMILIES
 
 

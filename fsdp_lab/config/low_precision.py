@@ -18,6 +18,7 @@ NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
 NF4_SCALE_SPAN = NF4_BLOCK * NF4_SCALER_BLOCK  # values under one int8 block of scales
 NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / NF4_SCALE_SPAN
 """4 bits of data, an int8 scale per 64 values, an fp32 factor per 16384: ~4.13 bits."""
+NF4_BITS = 8 * NF4_BYTES_PER_PARAM  # what the plan and the run's log say an NF4 weight costs
 NF4_TENSOR_BYTES = 4 + 16 * 4  # and each tensor's fp32 mean and 16-value lookup table
 
 

@@ -37,10 +37,14 @@ def agree(found: str | None) -> str | None:
     return next((f for f in every if f is not None), None)
 
 
+DAMAGED = "the weights are damaged: copy the checkpoint again, or repair that tensor"
+
+
 def first_in(named) -> str | None:
-    """The first of ``(name, tensor)`` pairs (this rank's shards) holding NaN or inf, said in
-    words; None if all are finite."""
-    for name, t in named:
+    """The first of ``(what, tensor)`` pairs (this rank's shards) holding NaN or inf, said in
+    words (``what`` names it: "tensor x.weight"); None if all are finite. Lazy pairs are read
+    only up to the first damaged one."""
+    for what, t in named:
         if bad := count(t):
-            return f"tensor {name} holds {bad:,} NaN/inf value(s)"
+            return f"{what} holds {bad:,} NaN/inf value(s)"
     return None

@@ -285,10 +285,7 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=N
             damaged = f"{_source_of(files, source, name)} holds {bad:,} NaN/inf value(s)"
         _store(t, value)
     if (damaged := finite.agree(damaged)) is not None:
-        raise ConfigError(
-            f"model.name_or_path={name_or_path}: {damaged}; the weights are damaged: copy the "
-            "checkpoint again, or repair that tensor"
-        )
+        raise ConfigError(f"model.name_or_path={name_or_path}: {damaged}; {finite.DAMAGED}")
     if any(n not in plan.sources for n in owned):  # LoRA adapters: drawn, not read
         init_groups(model, seed, wanted=lambda n: n not in plan.sources, hf_init=False)
 

@@ -365,9 +365,8 @@ def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | 
     from fsdp_lab.engine import finite, loading
 
     loading.check_filled(model)
-    if (damaged := finite.agree(finite.first_in(model.named_parameters()))) is not None:
-        raise ConfigError(  # every rank checked its shards of what rank 0 read
-            f"the initial weights rank 0 read: {damaged}; the weights are damaged: copy the "
-            "checkpoint again, or repair that tensor"
-        )
+    own = ((f"tensor {n}", p) for n, p in model.named_parameters())
+    if (damaged := finite.agree(finite.first_in(own))) is not None:
+        # every rank checked its shards of what rank 0 read
+        raise ConfigError(f"the initial weights rank 0 read: {damaged}; {finite.DAMAGED}")
     return payload[1]

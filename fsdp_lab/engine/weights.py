@@ -11,6 +11,7 @@ Pickled weights (``pytorch_model.bin``) are refused, as every pickle fsdp_lab me
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,11 @@ PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 # Bits an element of each safetensors dtype takes (safetensors' Dtype::bitsize).
 DTYPE_BITS = {
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E5M2FNUZ": 8,
-    "F8_E4M3FNUZ": 8, "F4": 4, "F6_E2M3": 6,
-    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "F8_E4M3FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
     "C64": 64, "I64": 64, "U64": 64, "F64": 64,
 }  # fmt: skip
 _SHOWN = 3  # keys named in an error
@@ -171,21 +174,19 @@ def _entries(file: Path) -> dict[str, FileTensor]:
 
 def _check_ranges(file: Path, tensors: dict[str, FileTensor], start: int) -> None:
     """Each tensor's byte range holds exactly its dtype x shape (of the dtypes in
-    ``DTYPE_BITS``), and the ranges tile the data
-    from its start without a gap or an overlap (as safetensors writes them, and as its reader
-    insists, a rank at a time): one line naming the tensor and the file, before any rank."""
+    ``DTYPE_BITS``), and the ranges tile the data from its start without a gap or an overlap
+    (as safetensors writes them, and as its reader insists, a rank at a time): one line naming
+    the tensor and the file, before any rank."""
     fix = "the file is damaged: copy the checkpoint again"
     for key, t in tensors.items():
         bits = DTYPE_BITS.get(t.dtype)
         if bits is None:  # a dtype newer than this table: its length is safetensors' to check
             continue
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        if t.end - t.begin != numel * bits // 8 or t.end < t.begin:
+        size = math.prod(t.shape) * bits // 8
+        if t.end - t.begin != size:
             raise ConfigError(
-                f"{file}: tensor {key} ({t.dtype} {list(t.shape)}, {numel * bits // 8:,} "
-                f"bytes) has a byte range of {t.end - t.begin:,} bytes; {fix}"
+                f"{file}: tensor {key} ({t.dtype} {list(t.shape)}, {size:,} bytes) has a byte "
+                f"range of {t.end - t.begin:,} bytes; {fix}"
             )
     at = start
     for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):

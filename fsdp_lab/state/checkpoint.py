@@ -23,6 +23,7 @@ before any rank loads it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -298,14 +299,14 @@ class Checkpointer:
         """The restored model and optimizer state hold no NaN or inf (each rank its shards,
         one verdict for all): a damaged checkpoint is named here, not as a loss later."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        found = finite.first_in(self.model.named_parameters())
-        found = f"model {found}" if found is not None else None
-        for p, slots in self.optimizer.state.items() if found is None else ():
-            bad = [k for k, v in slots.items() if torch.is_tensor(v) and finite.count(v)]
-            if bad:
-                found = f"optimizer state {bad[0]} of {names.get(id(p), '?')} holds NaN/inf"
-                break
-        if (found := finite.agree(found)) is not None:
+        model = ((f"model tensor {n}", p) for n, p in self.model.named_parameters())
+        optim = (
+            (f"optimizer state {k} of {names.get(id(p), '?')}", v)
+            for p, slots in self.optimizer.state.items()
+            for k, v in slots.items()
+            if torch.is_tensor(v)
+        )
+        if (found := finite.agree(finite.first_in(itertools.chain(model, optim)))) is not None:
             raise CheckpointError(
                 f"checkpoint {path}: {found}; it is damaged: resume from an earlier checkpoint "
                 "(resume=<its path>) or resume=never"

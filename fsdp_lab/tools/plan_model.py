@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
-from fsdp_lab.config.low_precision import NF4_BYTES_PER_PARAM
+from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.engine.model import ModelCounts
 from fsdp_lab.observe import metrics
 from fsdp_lab.tools import activation_memory, memory
-
-NF4_BITS = 8 * NF4_BYTES_PER_PARAM  # what the plan says an NF4 weight costs
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from fsdp_lab.config import Config, HardwareKind, LossKind, ProfileMode, to_container
+from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.engine.moe import ExpertCounts
 from fsdp_lab.observe import metrics
@@ -350,7 +351,8 @@ def _nf4_base(facts: RunFacts) -> str:
     held = (facts.low_precision or {}).get("bytes_per_rank")
     if not held:
         return ""
-    return f"; the frozen base in NF4 (~4.13 bits a weight): {max(held) / 2**20:,.1f} MiB per rank"
+    mib = max(held) / 2**20
+    return f"; the frozen base in NF4 ({NF4_BITS:.2f} bits a weight): {mib:,.1f} MiB per rank"
 
 
 def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:

@@ -79,12 +79,12 @@ def test_a_user_packages_family_registers_through_its_entry_point(monkeypatch):
     points = [_EntryPoint("my_lab.families:PHI3", row)]
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: points)
     monkeypatch.setattr(fam, "FAMILIES", dict(fam.FAMILIES))
-    monkeypatch.setattr(fam, "_plugged", [])
+    fam._plug_in.cache_clear()
     assert fam.family_of("phi3") is row and "phi3" in fam.fused_loss_types()
     # a row for a type fsdp_lab has, or something that is not a row: one line naming it
     other_llama = dataclasses.replace(fam.FAMILIES["llama"], fused_loss=False)
     for loaded, fragment in ((other_llama, "which fsdp_lab has a row for"), ("x", "not a fsdp")):
-        fam._plugged.clear()
+        fam._plug_in.cache_clear()
         points[:] = [_EntryPoint("my_lab:X", loaded)]
         with pytest.raises(ConfigError, match=f"entry point mine = my_lab:X .*{fragment}"):
             fam.family_of("llama")
