@@ -85,15 +85,16 @@ def test_tune_picks_the_fastest_probe_that_fits_and_its_command_reproduces(tmp_p
 
     # The printed command, as is (its output dir pinned outside the repo).
     line = proc.stdout.strip().splitlines()[-1]
-    assert line == record["command"] and line.startswith("python train.py ")
+    assert line == record["command"] and line.startswith("fsdp-lab train ")
     assert line.endswith(" hardware.malloc_mmap_threshold=131072")
     words = shlex.split(line)
-    env = dict(w.split("=", 1) for w in words[: words.index("python")])
     run_dir = tmp_path / "again"
-    again = subprocess.run(
+    again = subprocess.run(  # `fsdp-lab train` is `python -m fsdp_lab`
         [
             sys.executable,
-            *words[words.index("python") + 1 :],
+            "-m",
+            "fsdp_lab",
+            *words[2:],
             f"hydra.run.dir={run_dir}",
             "logger=none",
             "trainer.progress_bar=false",
@@ -102,7 +103,6 @@ def test_tune_picks_the_fastest_probe_that_fits_and_its_command_reproduces(tmp_p
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **env},
     )
     check_ok(again)
     peak = json.loads((run_dir / "run.json").read_text())["peak_mem_bytes"]
