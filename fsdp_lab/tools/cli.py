@@ -145,9 +145,9 @@ def _from_accelerate(args) -> int:
         print(f"fsdp-lab: note: {note}", file=sys.stderr)
     for warning in result.warnings:
         print(f"fsdp-lab: warning: {warning}", file=sys.stderr)
-    launcher = "python train.py"
+    launcher = "fsdp-lab train"  # python train.py's command, from any directory
     if any(o.startswith("hardware.num_nodes=") for o in result.overrides):
-        launcher = "torchrun --nnodes=... --nproc_per_node=... train.py"
+        launcher = "torchrun --nnodes=... --nproc_per_node=... -m fsdp_lab"
     print(" ".join([launcher, *map(shlex.quote, result.overrides)]))
     return 0
 

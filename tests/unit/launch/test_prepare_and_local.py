@@ -44,12 +44,17 @@ def test_resuming_drops_the_records_after_the_checkpoint(tmp_path):
     assert prepare._truncate_metrics(tmp_path / "none.jsonl", 2) == 0
 
 
-def test_a_bare_launch_stays_on_one_node():
+@pytest.mark.parametrize(
+    "argv0, typed",
+    [("train.py", "python train.py"), ("/venv/bin/fsdp-lab", "fsdp-lab train")],
+)
+def test_a_bare_launch_stays_on_one_node(monkeypatch, argv0, typed):
     cfg = Config(
         model=ModelConfig(arch=ModelArch.llama),
         hardware=HardwareConfig(kind=HardwareKind.cpu, num_nodes=2),
     )
-    with pytest.raises(ConfigError, match="torchrun or srun on every node"):
+    monkeypatch.setattr("sys.argv", [argv0])  # the message names the command the user typed
+    with pytest.raises(ConfigError, match=f"a bare `{typed}` starts ranks.*srun on every node"):
         prepare.local_topology(cfg)
     cfg.hardware.num_nodes, cfg.hardware.nproc_per_node = 1, 3
     topo = prepare.local_topology(cfg)

@@ -86,7 +86,7 @@ def test_fsdp1_config_becomes_train_py_overrides(tmp_path, capsys):
     code, out, err = run_cli(tmp_path, FSDP1, capsys)
     assert code == 0
     words = shlex.split(out.strip())
-    assert words[:2] == ["python", "train.py"]
+    assert words[:2] == ["fsdp-lab", "train"]
     assert words[2:] == [
         "sharding=full",
         "wrap=transformer",
