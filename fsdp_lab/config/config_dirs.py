@@ -34,14 +34,26 @@ def shipped(path: str) -> Path | None:
 
 
 def check_dir(path: str, setting: str) -> Path:
-    """A user's config dir, absolute; one line if it is not a directory."""
+    """A user's config dir, absolute; one line if it is not a directory, or if it holds an
+    option named as a shipped one (which Hydra would pass over without a word: it searches
+    the package's groups first)."""
     where = Path(path.removeprefix("file://")).expanduser()
     if not where.is_dir():
         raise ConfigError(
             f"{setting} {path}: no such directory; point it at a folder of config groups "
             "(e.g. my_experiments/conf with model/my_model.yaml in it)"
         )
-    return where.resolve()
+    where = where.resolve()
+    for option in sorted(where.rglob("*.yaml")):
+        rel = option.relative_to(where)
+        if (CONF_DIR / rel).is_file():
+            mine = rel.with_name(f"my_{rel.name}").as_posix()
+            raise ConfigError(
+                f"{option}: fsdp_lab ships an option of this name (conf/{rel.as_posix()}), "
+                f"which Hydra reads instead of yours; rename yours (e.g. {mine}) and select "
+                "it by that name"
+            )
+    return where
 
 
 def _is_searchpath(item: str) -> bool:

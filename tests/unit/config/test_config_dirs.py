@@ -64,6 +64,11 @@ def test_a_user_option_composes_and_a_typo_names_its_file(tmp_path, monkeypatch)
         compose([], ["nope"])
     with pytest.raises(ConfigError, match=r"Available options in 'sharding': full, grad_op"):
         compose(["sharding=zero3"])
+    # An option named as a shipped one: Hydra would read the shipped file and pass this over.
+    (tmp_path / "conf" / "trainer" / "default.yaml").write_text("max_steps: 7\n")
+    own = tmp_path / "conf" / "trainer" / "default.yaml"
+    with pytest.raises(ConfigError, match=rf"^{own}: fsdp_lab ships .*trainer/my_default.yaml"):
+        compose([], ["conf"])
 
 
 class _EntryPoint:
