@@ -19,7 +19,7 @@ from fsdp_lab.config.data import (
     TrainOn,
 )
 from fsdp_lab.config.data_kinds import DataKind
-from fsdp_lab.config.errors import ConfigError, first_line
+from fsdp_lab.config.errors import ConfigError, first_line, typed_command
 from fsdp_lab.config.evaluation import HARNESS_EXTRA, EvalConfig
 from fsdp_lab.config.hardware import Backend, HardwareConfig, HardwareKind, StartMethod
 from fsdp_lab.config.load import compose, register_schema, to_typed
@@ -116,4 +116,5 @@ __all__ = [
     "register_schema",
     "to_container",
     "to_typed",
+    "typed_command",
 ]

@@ -3,6 +3,9 @@ and the small checks every group's rules share. Imports nothing else of ours."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A user error in the config: the message names the setting and the fix, on one line."""
@@ -21,3 +24,10 @@ def positive(value: int | float, name: str) -> None:
     """``name`` must be > 0."""
     if value <= 0:
         raise ConfigError(f"{name}={value} must be > 0; set {name}=<a positive value>")
+
+
+def typed_command() -> str:
+    """The training command as the user typed it, for a fix that names what to run: ``python
+    train.py`` from a checkout's script, else ``fsdp-lab train`` (the same command from any
+    directory, installed or not)."""
+    return "python train.py" if Path(sys.argv[0]).name == "train.py" else "fsdp-lab train"

@@ -14,13 +14,6 @@ from fsdp_lab import config
 from fsdp_lab.config.config_dirs import CONF_MODULE, split_dir_flags, with_config_dirs
 
 
-def typed() -> str:
-    """The training command as the user typed it, for messages that tell them what to run:
-    ``python train.py`` from a checkout's script, else ``fsdp-lab train`` (the same command
-    from any directory, installed or not)."""
-    return "python train.py" if Path(sys.argv[0]).name == "train.py" else "fsdp-lab train"
-
-
 def _one_run(overrides: list[str]) -> bool:
     """The command line is one run's overrides: no Hydra flag (-m, --cfg, ...) and no sweep
     value (a,b / range(...), which a study's config may run without -m). A sweep's jobs are

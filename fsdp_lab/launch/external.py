@@ -9,9 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_lab.config import Config, ConfigError, HardwareKind, to_container, to_typed
+from fsdp_lab.config import (
+    Config,
+    ConfigError,
+    HardwareKind,
+    to_container,
+    to_typed,
+    typed_command,
+)
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.launch import command, slurm
+from fsdp_lab.launch import slurm
 from fsdp_lab.observe import rundir
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from fsdp_lab.train.preempt import Launched, Preempted
@@ -50,7 +57,7 @@ def join_existing_group(
 
     if cfg.hardware.kind is HardwareKind.tpu:
         raise ConfigError(
-            f"hardware=tpu runs one SPMD process per host, which `{command.typed()} "
+            f"hardware=tpu runs one SPMD process per host, which `{typed_command()} "
             "hardware=tpu` starts itself; run it without torchrun or srun"
         )
     kind = devices.resolve_kind(cfg.hardware)

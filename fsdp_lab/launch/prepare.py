@@ -11,13 +11,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
+from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod, typed_command
 from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.rules import refuse_for_xla, validate
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.launch import command, local
+from fsdp_lab.launch import local
 from fsdp_lab.observe import run_logs, rundir, trackers
 from fsdp_lab.observe.record import RunRecord
 
@@ -259,7 +259,7 @@ def local_topology(cfg: Config) -> Topology:
         refuse_for_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
     if cfg.hardware.num_nodes > 1:
         raise ConfigError(
-            f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `{command.typed()}` starts ranks "
+            f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `{typed_command()}` starts ranks "
             "on this node only; launch multi-node runs with torchrun or srun on every node"
         )
     nproc = cfg.hardware.nproc_per_node or devices.default_nproc_per_node(kind)

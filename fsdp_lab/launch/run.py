@@ -15,8 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fsdp_lab.config import ConfigError, to_typed
-from fsdp_lab.launch import command, external, local, prepare, slurm
+from fsdp_lab.config import ConfigError, to_typed, typed_command
+from fsdp_lab.launch import external, local, prepare, slurm
 from fsdp_lab.train import preempt
 from fsdp_lab.train.preempt import Launched
 
@@ -39,7 +39,7 @@ def launch_job(
             if multirun and not slurm.under_submitit():  # submitit runs one job per task
                 raise ConfigError(
                     "-m/--multirun under torchrun or srun would run the whole sweep on every "
-                    f"rank; run `{command.typed()} -m ...` (it starts each job's ranks itself)"
+                    f"rank; run `{typed_command()} -m ...` (it starts each job's ranks itself)"
                 )
             launched = Launched.submitit if slurm.under_submitit() else Launched.external
             return external.join_existing_group(cfg, run_dir, job, launched), None  # submitit

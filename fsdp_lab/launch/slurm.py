@@ -15,8 +15,7 @@ import re
 import signal
 import subprocess
 
-from fsdp_lab.config import ConfigError, HardwareKind
-from fsdp_lab.launch import command
+from fsdp_lab.config import ConfigError, HardwareKind, typed_command
 
 BATCH_STEP_IDS = {"batch", "4294967294"}  # the batch script's own step (SLURM_BATCH_SCRIPT)
 
@@ -136,7 +135,7 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
     if kind is HardwareKind.tpu:
         raise ConfigError(
             "hydra/launcher=slurm with hardware=tpu: TPU VMs are not SLURM nodes "
-            f"here; run `{command.typed()} -m hardware=tpu ...` on the TPU VM"
+            f"here; run `{typed_command()} -m hardware=tpu ...` on the TPU VM"
         )
     if kind is HardwareKind.auto:
         raise ConfigError(

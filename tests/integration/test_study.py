@@ -109,7 +109,7 @@ def test_two_study_processes_on_one_journal_share_the_study(tmp_path):
     as interrupted), every job's dir its trial's."""
     import optuna
 
-    from fsdp_lab.launch import study
+    from fsdp_lab.launch import study_storage
 
     sweep = tmp_path / "study"
     args = [
@@ -137,7 +137,7 @@ def test_two_study_processes_on_one_journal_share_the_study(tmp_path):
     ]
     for n in (0, 1):
         assert json.loads((sweep / str(n) / "run.json").read_text())["job"]["num"] == n
-    storage, _ = study.storage_of("journal", sweep)
+    storage, _ = study_storage.storage_of("journal", sweep)
     shared = optuna.load_study(study_name="fsdp_lab", storage=storage)
     owners = {int(t.user_attrs["worker"].split(":")[1]) for t in shared.trials}
     assert owners == {p.pid for p in procs}

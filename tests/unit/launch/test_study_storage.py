@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from fsdp_lab.config import ConfigError, Objective
-from fsdp_lab.launch import search_space, study
+from fsdp_lab.launch import search_space, study, study_storage
 from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeper, StudySweeperConf
 
 
@@ -43,52 +43,78 @@ FILES = {"sqlite": "optuna.db", "journal": "optuna.journal"}
 def test_a_file_that_is_not_a_study_is_refused_and_kept(tmp_path, storage):
     (tmp_path / FILES[storage]).write_text("not a study")
     with pytest.raises(ConfigError, match=r"cannot be opened as an Optuna study.*move that file"):
-        study.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
+        study_storage.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
     assert (tmp_path / FILES[storage]).read_text() == "not a study"
+
+
+def test_a_study_an_older_optuna_wrote_names_the_upgrade_and_is_kept(tmp_path):
+    """The study file of fsdp_lab's Optuna 2.10 days: its schema marked as 2.10.1's (Optuna's
+    own upgrade of a real 2.10 file kept its trials and objective)."""
+    import sqlite3
+
+    study_storage.open_study(settings(), tmp_path, Objective.val_loss)
+    db = tmp_path / "optuna.db"
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE alembic_version SET version_num = 'v2.6.0.a'")
+        con.execute("UPDATE version_info SET library_version = '2.10.1'")
+    before = db.read_bytes()
+    url = f"sqlite:///{db}"
+    with pytest.raises(ConfigError) as e:
+        study_storage.open_study(settings(), tmp_path, Objective.val_loss)
+    assert str(e.value) == (
+        f"hydra.sweeper.storage={url} was written by optuna 2.10.1: upgrade it in place, keeping "
+        f"its trials, with `optuna storage upgrade --storage {url}` (copy the file first if that "
+        "Optuna must read it again), then rerun"
+    )
+    assert db.read_bytes() == before
 
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_a_study_continues_only_with_its_objective_and_direction(tmp_path, storage):
-    made = study.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
+    made = study_storage.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
     made.tell(made.ask(), 1.0)  # something to keep
-    again = study.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
+    again = study_storage.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
     assert len(again.get_trials()) == 1
     with pytest.raises(ConfigError, match="made for objective=val_loss, not best_val_loss"):
-        study.open_study(settings(storage=storage), tmp_path, Objective.best_val_loss)
+        study_storage.open_study(settings(storage=storage), tmp_path, Objective.best_val_loss)
     maximize = settings(storage=storage, direction="maximize")
     with pytest.raises(ConfigError, match=r"made for another direction \(minimize, not maximize"):
-        study.open_study(maximize, tmp_path, Objective.tokens_per_s)
-    kept = study.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
+        study_storage.open_study(maximize, tmp_path, Objective.tokens_per_s)
+    kept = study_storage.open_study(settings(storage=storage), tmp_path, Objective.val_loss)
     assert len(kept.get_trials()) == 1 and kept.user_attrs["objective"] == "val_loss"
 
 
 def test_the_storage_setting_names_a_file_in_the_sweep_dir_or_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sweep_dir = tmp_path / "sweep"
-    assert study.storage_of("sqlite", sweep_dir) == (f"sqlite:///{sweep_dir}/optuna.db",) * 2
-    assert study.storage_of("sqlite:///rel.db", sweep_dir)[1] == f"sqlite:///{tmp_path}/rel.db"
+    assert (
+        study_storage.storage_of("sqlite", sweep_dir) == (f"sqlite:///{sweep_dir}/optuna.db",) * 2
+    )
+    assert (
+        study_storage.storage_of("sqlite:///rel.db", sweep_dir)[1] == f"sqlite:///{tmp_path}/rel.db"
+    )
     url = "postgresql://u@host/db"
-    assert study.storage_of(url, sweep_dir) == (url, url)
-    journal, where = study.storage_of("journal", sweep_dir)
+    assert study_storage.storage_of(url, sweep_dir) == (url, url)
+    journal, where = study_storage.storage_of("journal", sweep_dir)
     assert isinstance(journal, optuna.storages.JournalStorage)
     assert where == f"journal://{sweep_dir}/optuna.journal"
-    assert study.storage_of("journal://shared/lr.journal", sweep_dir)[1] == (
+    assert study_storage.storage_of("journal://shared/lr.journal", sweep_dir)[1] == (
         f"journal://{tmp_path}/shared/lr.journal"
     )
     for bad in ("journl", "journal://"):
         with pytest.raises(ConfigError, match=f"storage={bad}: use sqlite .* journal://PATH"):
-            study.storage_of(bad, sweep_dir)
+            study_storage.storage_of(bad, sweep_dir)
 
 
 def test_a_study_another_sweep_is_writing_is_refused_as_such(tmp_path):
     import sqlite3
 
-    study.open_study(settings(), tmp_path, Objective.val_loss)
+    study_storage.open_study(settings(), tmp_path, Objective.val_loss)
     writer = sqlite3.connect(tmp_path / "optuna.db", isolation_level=None, timeout=0)
     writer.execute("BEGIN IMMEDIATE")  # another process in the middle of a write
     try:
         with pytest.raises(ConfigError, match=r"database is locked \(another sweep is writing"):
-            study.open_study(settings(), tmp_path, Objective.val_loss)
+            study_storage.open_study(settings(), tmp_path, Objective.val_loss)
     finally:
         writer.execute("ROLLBACK")
 
@@ -187,7 +213,7 @@ def test_a_trial_draws_the_same_values_alone_or_in_a_batch(tmp_path):
 
 
 def test_a_trial_is_taken_over_only_from_a_process_that_is_gone(tmp_path):
-    s = study.open_study(settings(), tmp_path, Objective.val_loss)
+    s = study_storage.open_study(settings(), tmp_path, Objective.val_loss)
     me = study.Worker(s)
     host = me.id.split(":")[0]
     dead_pid = int(subprocess.check_output([sys.executable, "-c", "import os; print(os.getpid())"]))
@@ -265,7 +291,7 @@ def test_two_sweep_processes_share_one_journal_study(tmp_path):
     }
     assert set(ran) == {p.pid for p in procs}  # both ran trials
     assert sorted(ran[procs[0].pid] + ran[procs[1].pid]) == [0, 1, 2, 3, 4]
-    storage, _ = study.storage_of("journal", sweep_dir)
+    storage, _ = study_storage.storage_of("journal", sweep_dir)
     shared = optuna.load_study(study_name="s", storage=storage)
     assert [t.state for t in shared.trials] == [TrialState.COMPLETE] * 5
     owners = {t.number: int(t.user_attrs["worker"].split(":")[1]) for t in shared.trials}
