@@ -48,6 +48,12 @@ def check_dir(path: str, setting: str) -> Path:
         rel = option.relative_to(where)
         if (CONF_DIR / rel).is_file():
             mine = rel.with_name(f"my_{rel.name}").as_posix()
+            if len(rel.parts) == 1:  # the primary config.yaml: not an option of any group
+                raise ConfigError(
+                    f"{option}: fsdp_lab's own conf/{rel.name} is the one composed, so yours "
+                    "is never read; put its settings in an experiment (experiment/my_run.yaml, "
+                    "starting `# @package _global_`) and select it with experiment=my_run"
+                )
             raise ConfigError(
                 f"{option}: fsdp_lab ships an option of this name (conf/{rel.as_posix()}), "
                 f"which Hydra reads instead of yours; rename yours (e.g. {mine}) and select "

@@ -69,6 +69,10 @@ def test_a_user_option_composes_and_a_typo_names_its_file(tmp_path, monkeypatch)
     own = tmp_path / "conf" / "trainer" / "default.yaml"
     with pytest.raises(ConfigError, match=rf"^{own}: fsdp_lab ships .*trainer/my_default.yaml"):
         compose([], ["conf"])
+    own.unlink()
+    (tmp_path / "conf" / "config.yaml").write_text("seed: 3\n")  # a copy of the primary config
+    with pytest.raises(ConfigError, match=r"config.yaml is the one composed.*experiment=my_run"):
+        compose([], ["conf"])
 
 
 class _EntryPoint:
