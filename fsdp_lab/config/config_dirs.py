@@ -44,9 +44,9 @@ def check_dir(path: str, setting: str) -> Path:
             "(e.g. my_experiments/conf with model/my_model.yaml in it)"
         )
     where = where.resolve()
-    for option in sorted(where.rglob("*.yaml")):
-        rel = option.relative_to(where)
-        if (CONF_DIR / rel).is_file():
+    for rel in sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*.yaml")):
+        option = where / rel  # a stat per shipped file: the user's dir may be a whole repo
+        if option.is_file():
             mine = rel.with_name(f"my_{rel.name}").as_posix()
             if len(rel.parts) == 1:  # the primary config.yaml: not an option of any group
                 raise ConfigError(
