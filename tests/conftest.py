@@ -168,6 +168,16 @@ def named_outside(pattern: re.Pattern, allowed: set[str]) -> list[str]:
     ]
 
 
+def assert_only_named_in(allowed: set[str], pattern: re.Pattern, seen: list[str], what: str):
+    """A table's ownership: ``pattern`` matches each line of ``seen`` (the check would see a
+    dispatch written so), and no module of fsdp_lab outside ``allowed`` matches it (``what``:
+    the failure's heading)."""
+    for line in seen:
+        assert pattern.search(line), f"the check would not see: {line}"
+    hits = named_outside(pattern, allowed)
+    assert not hits, f"{what}:\n" + "\n".join(hits)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 import pytest
-from conftest import named_outside
+from conftest import assert_only_named_in
 
 from fsdp_lab.config import ConfigError, Dtype, Float8Recipe
 from fsdp_lab.config import precisions as prec
@@ -26,9 +26,12 @@ NAMED = re.compile(r"\b(Dtype\.(fp32|bf16|fp16)|Float8Recipe\.(tensorwise|rowwis
 
 def test_no_other_module_dispatches_on_a_dtype_or_recipe_name():
     # The schema names the defaults; the table says what each means.
-    hits = named_outside(NAMED, {"config/precisions.py", "config/sharding.py"})
-    assert not hits, "precision dispatch outside config.precisions:\n" + "\n".join(hits)
-    assert NAMED.search("if p.param_dtype is Dtype.bf16:")  # the check would see one
+    assert_only_named_in(
+        {"config/precisions.py", "config/sharding.py"},
+        NAMED,
+        ["if p.param_dtype is Dtype.bf16:"],
+        "precision dispatch outside config.precisions",
+    )
 
 
 def test_what_reads_the_rows_follows_them(monkeypatch):

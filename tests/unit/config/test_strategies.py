@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import named_outside
+from conftest import assert_only_named_in
 
 from fsdp_lab.config import HardwareKind, ShardingConfig, ShardingStrategy
 from fsdp_lab.config.strategies import (
@@ -67,10 +67,9 @@ BY_STRING = re.compile(rf"strategy\.(name|value)\b[^\n]*[\"']{NAMES}[\"']")
 def test_no_other_module_dispatches_on_a_strategy_name():
     # The sharding group names its default; the table is the one place that says what each means.
     allowed = {"config/strategies.py", "config/sharding.py"}
-    hits = named_outside(NAMED, allowed) + named_outside(BY_STRING, allowed)
-    assert not hits, "strategy dispatch outside config.strategies:\n" + "\n".join(hits)
-    assert NAMED.search("if s is ShardingStrategy.hybrid:")  # the check would see one
-    assert BY_STRING.search('s.strategy.name not in ("full", "grad_op")')
+    what = "strategy dispatch outside config.strategies"
+    assert_only_named_in(allowed, NAMED, ["if s is ShardingStrategy.hybrid:"], what)
+    assert_only_named_in(allowed, BY_STRING, ['s.strategy.name not in ("full", "grad_op")'], what)
 
 
 def test_expert_parallelism_is_a_column():

@@ -10,7 +10,7 @@ import re
 import textwrap
 
 import pytest
-from conftest import named_outside
+from conftest import assert_only_named_in
 
 from fsdp_lab.config import ConfigError, DataKind, to_typed
 from fsdp_lab.data import corpus as corpus_lib
@@ -67,16 +67,14 @@ def _dispatch_on_a_format() -> re.Pattern:
 
 def test_no_other_module_dispatches_on_a_format():
     named = _dispatch_on_a_format()
-    hits = named_outside(named, {"data/formats.py"})
-    assert not hits, "format dispatch outside data.formats:\n" + "\n".join(hits)
-    for line in [
+    seen = [
         'if seg.format == "stream":',
         'case "json":',
         'if fmt not in ("json", "csv"):',
         'if path.suffix.lower() == ".npy":',
         'Segment(str(path), "parquet", g, g + 1)',
-    ]:
-        assert named.search(line), line  # the check would see each
+    ]
+    assert_only_named_in({"data/formats.py"}, named, seen, "format dispatch outside data.formats")
     assert not named.search('IDS = "bin"') and not named.search('f"{s}.{kind}"')
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from conftest import named_outside
+from conftest import assert_only_named_in
 from hydra import compose, initialize_config_dir
 
 from fsdp_lab.config import ConfigError
@@ -233,9 +233,12 @@ TRACKER_NAMES = re.compile(
 
 
 def test_nothing_outside_the_trackers_package_names_a_tracker():
-    hits = named_outside(TRACKER_NAMES, {"observe/trackers/"})
-    assert not hits, "a tracker named outside observe/trackers:\n" + "\n".join(hits)
-    assert TRACKER_NAMES.search("from fsdp_lab.observe.trackers.wandb import WandbTracker")
+    assert_only_named_in(
+        {"observe/trackers/"},
+        TRACKER_NAMES,
+        ["from fsdp_lab.observe.trackers.wandb import WandbTracker"],
+        "a tracker named outside observe/trackers",
+    )
 
 
 def test_a_password_in_a_uri_never_reaches_params_or_run_json():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import named_outside
+from conftest import assert_only_named_in
 
 from fsdp_lab.config import CheckpointFormat, checkpoint_formats
 from fsdp_lab.state import formats
@@ -37,10 +37,8 @@ def test_no_other_module_dispatches_on_the_format():
     # The schema names the formats, the table says what each allows, state.formats holds
     # their readers and writers.
     allowed = {"config/checkpoint_formats.py", "config/training.py", "state/formats.py"}
-    hits = named_outside(DISPATCH, allowed)
-    assert not hits, "format dispatch outside the formats' table:\n" + "\n".join(hits)
-    assert DISPATCH.search('if marker["format"] != "sharded":')  # the check would see these
-    assert DISPATCH.search("match self.cfg.format:")
+    seen = ['if marker["format"] != "sharded":', "match self.cfg.format:"]
+    assert_only_named_in(allowed, DISPATCH, seen, "format dispatch outside the formats' table")
 
 
 def test_the_table_has_a_row_and_the_state_a_reader_writer_for_every_format():
