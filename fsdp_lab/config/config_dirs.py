@@ -10,6 +10,7 @@ one), and a compose error names the file it came from. Imports no torch.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +34,12 @@ def shipped(path: str) -> Path | None:
     return found if found is not None and found.is_file() else None
 
 
+@functools.cache
+def _shipped_options() -> tuple[Path, ...]:
+    """Every YAML the package ships, relative to its conf dir (read once a process)."""
+    return tuple(sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*.yaml")))
+
+
 def check_dir(path: str, setting: str) -> Path:
     """A user's config dir, absolute; one line if it is not a directory, or if it holds an
     option named as a shipped one (which Hydra would pass over without a word: it searches
@@ -44,7 +51,7 @@ def check_dir(path: str, setting: str) -> Path:
             "(e.g. my_experiments/conf with model/my_model.yaml in it)"
         )
     where = where.resolve()
-    for rel in sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*.yaml")):
+    for rel in _shipped_options():
         option = where / rel  # a stat per shipped file: the user's dir may be a whole repo
         if option.is_file():
             mine = rel.with_name(f"my_{rel.name}").as_posix()

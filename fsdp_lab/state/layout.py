@@ -153,8 +153,8 @@ def check_compatible(path: Path, model: torch.nn.Module) -> dict:
     if not record["saved"]:
         trainable = finetune.trainable_names(model)
         expected = {k: v for k, v in expected.items() if k in trainable}
+    whole = record["saved"] and not any(_adapter_part(k) for k in saved)  # no adapters saved
     for name, tensor in expected.items():
-        whole = record["saved"] and not any(_adapter_part(k) for k in saved)
         if name not in saved and whole and _adapter_part(name):
             raise CheckpointError(
                 f"checkpoint {path} is a whole model's, without LoRA adapters ({name}); to "
