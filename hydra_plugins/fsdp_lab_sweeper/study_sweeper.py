@@ -32,7 +32,8 @@ class StudySweeperConf:
     seed: int | None = MISSING
     """the sampler's seed; null: the run's ``seed``"""
     storage: str = MISSING
-    """sqlite, journal, journal://PATH, sqlite:///PATH or a database URL (study.storage_of)"""
+    """sqlite, journal, journal://PATH, sqlite:///PATH or a database URL
+    (launch.study_storage.storage_of)"""
     study_name: str = MISSING
     """the study's name in its storage (and the trials' W&B config)"""
     n_trials: int = MISSING
