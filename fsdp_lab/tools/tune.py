@@ -12,13 +12,12 @@
    overrides' global batch (micro-batches that cannot are left out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
-3. **Probe** the rest fastest first, as the time model predicts them (``fsdp-lab plan``'s step
-   time on ``--device``: a named device or a profile ``fsdp-lab calibrate`` wrote of this
-   machine), on the real ranks: a few steps each, measuring peak memory and tokens/s. Probing
-   stops once the best measured so far is confirmed: the next candidate could not beat it even
-   if it ran as far above its prediction as any probe did (``confirmed``), or after
-   ``--probes``. A probe over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a
-   verdict, not a crash.
+3. **Probe** the first ``--probes`` (3) of the rest, fastest first as the time model predicts
+   them (``fsdp-lab plan``'s step time on ``--device``: a named device or a profile ``fsdp-lab
+   calibrate`` wrote of this machine), or all of them if fewer fit, on the real ranks: a few
+   steps each, measuring peak memory and tokens/s. The model orders the probes; the
+   measurements pick the winner, and tune says where the model's order was wrong. A probe
+   over the budget (on CPU, its RSS; on GPU, a CUDA OOM) is a verdict, not a crash.
 4. **Print** a table and the winning command; write ``tune.json``.
 
 The budget's basis is what train.py reports as peak memory per rank: on CPU the resident-set
@@ -109,7 +108,12 @@ def tune(
     if not ok:
         world, device = search.world, search.device
         raise ConfigError(nothing_fits(probed or fitting, budget, world, device, measured=True))
-    result.winner = max(ok, key=lambda c: c.tokens_per_s or 0.0)
+    result.winner = max(ok, key=lambda c: c.tokens_per_s or 0.0)  # measured, not predicted
+    result.order_errors = order_errors(probed)
+    for e in result.order_errors:
+        log(f"  the model's order was wrong: {e}")
+    if len(ok) > 1 and not result.order_errors:
+        log(f"  the model's order held over the {len(ok)} probes that fit")
     result.command = command(overrides, result.winner, host)
     return result
 
@@ -149,25 +153,23 @@ def _probe_best(
     host: list[str],
     log,
 ) -> list[Candidate]:
-    """Probe the first ``probes`` of fitting that still fit, until the best is ``confirmed``: a
-    probe that measures more than its prediction raises the baseline, which may drop later
-    ones. The probed, in order."""
+    """Probe the first ``probes`` of fitting that still fit (a probe that measures more than
+    its prediction raises the baseline, which may drop later ones); the probed, in order.
+    Every one is run: one probe measured says nothing of how right the order was."""
     budget, probed = result.budget_bytes, []
     for c in fitting:
         if len(probed) == probes:
-            break
+            c.verdict = f"not probed (beyond the {probes} fastest predicted)"
+            continue
         if c.planned_bytes > budget:  # after a probe measured more than the plan's basis
             c.verdict = "dropped (plan + measured baseline)"
             continue
-        if confirmed(probed, c):
-            c.verdict = "not probed (the best is confirmed)"
-            log(f"  the best is confirmed: {c.name} could not beat it (predicted)")
-            break
         probe(overrides, c, out_dir / f"probe-{len(probed)}", steps=steps, budget=budget, host=host)
         probed.append(c)
+        predicted = f"predicted {c.predicted_tokens_per_s or 0:,.0f}{ratio(c)}"
         log(
             f"  probe {len(probed) - 1}: {c.name}: {c.verdict}, {mib(c.measured_bytes)} MiB, "
-            f"{tokens_per_s(c)} (predicted {c.predicted_tokens_per_s or 0:,.0f})"
+            f"{tokens_per_s(c)}, {predicted}"
         )
         if c.measured_bytes is not None and c.measured_bytes - c.planned_bytes > 0:
             # the process holds more than the baseline guessed: raise it for the rest
@@ -176,16 +178,31 @@ def _probe_best(
     return probed
 
 
-def confirmed(probed: list[Candidate], nxt: Candidate) -> bool:
-    """Whether the best probe that fits beats ``nxt`` even if ``nxt`` ran as far above its
-    prediction as the most favourable probe so far did (measured / predicted tokens/s)."""
-    ok = [c for c in probed if c.verdict == "fits" and c.tokens_per_s]
-    ratios = [c.tokens_per_s / c.predicted_tokens_per_s for c in probed
-              if c.tokens_per_s and c.predicted_tokens_per_s]  # fmt: skip
-    if not ok or not ratios or not nxt.predicted_tokens_per_s:
-        return False
-    best = max(c.tokens_per_s for c in ok)
-    return best > nxt.predicted_tokens_per_s * max(ratios)
+def ratio(c: Candidate) -> str:
+    """`` (measured 0.83x)``: a probe's measured tokens/s over its predicted ones."""
+    if not c.tokens_per_s or not c.predicted_tokens_per_s:
+        return ""
+    return f" (measured {c.tokens_per_s / c.predicted_tokens_per_s:.2f}x)"
+
+
+def order_errors(probed: list[Candidate]) -> list[str]:
+    """Each pair of probes that fit whose measured order is the reverse of the predicted one,
+    as a phrase (none: the model ranked them right)."""
+    ok = [c for c in probed if c.verdict == "fits" and c.tokens_per_s and c.predicted_tokens_per_s]
+    out = []
+    for i, a in enumerate(ok):
+        for b in ok[i + 1 :]:  # a was predicted at least as fast as b (probe order)
+            faster, predicted_slower = (
+                b.tokens_per_s > a.tokens_per_s,
+                (b.predicted_tokens_per_s < a.predicted_tokens_per_s),
+            )
+            if faster and predicted_slower:
+                out.append(
+                    f"{b.name} measured {b.tokens_per_s:,.0f} tokens/s against {a.name}'s "
+                    f"{a.tokens_per_s:,.0f}, predicted {b.predicted_tokens_per_s:,.0f} against "
+                    f"{a.predicted_tokens_per_s:,.0f}"
+                )
+    return out
 
 
 def tune_command(

@@ -22,6 +22,7 @@ class TuneResult:
     keep_global_batch: bool = False
     winner: Candidate | None = None
     command: str | None = None
+    order_errors: list[str] = field(default_factory=list)  # probes the model ranked wrong
 
 
 def nothing_fits(
@@ -60,8 +61,9 @@ def tokens_per_s(c: Candidate) -> str:
 
 def format_table(result: TuneResult) -> str:
     rows = [
-        ("candidate", "planned MiB", "measured MiB", "predicted tok/s", "measured tok/s", "verdict")
-    ]
+        ("candidate", "planned MiB", "measured MiB", "predicted tok/s", "measured tok/s",
+         "measured/predicted", "verdict")
+    ]  # fmt: skip
     order = sorted(result.candidates, key=lambda c: (c.measured_bytes is None, c.prior))
     for c in order:
         mark = "* " if c is result.winner else "  "
@@ -72,10 +74,13 @@ def format_table(result: TuneResult) -> str:
                 mib(c.measured_bytes),
                 "-" if c.predicted_tokens_per_s is None else f"{c.predicted_tokens_per_s:,.0f}",
                 "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}",
+                f"{c.tokens_per_s / c.predicted_tokens_per_s:.2f}x"
+                if c.tokens_per_s and c.predicted_tokens_per_s
+                else "-",
                 c.verdict,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows)
 
 
@@ -90,6 +95,7 @@ def write_json(result: TuneResult, path: Path, overrides: list[str]) -> None:
         "keep_global_batch": result.keep_global_batch,
         "winner": result.winner.name if result.winner else None,
         "command": result.command,
+        "order_errors": result.order_errors,
         "candidates": [
             {**dataclasses.asdict(c), "strategy": c.strategy.name, "ac": c.ac.name, "name": c.name}
             for c in result.candidates

@@ -137,23 +137,48 @@ def test_keep_global_batch_makes_up_each_micro_batch_with_accumulation():
     assert {c.grad_accum for c in free} == {None} and any(c.micro_batch == 32 for c in free)
 
 
-def test_probes_go_fastest_predicted_first_and_stop_once_the_best_is_confirmed():
-    def cand(predicted, measured=None, verdict="not probed"):
+def test_the_top_three_are_probed_and_the_measured_order_picks_the_winner(tmp_path, monkeypatch):
+    # The model predicts the candidates' tokens/s; the probes "measure" the reverse order for
+    # the first two: every one of the top 3 runs, the measured fastest wins, tune says the
+    # order was wrong, and the 4th is not probed.
+    measured = iter([1000.0, 3000.0, 500.0])
+
+    def fake_probe(overrides, c, run_dir, **kw):
+        c.run_dir, c.verdict = str(run_dir), "fits"
+        c.measured_bytes, c.tokens_per_s = c.planned_bytes, next(measured)
+
+    monkeypatch.setattr(tune, "probe", fake_probe)
+    monkeypatch.setattr(tune, "process_baseline_bytes", lambda device: 300 * tune.MIB)
+    said = []
+    out = tmp_path / "t"
+    result = tune.tune(["hardware=cpu"], 4, out_dir=out, max_micro_batch=4, log=said.append)
+    probed = [c for c in result.candidates if c.tokens_per_s is not None]
+    assert len(probed) == 3 and len(result.candidates) > 3
+    first, second, _ = sorted(probed, key=lambda c: c.prior)  # fastest predicted first
+    assert first.predicted_tokens_per_s >= second.predicted_tokens_per_s
+    assert result.winner is second  # measured 3000: the model's second
+    assert len(result.order_errors) == 1 and result.order_errors[0].startswith(second.name)
+    assert any(line.startswith("  the model's order was wrong: ") for line in said)
+    assert any(c.verdict.startswith("not probed (beyond the 3 fastest") for c in result.candidates)
+    table = tune.format_table(result)
+    assert "measured/predicted" in table.splitlines()[0]
+    ratio = f"{second.tokens_per_s / second.predicted_tokens_per_s:.2f}x"
+    assert ratio in next(line for line in table.splitlines() if line.startswith("* "))
+
+
+def test_order_errors_name_each_reversed_pair_of_probes_that_fit():
+    def cand(predicted, measured, verdict="fits"):
         c = tune.Candidate(ShardingStrategy.full, AC.none, False, 1, prior=1 / predicted)
         c.predicted_tokens_per_s, c.tokens_per_s, c.verdict = predicted, measured, verdict
         return c
 
-    a, b, c = cand(1000), cand(900), cand(500)
+    a, b, c = cand(1000, 800.0), cand(900, 700.0), cand(500, 400.0)
     assert tune.probe_order([c, a, b]) == [a, b, c]
-    # a measured 800 of its predicted 1000 (0.8x): b, predicted 900, would reach 720 at that
-    # rate, below a's 800: a is confirmed, b is not probed
-    a.tokens_per_s, a.verdict = 800.0, "fits"
-    assert tune.confirmed([a], b) is True
-    # a probe that ran far above its prediction makes the next worth probing
-    fast = cand(400, measured=1000.0, verdict="fits")  # 2.5x its prediction
-    assert tune.confirmed([a, fast], b) is False
-    # nothing fits yet: never confirmed
-    assert tune.confirmed([cand(1000, 900.0, "over budget")], b) is False
+    assert tune.order_errors([a, b, c]) == []  # the order held
+    fast = cand(400, 1000.0)
+    assert len(tune.order_errors([a, b, fast])) == 2  # beat both it was predicted below
+    # one over budget is not ranked
+    assert tune.order_errors([a, cand(400, 1000.0, "over budget")]) == []
 
 
 def test_a_global_batch_no_micro_batch_makes_up_is_one_line(capsys):
