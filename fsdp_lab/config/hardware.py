@@ -93,8 +93,13 @@ class HardwareConfig:
     profile: Optional[str] = None
     """The hardware profile the run's step time is predicted on, to compare with what it
     measures (run.json's ``predicted``, the sweep report): a named device (a100-40gb,
-    a100-80gb, h100, h200, b200, cpu) or a file ``fsdp-lab calibrate`` wrote. None: the named
-    GPU the run is on, or the cpu row."""
+    a100-80gb, h100, h200, b200, cpu) or a file ``fsdp-lab calibrate`` wrote. None: this
+    machine's own, measured in a few seconds after the first run on it with these ranks
+    (cached in ``profile_cache``; measured again after 30 days or under another torch);
+    under torchrun or srun the cached one, or none (``fsdp-lab calibrate`` on a node)."""
+    profile_cache: str = "~/.cache/fsdp_lab/profiles"
+    """Where this machine's measured profiles are kept (one per machine, ranks, dtype and
+    torch version), for runs, ``fsdp-lab plan`` and ``tune`` to read."""
 
 
 def check_hardware(h: HardwareConfig) -> None:

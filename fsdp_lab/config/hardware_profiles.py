@@ -1,5 +1,6 @@
-"""Hardware profiles: what a device computes and moves per second, one row per named device,
-and the file ``fsdp-lab calibrate`` writes of the machine it measured. The time model
+"""Hardware profiles: what a device computes and moves per second (``DeviceProfile``), the
+named rows' table being ``config.device_rows``, and the file ``fsdp-lab calibrate`` writes of
+the machine it measured. The time model
 (``tools.time_model``) reads them; so does MFU (``PEAK_TFLOPS``). Imports no torch.
 
 Every figure of a named row is the vendor's or a public measurement's; docs/benchmarks.md ("The
@@ -11,15 +12,21 @@ each rank's link, an all-reduce twice that.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.config.errors import ConfigError
 from fsdp_lab.config.precisions import peak_key
 
-PROFILE_VERSION = 1  # calibrate's file format; another version is refused, not guessed at
+PROFILE_VERSION = 2  # calibrate's file format; another version is refused, not guessed at
 GB = 1e9
+# Where a figure may come from: a vendor's datasheet, a micro-benchmark (which, on what), a fit
+# (to which data), or a count (of operations or bytes in code). Every figure of a named row
+# says which (``DeviceProfile.sources``); a test holds every row to it.
+SOURCE_KINDS = ("datasheet", "micro-benchmark", "fit", "count")
 
 # Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity): bf16/fp16 tensor
 # cores, TF32 tensor cores, and fp32 without TF32. Matched in order against
@@ -55,6 +62,19 @@ class Link:
     latency_s: float
 
 
+@dataclass(frozen=True)
+class Rate:
+    """The cost of one class of operator, as calibrate fits it over the sizes it measured:
+    ``latency_s`` a call plus its work at ``per_s`` (FLOP/s for matrix multiplies and
+    attention)."""
+
+    per_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, work: float, calls: float = 1.0) -> float:
+        return calls * self.latency_s + work / self.per_s
+
+
 # The collectives a profile prices; a measured profile may give each its own link.
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -71,7 +91,11 @@ class DeviceProfile:
     a node and across nodes; ``host_link``: copies between host and device (offload);
     ``host_memory_bytes_per_s``: the host's memory, where an offloaded optimizer steps.
     ``overlap``: FSDP2 hides a unit's collectives under compute (GPU streams; on CPU every
-    collective is waited for as it is issued, measured with profile=trace)."""
+    collective is waited for as it is issued, measured with profile=trace).
+
+    A measured profile (``fsdp-lab calibrate``) also has rates fitted over the sizes it ran
+    (``matmul``, ``attention``, ``memory_by_size``), which take precedence over the peak's
+    fractions, and the host's costs of what a run issues besides kernels."""
 
     name: str
     kind: str  # gpu | cpu
@@ -86,25 +110,33 @@ class DeviceProfile:
     overlap: bool
     memory_bytes: int = 0  # the device's memory (0: the host's, unbounded here)
     fp8_fraction: float | None = None  # float8 matmuls' achievable fraction (None: as bf16's)
-    # Causal attention's FLOP rate (half the scores counted) over the matmuls' achievable one:
-    # measured by calibrate; on GPUs FlashAttention-2's ~335 TFLOP/s on an H100 at head dim
-    # 128 (fwd+bwd) against its 794 MAMF, and less at head dim 64: 0.4 is an assumption
-    attention_fraction: float = 0.4
-    # The optimizer step and gradient clipping's issue cost per parameter tensor (DTensor
-    # dispatch; the norm's all-reduce shared out), measured by calibrate; 60 us on a GPU's
-    # host is an assumption
-    tensor_step_s: float = 60e-6
-    # A mixture of experts' grouped GEMMs (torch's grouped_mm over tokens sorted by expert):
-    # their achievable fraction of the peak, None: as dense matmuls'. Measured by calibrate at
-    # the model's experts; on GPUs 0.245, VeOmni's torch grouped_mm MoE forward on an H100 at
-    # ~2,048 rows an expert (hidden 2048, 128 experts, top 8), and an assumption elsewhere
+    attention_fraction: float = 0.4  # attention kernels' FLOP rate over the matmuls'
+    tensor_step_s: float = 60e-6  # optimizer step + clipping's issue cost per parameter tensor
+    optimizer_step_s: float = 0.0  # ...and per step (the norm's all-reduce, the setup)
+    # A mixture of experts' grouped GEMMs: their achievable fraction of the peak (None: as
+    # dense matmuls')
     grouped_fraction: float | None = None
     ranks_per_node: int = 8  # a node as the vendors build it (DGX/HGX: 8 GPUs)
     # A measured profile: a link per collective (COLLECTIVES) where the backend prices them
     # differently (gloo reduce-scatters by all-reducing the whole input)
     collectives: dict[str, Link] = field(default_factory=dict)
-    # A measured profile: matmul FLOP/s at named shapes, e.g. "2048x256x1024" (M x K x N)
-    matmul_at: dict[str, float] = field(default_factory=dict)
+    # A measured profile: matrix multiplies, "<dtype> <forward|backward>" -> their fitted rate
+    # (FLOPs as plan_trace counts them); attention's FLOP/s by head size and tokens, as
+    # measured; other operators' bytes/s by their size class (log2 of the bytes one operator
+    # reads and writes: cache-resident ones are faster)
+    matmul: dict[str, Rate] = field(default_factory=dict)
+    attention: dict[str, list[list[float]]] = field(default_factory=dict)  # [dim, tokens, FLOP/s]
+    memory_by_size: dict[int, float] = field(default_factory=dict)
+    view_overhead_s: float = 0.0  # a view (metadata only): its dispatch on the host
+    unit_overhead_s: float = 0.0  # FSDP2's hooks around one unit's forward or backward, host
+    tp_linear_s: float = 0.0  # a tensor-parallel linear's DTensor dispatch, per pass
+    # The share of a unit's compute a rank waits at the next collective for the slowest rank
+    # (the same work runs at different speeds on shared cores)
+    straggle: float = 0.0
+    # calibrate --from-runs: what the user's own runs taught the profile (scales of the
+    # predicted compute and exposed communication, a step's unmodelled host time)
+    learned: dict = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # field -> where its figure comes from
     measured: dict | None = None  # calibrate's record: when, where, ranks, spread, versions
     aliases: tuple[str, ...] = ()
 
@@ -130,6 +162,42 @@ class DeviceProfile:
             fraction = (self.fp8_fraction if dtype == "fp8" else None) or self.matmul_fraction
         return self.compute[dtype] * fraction
 
+    def matmul_s(self, flops: float, calls: float, dtype: str, phase: str) -> float:
+        """Seconds of ``calls`` matrix multiplies of ``flops`` in all: the measured rate of
+        this dtype and pass, else the achievable fraction of the peak."""
+        rate = self.matmul.get(f"{_measured_dtype(self, dtype)} {phase}")
+        if rate is not None:
+            return rate.seconds(flops, calls)
+        return flops / self.flops(dtype)
+
+    def attention_s(
+        self,
+        flops: float,
+        dtype: str,
+        phase: str,
+        head_dim: int = 0,
+        tokens: int = 0,
+    ) -> float:
+        """Seconds of attention kernels of ``flops`` (causal: half the scores counted) over
+        ``tokens`` keys a head of ``head_dim``: at the measured FLOP rate of the nearest head
+        size, interpolated between the lengths measured (log scale; the ends held beyond),
+        else at the attention kernels' fraction of the matmuls' rate."""
+        points = self.attention.get(f"{_measured_dtype(self, dtype)} {phase}")
+        if not points:
+            return flops / (self.flops(dtype) * self.attention_fraction)
+        dims = {p[0] for p in points}
+        dim = min(dims, key=lambda d: abs(math.log(d / head_dim))) if head_dim else max(dims)
+        line = sorted((p[1], p[2]) for p in points if p[0] == dim)
+        return flops / _interpolate(line, tokens or line[-1][0])
+
+    def bytes_s(self, nbytes: float, bucket: int | None = None) -> float:
+        """Seconds an elementwise operator moving ``nbytes`` takes at the memory's bandwidth
+        (a measured profile's at the nearest size it measured)."""
+        if bucket is not None and self.memory_by_size:
+            near = min(self.memory_by_size, key=lambda b: abs(b - bucket))
+            return nbytes / self.memory_by_size[near]
+        return nbytes / self.memory_bytes_per_s
+
     def grouped_flops(self, dtype: str) -> float:
         """Achievable FLOP/s of a mixture of experts' grouped GEMMs computing in ``dtype``."""
         return self.flops(dtype, self.grouped_fraction)
@@ -149,6 +217,8 @@ class DeviceProfile:
         try:
             links = {k: Link(**body[k]) for k in ("intra_node", "inter_node", "host_link")}
             body["collectives"] = {k: Link(**v) for k, v in body.get("collectives", {}).items()}
+            body["matmul"] = {k: Rate(**v) for k, v in body.get("matmul", {}).items()}
+            body["memory_by_size"] = {int(k): v for k, v in body.get("memory_by_size", {}).items()}
             body["aliases"] = tuple(body.get("aliases", ()))
             return cls(**{**body, **links})
         except (KeyError, TypeError) as e:
@@ -158,171 +228,19 @@ class DeviceProfile:
             ) from None
 
 
-# Many parameters: one per column of a GPU's row, as its sources quote them (keyword-only).
-def _gpu(
-    name,
-    bf16_tflops,
-    fp8_tflops,
-    *,
-    fraction,
-    fp8=None,
-    hbm_tb_s,
-    memory_gb,
-    nvlink,
-    network,
-    host,
-    aliases=(),
-) -> DeviceProfile:
-    """A GPU row: TFLOP/s, TB/s, GB and per-direction GB/s as the sources quote them (the
-    fp32 and TF32 peaks from PEAK_TFLOPS)."""
-    tf32, fp32 = peak_tflops(name.upper().replace("-", " "))[1:]
-    compute = {"bf16": bf16_tflops * 1e12, "fp32": fp32 * 1e12, "tf32": tf32 * 1e12}
-    if fp8_tflops:
-        compute["fp8"] = fp8_tflops * 1e12
-    return DeviceProfile(
-        name=name,
-        kind="gpu",
-        compute=compute,
-        matmul_fraction=fraction,
-        fp8_fraction=fp8,
-        memory_bytes_per_s=hbm_tb_s * 1e12,
-        # per ring step: nccl-tests' 8-byte all-reduce on 8 H100s, 13.7 us over 14 steps;
-        # NCCL's own tuning model puts a network step at 2.7-14 us
-        intra_node=Link(nvlink * GB, 1e-6),
-        inter_node=Link(network * GB, 5e-6),
-        host_link=Link(host * GB, 10e-6),
-        host_memory_bytes_per_s=100 * GB,
-        op_overhead_s=5e-6,
-        overlap=True,
-        grouped_fraction=0.245,
-        memory_bytes=int(memory_gb * GB),
-        aliases=aliases,
-    )
+def _interpolate(line: list[tuple[float, float]], x: float) -> float:
+    """y at ``x`` on a line of (x, y) points, linear in log x between them, held beyond."""
+    if x <= line[0][0]:
+        return line[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(line):
+        if x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return line[-1][1]
 
 
-# Named devices; docs/benchmarks.md ("Hardware profiles") cites every figure. Peaks: dense
-# bf16/fp8 datasheet TFLOP/s. fraction, fp8: the maximum achievable matmul FLOP/s (MAMF,
-# stas00/ml-engineering's table) over the peak. nvlink: nccl-tests' all-gather / ring
-# all-reduce bus bandwidth on one 8-GPU node (GB/s, ~78-80% of NVLink's per-direction rate);
-# network: 74% of the per-GPU adapter's line rate (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s
-# on H100/H200/B200 nodes: the measured 4-node ring all-reduce efficiency); host: PCIe Gen4
-# x16 (A100) or Gen5 x16 (later) at ~80% (an assumption, not measured).
-DEVICES: tuple[DeviceProfile, ...] = (
-    _gpu(
-        "a100-40gb",
-        312,
-        0,
-        fraction=0.869,
-        hbm_tb_s=1.555,
-        memory_gb=40,
-        nvlink=235,
-        network=18.5,
-        host=25,
-        aliases=("a100_40gb", "a100-40"),
-    ),
-    _gpu(
-        "a100-80gb",
-        312,
-        0,
-        fraction=0.869,
-        hbm_tb_s=2.039,
-        memory_gb=80,
-        nvlink=235,
-        network=18.5,
-        host=25,
-        aliases=("a100", "a100_80gb", "a100-80"),
-    ),
-    _gpu(
-        "h100",
-        989,
-        1979,
-        fraction=0.803,
-        fp8=0.709,
-        hbm_tb_s=3.35,
-        memory_gb=80,
-        nvlink=361,
-        network=37,
-        host=50,
-        aliases=("h100-sxm", "h100_sxm"),
-    ),
-    _gpu(
-        "h200",
-        989,
-        1979,
-        fraction=0.803,
-        fp8=0.734,
-        hbm_tb_s=4.8,
-        memory_gb=141,
-        nvlink=361,
-        network=37,
-        host=50,
-        aliases=("h200-sxm",),
-    ),
-    _gpu(
-        "b200",
-        2250,
-        4500,
-        fraction=0.776,
-        fp8=0.763,
-        hbm_tb_s=8.0,
-        memory_gb=180,
-        nvlink=682,
-        network=37,
-        host=50,
-    ),
-    # CPU ranks: a rank of a 2-core cloud VM, as measured here (fp32 only; gloo on
-    # loopback): a starting point, `fsdp-lab calibrate` measures the machine at hand.
-    DeviceProfile(
-        name="cpu",
-        kind="cpu",
-        compute={"fp32": 60e9, "bf16": 15e9, "fp16": 10e9},
-        matmul_fraction=1.0,
-        memory_bytes_per_s=5 * GB,
-        intra_node=Link(1.0 * GB, 50e-6),
-        inter_node=Link(1.0 * GB, 100e-6),
-        host_link=Link(5 * GB, 1e-6),
-        host_memory_bytes_per_s=5 * GB,
-        op_overhead_s=5e-6,
-        tensor_step_s=600e-6,
-        attention_fraction=0.5,
-        overlap=False,
-        ranks_per_node=2,
-    ),
-)
-
-
-def named_devices() -> list[str]:
-    return [d.name for d in DEVICES]
-
-
-def row_for(hardware: str) -> str:
-    """The named row for a machine as a run's hardware line describes it (``gpu: 8 x NVIDIA
-    H100 80GB HBM3``, ``cpu: 2 cores``): the GPU's model, an A100 by its memory; an H100 for
-    another GPU; cpu for CPU ranks."""
-    text = hardware.lower().replace(" ", "")
-    if not text.startswith("gpu"):
-        return "cpu"
-    for d in DEVICES:
-        if d.kind == "gpu" and d.name.split("-")[0] in text:
-            if d.name.startswith("a100"):
-                return "a100-40gb" if "40gb" in text else "a100-80gb"
-            return d.name
-    return "h100"
-
-
-def device_profile(name_or_path: str) -> DeviceProfile:
-    """A named device (or alias), or a profile file ``fsdp-lab calibrate`` wrote."""
-    key = name_or_path.strip().lower()
-    for d in DEVICES:
-        if key == d.name or key in d.aliases:
-            return d
-    path = Path(name_or_path).expanduser()
-    if path.exists() or len(path.parts) > 1:  # a file, or a path to one
-        return read_profile(path)
-    raise ConfigError(
-        f"--device {name_or_path}: not a known device ({', '.join(named_devices())}) nor a "
-        "profile file; name one, or give the JSON fsdp-lab calibrate wrote"
-    )
+def _measured_dtype(p: DeviceProfile, dtype: str) -> str:
+    """The dtype a measured rate is keyed by (fp16 at bf16's where only bf16 was measured)."""
+    return dtype if f"{dtype} forward" in p.matmul else peak_key(dtype)
 
 
 def read_profile(path: Path) -> DeviceProfile:

@@ -50,8 +50,9 @@ class LossRow:
     autograd function would be traced and compiled as it is, which nobody has measured."""
     memory_as: LossKind | None = None
     """The loss whose working memory ``fsdp-lab plan`` counts for this one (and says so in a
-    note). None only for the two the plan models: hf (the fp32 logits) and chunked (a chunk's);
-    a new row names the nearer of the two (test_losses holds this)."""
+    note), and whose operators its time model traces for a GPU-only one (Triton kernels do
+    not run on the meta device). None only for the two the plan models: hf (the fp32 logits)
+    and chunked (a chunk's); a new row names the nearer of the two (test_losses holds this)."""
 
 
 L = LossKind

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fsdp_lab.config import CheckpointVerify, ConfigError
 from fsdp_lab.config.config_dirs import split_dir_flags, with_config_dirs
-from fsdp_lab.tools import smollm2  # stdlib only at import
+from fsdp_lab.tools import calibrate_cli, smollm2  # stdlib only at import
 
 VERIFY_ARGS = ("--verify",)
 VERIFY_KWARGS = {
@@ -192,40 +192,6 @@ def _plan(args) -> int:
     return 0
 
 
-def _add_calibrate(sub, name: str) -> None:
-    cal = sub.add_parser(
-        name,
-        help="measure this machine's matmuls, memory, collectives and copies at a run's "
-        "shapes into a hardware profile for plan --device",
-    )
-    cal.add_argument("overrides", nargs="*", help="the ranks and model, as train.py's")
-    cal.add_argument("--out", type=Path, required=True, help="the profile to write (new file)")
-    cal.add_argument("--repeats", type=int, default=5, help="repeats of each measurement (5)")
-    cal.add_argument(
-        "--max-spread",
-        type=float,
-        default=0.25,
-        help="refuse when repeats differ by more than this share of their median (0.25)",
-    )
-    cal.add_argument(
-        "--base",
-        help="the named device whose figures stand for what one node cannot measure (the "
-        "network between nodes); default: the GPU this is, or cpu",
-    )
-
-
-def _calibrate(args) -> int:
-    from fsdp_lab.tools.calibrate import calibrate_command
-
-    return calibrate_command(
-        args.overrides,
-        args.out,
-        repeats=args.repeats,
-        max_spread=args.max_spread,
-        base=args.base,
-    )
-
-
 def _add_tune(sub, name: str) -> None:
     tun = sub.add_parser(
         name,
@@ -384,7 +350,7 @@ COMMANDS = {
     "verify": (_add_verify, _verify),
     "from-accelerate": (_add_from_accelerate, _from_accelerate),
     "plan": (_add_plan, _plan),
-    "calibrate": (_add_calibrate, _calibrate),
+    "calibrate": (calibrate_cli.add_command, calibrate_cli.command),
     "tune": (_add_tune, _tune),
     "report": (_add_report, _report),
     "profile": (_add_profile, _profile),

@@ -26,7 +26,8 @@ from fsdp_lab.config import (
     ShardingStrategy,
 )
 from fsdp_lab.config.data_kinds import Rows, kind_row
-from fsdp_lab.config.hardware_profiles import DeviceProfile, device_profile
+from fsdp_lab.config.device_rows import device_profile
+from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
@@ -257,21 +258,26 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
     }
 
 
-def time_device(name: str | None, topo: Topology) -> tuple[DeviceProfile, list[str]]:
+def time_device(
+    name: str | None, topo: Topology, cfg: Config | None = None
+) -> tuple[DeviceProfile, list[str]]:
     """The device the step is priced on: ``name`` (a named device or a calibrated profile),
-    else the cpu row on CPU ranks and an H100 on GPU ones; and what that assumes."""
-    device = (
-        device_profile(name)
-        if name
-        else device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
-    )
+    else this machine's measured profile for these ranks where one is cached (``cfg``'s
+    ``hardware.profile_cache``), else the cpu row on CPU ranks and an H100 on GPU ones, said
+    to be unmeasured; and what that assumes."""
+    from fsdp_lab.tools import machine
+
     notes = []
-    if name is None:
+    device = device_profile(name) if name else None
+    if device is None and cfg is not None and _on_this_machine(topo):
+        device = machine.cached(cfg, topo)
+    if device is None:
+        device = device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
         notes.append(
-            f"step times are priced on the hardware table's {device.name} row: name the device "
-            "with "
-            "--device (a100-40gb, a100-80gb, h100, h200, b200, cpu) or measure this machine "
-            "with fsdp-lab calibrate"
+            f"unmeasured: step times are priced on the hardware table's {device.name} row, "
+            "not this machine: name the device with --device (a100-40gb, a100-80gb, h100, "
+            "h200, b200, cpu), or measure this machine with fsdp-lab calibrate (a run measures "
+            "it too, after its first run)"
         )
     if (device.kind == "cpu") != (topo.device is HardwareKind.cpu):
         notes.append(
@@ -288,6 +294,17 @@ def time_device(name: str | None, topo: Topology) -> tuple[DeviceProfile, list[s
     return device, notes
 
 
+def _on_this_machine(topo: Topology) -> bool:
+    """Whether the plan is of this machine's own kind of device (a CPU plan here; a GPU plan
+    where CUDA is): only then can this machine's profile price it."""
+    if topo.device is HardwareKind.cpu:
+        return True
+    from fsdp_lab.config import HardwareConfig
+    from fsdp_lab.engine.hardware import devices
+
+    return topo.device is devices.resolve_kind(HardwareConfig()) is HardwareKind.gpu
+
+
 def build_plan(overrides: list[str], device: str | None = None) -> Plan:
     """Every figure of the plan (bytes per rank), and each strategy's step time on ``device``
     (see ``time_device``)."""
@@ -296,7 +313,7 @@ def build_plan(overrides: list[str], device: str | None = None) -> Plan:
     validate(cfg, topo)
     facts = inspect_model(cfg, topo.device)
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
-    profile, time_notes = time_device(device, topo)
+    profile, time_notes = time_device(device, topo, cfg)
     notes += time_notes
     strategies = {}
     for s in ShardingStrategy:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.config.hardware_profiles import device_profile
+from fsdp_lab.config.device_rows import device_profile
 from fsdp_lab.tools.plan import build_plan
 from fsdp_lab.tools.time_model import TIME_HEADER, StepTime
 from fsdp_lab.tools.tune_grid import override_key

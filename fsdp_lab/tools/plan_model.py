@@ -130,6 +130,11 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     )
 
 
+def trace_hf_config(cfg: Config):
+    """The run's transformers config, as ``inspect_model`` builds the model from it."""
+    return _hf_config(cfg)[0]
+
+
 def _hf_config(cfg: Config):
     """The run's transformers config (a preset's vocabulary from the tokenizer, as the launcher
     resolves it), checked as the launcher checks it, and where its vocabulary came from."""

@@ -1,20 +1,17 @@
 """A planned run's step as the time model's work (``time_model.StepWork``): each FSDP unit's
-FLOPs, bytes, operators and collectives, read off the plan's model facts and the strategy's
-mesh, then priced on a device (``predict_step``). Imports no torch.
+operators, counted by tracing one micro-batch of the model on the meta device
+(``plan_trace``), and its collectives, read off the strategy's mesh; then priced on a device
+(``predict_step``).
 
-What one rank does per micro-batch of ``b x T`` rows (``t = b x T / context`` local tokens):
+What the trace leaves to arithmetic here, per micro-batch of ``b x T`` rows on one rank
+(``t = b x T / context`` local tokens):
 
-* a block's matmuls: 2 FLOPs per weight per token forward; backward 4 (weight and input
-  gradients), 2 for a frozen weight (finetune=lora's base, QLoRA's NF4 base); a mixture of
-  experts runs top_k of its E experts; TP's weights are the rank's split already;
-* attention (SDPA/flash, causal: half the T x T scores): 4 x t x T/2 x q_dim/tp forward (keys
-  within a sliding window at most), 2.5x that backward (flash's five matmuls against two);
-* a checkpointed block runs its forward again in backward;
-* other operators move ``ELEMENTWISE_PASSES`` x the bytes the layer saves for backward
-  (``activation_memory``: each written once and read again), twice that in backward (once,
-  with fewer kernels, where ``compile=true`` fuses them);
-* the root: the head (V x H per token), the loss's logits (fp32, read and written
-  ``LOGIT_PASSES`` times) and the embeddings.
+* attention (one fused kernel a call): causal, half the T x T scores, 4 x t x T/2 x q_dim/tp
+  FLOPs forward (keys within a sliding window at most), ``ATTENTION_BACKWARD`` times that
+  backward; a context-parallel rank's chunks against the keys before them;
+* a checkpointed unit runs its forward again in backward; float8 linears run at float8's
+  rate with torchao's casts around them; QLoRA's NF4 weights are dequantised each pass;
+* FSDP2's copies around each collective, its hooks around each unit, TP's DTensor dispatch.
 """
 
 from __future__ import annotations
@@ -29,23 +26,31 @@ from fsdp_lab.config import (
     ShardingStrategy,
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile
+from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.tools import activation_memory, memory
+from fsdp_lab.tools import memory, op_count, plan_trace
 from fsdp_lab.tools.plan_model import ModelShape
 from fsdp_lab.tools.plan_result import StrategyPlan
-from fsdp_lab.tools.time_model import Collective, StepTime, StepWork, UnitWork, predict
+from fsdp_lab.tools.time_model import (
+    BACKWARD,
+    FORWARD,
+    Collective,
+    PassWork,
+    StepTime,
+    StepWork,
+    UnitWork,
+    predict,
+)
 
-ELEMENTWISE_PASSES = 2  # forward: each saved activation written and read once; backward 2x
-# compile=true: Inductor fuses a layer's norms, activations and rotary into a few kernels that
-# read their inputs and write their outputs once, and launches fewer of them
-COMPILED_PASSES, COMPILED_OPS_PER_LAYER = 1, 20
-LOGIT_PASSES = 4  # the logits: written, upcast, softmax read and written (forward; backward too)
 ATTENTION_BACKWARD = 2.5  # flash attention's backward FLOPs over its forward's
-# Operators a pass of one layer issues (forward, eager transformers; backward issues about
-# twice as many autograd nodes' kernels), counted with torch's dispatcher on a Llama layer.
-OPS_PER_LAYER = 60
-OPS_ROOT = 25  # embedding, final norm, head, loss
+COPY_OPS = 2  # FSDP2's copy-in and copy-out around a collective (one foreach op each)
+SOURCES = {
+    "ATTENTION_BACKWARD": "count: FlashAttention-2's backward runs five GEMMs the size of its "
+    "forward's two (Dao 2023, Algorithm 2)",
+    "COPY_OPS": "count: FSDP2's foreach_all_gather copy-in and split_with_sizes_copy "
+    "copy-out (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)",
+}
 
 
 def _unit_params(facts: ModelShape) -> dict[int, list[memory.ParamShape]]:
@@ -55,38 +60,41 @@ def _unit_params(facts: ModelShape) -> dict[int, list[memory.ParamShape]]:
     return out
 
 
-def _matmul_flops(
-    params: list[memory.ParamShape], layer, tokens: float
-) -> tuple[float, float, float, float]:
-    """(forward, backward) matmul FLOPs of these weights over ``tokens`` (experts: top_k of
-    E), then the experts' share of each (their grouped GEMMs)."""
-    fwd = bwd = expert_fwd = expert_bwd = 0.0
-    for p in params:
-        if p.lookup or p.row <= 1:  # an embedding table, a norm's or a bias's vector
-            continue
-        expert = bool(p.expert_dim1 and layer.experts)
-        active = p.numel * (layer.top_k / layer.experts if expert else 1)
-        f, b = 2 * active * tokens, (4 if p.trainable else 2) * active * tokens
-        fwd, bwd = fwd + f, bwd + b
-        if expert:
-            expert_fwd, expert_bwd = expert_fwd + f, expert_bwd + b
-    return fwd, bwd, expert_fwd, expert_bwd
-
-
 def _grouped(cfg: Config) -> bool:
     """The experts run as grouped GEMMs (transformers' choice picks grouped_mm where torch
-    has it); eager loops and batched_mm are priced as dense matmuls."""
+    has it); eager loops and batched_mm are priced as dense matmuls, a call an expert."""
     impl = cfg.model.experts_implementation
     return impl in (ExpertsImplementation.auto, ExpertsImplementation.grouped_mm)
 
 
-def _attention_flops(cfg: Config, layer, tokens: float) -> float:
-    """Forward FLOPs of one layer's attention over the rank's tokens: QK^T and AV over the
-    keys a query sees (causal: half the sequence on average, a window at most)."""
-    keys = cfg.trainer.seq_len / 2
-    if layer.sliding_window is not None:
-        keys = min(keys, layer.sliding_window)
-    return 4 * tokens * keys * layer.q_dim / cfg.parallel.tensor
+def _attention_flops(cfg: Config, layer, device: HardwareKind) -> float:
+    """Forward FLOPs of one layer's attention on the busiest rank: QK^T and AV over the keys
+    each query sees (causal: half the sequence on average, a window at most). Under context
+    parallelism a rank holds chunks r and 2C-1-r of 2C and attends each against the keys
+    before it; the first chunk is a square causal block, later ones run with a mask (every
+    key computed) except where the GPU applies the lower-right causal bias in place."""
+    b, seq, cp = cfg.trainer.micro_batch_size, cfg.trainer.seq_len, cfg.parallel.context
+    q_dim = layer.q_dim / cfg.parallel.tensor
+    window = layer.sliding_window
+    if cp == 1:
+        keys = seq / 2 if window is None else min(seq / 2, window)
+        return 4 * b * seq * keys * q_dim
+    chunk = seq / (2 * cp)
+    in_place = device is HardwareKind.gpu and cfg.precision.param_dtype.name in ("bf16", "fp16")
+
+    def pairs(rank: int) -> float:
+        total = 0.0
+        for index in (rank, 2 * cp - 1 - rank):
+            before = index * chunk  # keys wholly before the chunk
+            if window is not None:
+                before = min(before, window)
+            if index == 0:
+                total += chunk * chunk / 2
+            else:
+                total += chunk * (before + (chunk / 2 if in_place else chunk))
+        return total
+
+    return 4 * b * max(pairs(r) for r in range(cp)) * q_dim
 
 
 @dataclass(frozen=True)
@@ -155,34 +163,129 @@ def _layout(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> 
     )
 
 
-def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> list:
-    """The root's embedding pass, each block unit, the head: their work per micro-batch."""
+def _copies(nbytes: float) -> tuple[tuple[int, float, float], ...]:
+    """FSDP2's copies of ``nbytes`` as the operators that make them."""
+    if nbytes <= 0:
+        return ()
+    return ((op_count.size_bucket(nbytes / COPY_OPS), COPY_OPS, nbytes),)
+
+
+def _traced(p: op_count.PassTrace, *, compiled: bool, grouped: bool) -> PassWork:
+    """A traced pass as the time model's work: eager, each operator by its size class;
+    compiled, Inductor's fused regions (views then cost nothing: they are in the graph)."""
+    if compiled:
+        kernels, nbytes = p.fused_kernels, p.fused_bytes
+        op_bytes = ((op_count.size_bucket(nbytes / kernels), kernels, nbytes),) if kernels else ()
+        views = 0.0
+    else:
+        op_bytes = tuple((k, float(p.ops[k]), float(p.op_bytes[k])) for k in sorted(p.ops))
+        views = float(p.views)
+    flops, calls = p.matmul_flops(), float(sum(p.matmuls.values()))
+    grouped_flops, grouped_calls = p.grouped_flops(), float(sum(p.grouped.values()))
+    if not grouped:  # an eager loop (or batched_mm): dense matmuls, one call an expert
+        flops += grouped_flops
+        calls += sum(e * c for (e, *_), c in p.grouped.items())
+        grouped_flops = grouped_calls = 0.0
+    return PassWork(
+        matmul_flops=flops,
+        matmul_calls=calls,
+        grouped_flops=grouped_flops,
+        grouped_calls=grouped_calls,
+        op_bytes=op_bytes,
+        views=views,
+    )
+
+
+def _with(w: PassWork, **more) -> PassWork:
+    """``w`` with more work added: fields summed, ``op_bytes`` entries appended."""
+    extra = more.pop("op_bytes", ())
+    kept = ("head_dim", "attention_tokens")
+    fields = {f: (v if f in kept else getattr(w, f) + v) for f, v in more.items()}
+    return PassWork(**{**w.__dict__, **fields, "op_bytes": w.op_bytes + tuple(extra)})
+
+
+def _low_precision(
+    cfg: Config, params: list, t: float, b: int, shard: int
+) -> tuple[PassWork, PassWork]:
+    """What float8 or NF4 adds to a block's forward and backward, in bytes. A float8 linear
+    (torchao's tensorwise recipe) casts each high-precision operand to float8 by its amax: a
+    read for the amax, a read and a one-byte write for the cast (2b + 1 bytes an element):
+    forward its input and weight (the weight's shard, before the all-gather, with float8
+    all-gathers), backward its output gradient; backward also transposes the float8 input and
+    weight (a one-byte read and write each). An NF4 weight is dequantised on each pass."""
+    fwd = bwd = 0.0
+    cast = 2 * b + 1
+    gathered_fp8 = cfg.precision.float8_all_gather
+    for p in params:
+        if p.lookup or p.row <= 1 or p.expert_dim1:
+            continue
+        inputs, outputs = t * (p.numel // p.row), t * p.row
+        if p.storage == "nf4":
+            fwd += p.numel * (NF4_BITS / 8 + b)
+            bwd += p.numel * (NF4_BITS / 8 + b)
+        elif cfg.precision.float8_recipe is not None and p.trainable:
+            weight = p.numel / shard if gathered_fp8 else p.numel
+            fwd += cast * (inputs + weight)
+            bwd += cast * outputs + 2 * (inputs + p.numel)
+    entry = lambda n: ((op_count.size_bucket(n), 1.0, n),) if n else ()
+    return PassWork(op_bytes=entry(fwd)), PassWork(op_bytes=entry(bwd))
+
+
+def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> list[UnitWork]:
+    """The root's collectives, each block unit, then the root's own compute (embeddings,
+    final norm, head and loss): their work per micro-batch."""
     layer, lay = facts.layer, _layout(cfg, topo, facts, s)
-    t = cfg.trainer.micro_batch_size * cfg.trainer.seq_len / cfg.parallel.context
+    tp, cp = cfg.parallel.tensor, cfg.parallel.context
+    t = cfg.trainer.micro_batch_size * cfg.trainer.seq_len / cp
+    trace = plan_trace.trace_step(
+        cfg,
+        batch=cfg.trainer.micro_batch_size,
+        seq_len=cfg.trainer.seq_len // cp,
+        loss=facts.loss,
+        tp=tp,
+    )
     by_unit = _unit_params(facts)
     blocks = sorted(g for g in by_unit if g >= 0)
     reshard = s.reshard_after_forward  # the strategy plan resolved it (its default, or the setting)
-    # the layers' attention, spread over the block units (one each under wrap=transformer)
-    attention = _attention_flops(cfg, layer, t) * layer.num_layers
+    attention = _attention_flops(cfg, layer, topo.device) * layer.num_layers
     per_block = attention / len(blocks) if blocks else 0.0
+    grouped, compiled = _grouped(cfg), cfg.compile
     last = len(blocks) - 1  # FSDP2 keeps the last block gathered for backward
+    regathers = [reshard is not False and i < last for i in range(len(blocks))]
     units = [
-        _block(cfg, facts, lay, by_unit[g], g, t, per_block, reshard is not False and i < last)
-        for i, g in enumerate(blocks)
+        _block(cfg, facts, lay, trace, by_unit[g], g, t, per_block, regather)
+        for g, regather in zip(blocks, regathers, strict=True)
     ]
-    head_fwd, head_bwd, *_ = _matmul_flops(by_unit.get(-1, []), layer, t)
-    logits = LOGIT_PASSES * t * layer.vocab / cfg.parallel.tensor * 4
-    embed = t * layer.hidden * lay.b
     attn = 0.0 if blocks else attention  # the root the only unit: the layers' are its
+    root_f = _traced(trace.of(op_count.ROOT, FORWARD), compiled=compiled, grouped=grouped)
+    root_b = _traced(trace.of(op_count.ROOT, BACKWARD), compiled=compiled, grouped=grouped)
     first = UnitWork(
-        "root", 0.0, 0.0, embed + lay.gather_copies(-1), embed + lay.reduce_copies(-1), 2, 2,
-        lay.gather(-1), False, lay.reduce(-1),
-    )  # fmt: skip
+        "root",
+        PassWork(op_bytes=_copies(lay.gather_copies(-1))),
+        PassWork(op_bytes=_copies(lay.reduce_copies(-1))),
+        lay.gather(-1),
+        False,
+        lay.reduce(-1),
+    )
+    dim = layer.q_dim // max(1, layer.num_heads)
     head = UnitWork(
-        "head", head_fwd + attn, head_bwd + ATTENTION_BACKWARD * attn, logits, logits,
-        OPS_ROOT, 2 * OPS_ROOT, forward_attention=attn,
-        backward_attention=ATTENTION_BACKWARD * attn,
-    )  # fmt: skip
+        "head",
+        _with(
+            root_f,
+            attention_flops=attn,
+            attention_calls=float(bool(attn)),
+            head_dim=dim,
+            attention_tokens=cfg.trainer.seq_len,
+        ),
+        _with(
+            root_b,
+            attention_flops=ATTENTION_BACKWARD * attn,
+            attention_calls=float(bool(attn)),
+            head_dim=dim,
+            attention_tokens=cfg.trainer.seq_len,
+        ),
+        sharded=False,
+    )
     return [first, *units, head]
 
 
@@ -191,6 +294,7 @@ def _block(
     cfg: Config,
     facts: ModelShape,
     lay: _Layout,
+    trace: plan_trace.StepTrace,
     params: list,
     group: int,
     t: float,
@@ -198,53 +302,55 @@ def _block(
     regather: bool,
 ) -> UnitWork:
     """One block unit's work per micro-batch (``attn``: its attention's forward FLOPs)."""
-    layer, b = facts.layer, lay.b
-    passes, ops = (COMPILED_PASSES, COMPILED_OPS_PER_LAYER) if cfg.compile else (
-        ELEMENTWISE_PASSES, OPS_PER_LAYER)  # fmt: skip
-    saved = activation_memory.layer_bytes_per_token(
-        layer, b, tensor=cfg.parallel.tensor, sequence_parallel=cfg.parallel.sequence_parallel
+    grouped, compiled = _grouped(cfg), cfg.compile
+    fwd = _traced(trace.of(group, FORWARD), compiled=compiled, grouped=grouped)
+    bwd = _traced(trace.of(group, BACKWARD), compiled=compiled, grouped=grouped)
+    calls = float(trace.of(group, FORWARD).attention)
+    linears = float(
+        sum(1 for p in params if p.row > 1 and not p.lookup and not p.expert_dim1)
+        if cfg.parallel.tensor > 1
+        else 0
     )
-    # a mixture of experts moves each token's top_k copies of the hidden state three times a
-    # pass: gathered into expert order, scaled by its routing weight, added back
-    routing = 6 * layer.top_k * layer.hidden * b * t if layer.experts else 0.0
-    fwd, bwd, grouped_fwd, grouped_bwd = _matmul_flops(params, layer, t)
-    if not _grouped(cfg):
-        grouped_fwd = grouped_bwd = 0.0
-    fwd, bwd = fwd + attn, bwd + ATTENTION_BACKWARD * attn
-    recompute = group in facts.checkpointed_units
-    nbytes = passes * saved * t + routing
-    copy = lay.gather_copies(group)
+    fp8 = cfg.precision.float8_recipe is not None
+    dim = facts.layer.q_dim // max(1, facts.layer.num_heads)
+    keys = cfg.trainer.seq_len
+    fwd = _with(fwd, attention_flops=attn, attention_calls=calls, tp_linears=linears,
+                fp8_flops=fwd.matmul_flops if fp8 else 0.0, head_dim=dim,
+                attention_tokens=keys)  # fmt: skip
+    bwd = _with(bwd, attention_flops=ATTENTION_BACKWARD * attn, attention_calls=calls,
+                tp_linears=2 * linears, fp8_flops=bwd.matmul_flops if fp8 else 0.0,
+                head_dim=dim, attention_tokens=keys)  # fmt: skip
+    low_f, low_b = _low_precision(cfg, params, t, lay.b, lay.shard)
+    fwd, bwd = fwd.plus(low_f), bwd.plus(low_b)
+    if group in facts.checkpointed_units:
+        bwd = bwd.plus(fwd)  # recomputed in backward
+    copies_f = lay.gather_copies(group)
+    copies_b = (copies_f if regather else 0.0) + lay.reduce_copies(group)
     return UnitWork(
         name=f"unit {group}",
-        forward_flops=fwd,
-        backward_flops=bwd + (fwd if recompute else 0.0),
-        forward_bytes=nbytes + copy,
-        backward_bytes=(2 + recompute) * nbytes
-        + (copy if regather else 0)
-        + lay.reduce_copies(group),
-        forward_ops=ops,
-        backward_ops=(2 + recompute) * ops,
+        forward=_with(fwd, op_bytes=_copies(copies_f)),
+        backward=_with(bwd, op_bytes=_copies(copies_b)),
         gather=lay.gather(group),
         regather=regather,
         reduce=lay.reduce(group),
-        inner=_inner_collectives(cfg, layer, t, b, lay.per_node),
-        fp8_share=1.0 if cfg.precision.float8_recipe is not None else 0.0,
-        forward_attention=attn,
-        backward_attention=ATTENTION_BACKWARD * attn + (attn if recompute else 0.0),
-        forward_grouped=grouped_fwd,
-        backward_grouped=grouped_bwd + (grouped_fwd if recompute else 0.0),
+        inner=_inner_collectives(cfg, facts.layer, t, lay.b, lay.per_node, linears),
     )
 
 
-def _inner_collectives(cfg: Config, layer, t: float, b: int, per_node: int) -> tuple:
-    """A block's collectives inside its compute, per micro-batch: TP's two all-reduces of the
-    hidden state forward and two backward (sequence parallelism's all-gather/reduce-scatter
-    pairs move the same); CP's gather of the keys and values forward and the reduce-scatter
-    of their gradients backward; EP's four all-to-alls of each token's top_k rows."""
+def _inner_collectives(
+    cfg: Config, layer, t: float, b: int, per_node: int, linears: float
+) -> tuple:
+    """A block's collectives inside its compute, per micro-batch: TP's all-reduce of the
+    hidden state for each split linear (a rowwise one's output forward, a colwise one's
+    input gradient backward: each colwise module takes its input on its own, so q, k and v
+    reduce theirs apart; sequence parallelism's all-gather/reduce-scatter pairs move the
+    same); CP's gather of the keys and values forward and the reduce-scatter of their
+    gradients backward; EP's four all-to-alls of each token's top_k rows."""
     tp, cp, ep = cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.expert
     out = []
     if tp > 1:
-        out.append(Collective("all_reduce", t * layer.hidden * b, tp, tp > per_node, count=4))
+        hidden = t * layer.hidden * b
+        out.append(Collective("all_reduce", hidden, tp, tp > per_node, count=linears))
     if cp > 1:
         kv = 2 * layer.kv_dim / tp * t * cp * b  # the gathered K and V, whole
         across = cp * tp > per_node

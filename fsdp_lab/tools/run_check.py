@@ -6,6 +6,11 @@ Hydra calls ``RunCheck`` after each job (conf/config.yaml's callbacks): it write
 ``predicted`` and logs one line. ``fsdp-lab report`` shows the same beside each job. Nothing
 here can fail a run: a prediction that cannot be made is a warning.
 
+The run is priced on ``hardware.profile`` where set, else on this machine's own measured
+profile (``tools.machine``): a local run on a machine not yet measured measures it now, in a
+few seconds, once; a run under torchrun or srun reads the cached one, and without one says
+the machine is unmeasured instead of comparing the run with another machine's figures.
+
 A departure is named by the largest gap: with profile=trace the measured compute, exposed
 communication and idle time against the predicted ones; without it the step as a whole.
 """
@@ -22,7 +27,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.config.hardware_profiles import row_for
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunRecord
@@ -34,15 +38,24 @@ MIN_STEPS = 3  # steady steps (after the first) a median needs to say anything
 DEPARTS = 1.25  # a gap of more than this (either way) is named
 
 
-def device_name(cfg, hardware: str) -> str:
-    """The profile to price the run on: hardware.profile, else the named row of the machine
-    run.json's hardware line describes."""
-    return cfg.hardware.profile or row_for(hardware)
+def profile_for(cfg, topo: Topology, hardware: str, *, measure: bool, log=print):
+    """The profile a run is priced on: ``hardware.profile``, else this machine's (measured
+    now where ``measure`` and none is cached); None where the machine is unmeasured, or its
+    GPU has no row and is unmeasured too."""
+    from fsdp_lab.tools import calibrate, machine
+
+    if cfg.hardware.profile:
+        return plan.time_device(cfg.hardware.profile, topo)[0]
+    profile = machine.cached(cfg, topo)
+    if profile is None and measure:
+        profile = machine.ensure(cfg, topo, lambda: calibrate.quick(cfg, topo), log=log)
+    return profile
 
 
-def predict_run(run_dir: Path, record: RunRecord):
+def predict_run(run_dir: Path, record: RunRecord, *, measure: bool = False, log=print):
     """The time model's step for the run in ``run_dir`` (its config.yaml and run.json's
-    facts: ranks, nodes, hardware), and the device name; None where it has no facts."""
+    facts: ranks, nodes, hardware), and the device name; None where it has no facts or the
+    machine is unmeasured."""
     facts = record.facts
     if facts is None:
         return None
@@ -50,8 +63,9 @@ def predict_run(run_dir: Path, record: RunRecord):
     kind = plan.HardwareKind.gpu if facts.hardware.startswith("gpu") else plan.HardwareKind.cpu
     nproc = facts.world_size // max(1, facts.num_nodes)
     topo = Topology.nodes(nproc, facts.num_nodes, kind)
-    name = device_name(cfg, facts.hardware)
-    device, _ = plan.time_device(name, topo)
+    device = profile_for(cfg, topo, facts.hardware, measure=measure, log=log)
+    if device is None:
+        return None
     shape = plan.inspect_model(cfg, kind)
     strategy = cfg.sharding.strategy
     s = plan.strategy_plan(cfg, topo, shape, strategy)
@@ -93,15 +107,19 @@ def departure(ratio: float, predicted: dict, profile: dict | None) -> str:
     return "as predicted"
 
 
-def check(run_dir: Path) -> dict | None:
-    """run.json's ``predicted`` for a finished run; None where it has too few steps."""
+UNMEASURED = "machine unmeasured"  # check()'s answer where there is nothing to compare with
+
+
+def check(run_dir: Path, *, measure: bool = False, log=print) -> dict | str | None:
+    """run.json's ``predicted`` for a finished run; None where it has too few steps;
+    ``UNMEASURED`` where this machine has no profile to price it on."""
     record = rundir.read_run_file(run_dir)
     steps = measured_steps(run_dir, record)
     if len(steps) < MIN_STEPS:
         return None
-    step = predict_run(run_dir, record)
+    step = predict_run(run_dir, record, measure=measure, log=log)
     if step is None:
-        return None
+        return UNMEASURED if record.facts is not None else None
     measured = statistics.median(steps)
     profile = record.results.profile if record.results else None
     summary = profile.get("summary") if isinstance(profile, dict) else None
@@ -131,11 +149,21 @@ class RunCheck(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if os.environ.get("RANK", "0") != "0":  # under torchrun every rank runs Hydra
             return
+        # Measured here only where this process launched the ranks itself (they are done, the
+        # machine is the run's): under torchrun or srun other processes hold the node.
+        local = "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+        say = lambda line: print(f"fsdp_lab: {line}", file=sys.stderr)
         try:
             run_dir = Path(str(job_return.hydra_cfg.hydra.runtime.output_dir))
             if not (run_dir / rundir.RUN_FILE).is_file():
                 return
-            predicted = check(run_dir)
+            predicted = check(run_dir, measure=local, log=say)
+            if predicted == UNMEASURED:
+                say(
+                    "no predicted step: this machine is unmeasured (fsdp-lab calibrate "
+                    "measures it, in seconds; a local run does so itself)"
+                )
+                return
             if predicted is None:
                 return
             record = rundir.read_run_file(run_dir)

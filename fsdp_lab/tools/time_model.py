@@ -2,13 +2,16 @@
 ``fsdp-lab plan --device``. The memory plan's other half (``memory``, ``activation_memory``).
 
 Pure: numbers in, numbers out; imports no torch. A step is ``micro_batches`` forward and
-backward passes over the FSDP units, then the optimizer. Per unit (``UnitWork``):
+backward passes over the FSDP units, then the optimizer. Per unit and pass (``PassWork``,
+counted by ``plan_trace`` from the operators the model dispatches):
 
-* **compute**: matmul FLOPs at the device's achievable rate, other operators' bytes at its
-  memory bandwidth, and each operator's issue cost. On a GPU the host issues kernels ahead of
-  the device, so a unit costs the larger of its kernels and its launches; on a CPU the sum.
-  Activation checkpointing's recompute is backward work; a frozen weight's backward is its
-  input's gradient only (2 FLOPs a weight a token, not 4).
+* **compute**: each matrix multiply at the device's rate for its size and pass (measured by
+  calibrate, or the achievable fraction of the peak), attention at the attention kernels'
+  rate, a mixture of experts' grouped GEMMs at theirs, every other operator's bytes at the
+  memory's bandwidth for its size, and the host's cost of issuing each operator and view.
+  On a GPU the host issues kernels ahead of the device, so a pass costs the larger of its
+  kernels and its issue; on a CPU the sum. Activation checkpointing's recompute is its
+  unit's forward again in backward.
 * **communication** (``collective_s``): ring all-gather and reduce-scatter of S bytes over n
   ranks take (n-1) x latency + (n-1)/n x S / bus bandwidth, an all-reduce twice that; a group
   that spans nodes runs at the network's rate.
@@ -22,7 +25,8 @@ backward passes over the FSDP units, then the optimizer. Per unit (``UnitWork``)
 * **optimizer**: AdamW's bytes (param, grad, two moments, read and written; the gradient
   norm) at the memory bandwidth of where the state lives (the host under offload), and each
   parameter tensor's issue cost (``tensor_step_s``: DTensor dispatch, clipping's all-reduce).
-* **other**: offload's host<->device copies of the shards, and a step's fixed cost.
+* **other**: offload's host<->device copies of the shards, and what ``calibrate
+  --from-runs`` learned the user's runs spend outside the model (``learned``).
 
 Gradients are reduced once per step (the last micro-batch: ``set_requires_gradient_sync``);
 parameters are gathered every micro-batch.
@@ -39,6 +43,11 @@ from fsdp_lab.config.precisions import peak_key
 # AdamW per trainable element (fp32): param read+write 8, grad read 4, exp_avg and exp_avg_sq
 # read+write 16; clip_grad_norm_ reads the grad for the norm and scales it in place, 12 more.
 OPTIMIZER_BYTES_PER_PARAM = 40
+SOURCES = {
+    "OPTIMIZER_BYTES_PER_PARAM": "count: torch's fused AdamW reads and writes the fp32 "
+    "parameter and both moments and reads the gradient (28 bytes); clip_grad_norm_ reads the "
+    "gradient for its norm and scales it in place (12)",
+}
 FORWARD, BACKWARD = "forward", "backward"
 SPLIT = ("compute_s", "exposed_comm_s", "optimizer_s", "other_s")  # they add up to the step
 TIME_HEADER = (
@@ -60,25 +69,49 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class PassWork:
+    """One unit's forward or backward over one micro-batch on one rank: what its kernels
+    compute and move, and how many operators the host issues (``plan_trace`` counts them)."""
+
+    matmul_flops: float = 0.0
+    matmul_calls: float = 0.0
+    fp8_flops: float = 0.0  # of matmul_flops, those float8 linears run
+    attention_flops: float = 0.0  # causal: half the scores counted
+    attention_calls: float = 0.0
+    head_dim: int = 0  # its attention's head size and keys (rates depend on them)
+    attention_tokens: int = 0
+    grouped_flops: float = 0.0  # a mixture of experts' grouped GEMMs
+    grouped_calls: float = 0.0
+    # other operators: (size class, operators, bytes read and written) each; a size class is
+    # log2 of one operator's bytes (a device's bandwidth depends on it)
+    op_bytes: tuple[tuple[int, float, float], ...] = ()
+    views: float = 0.0  # operators that move nothing (views, allocations): issue alone
+    tp_linears: float = 0.0  # tensor-parallel linears (DTensor dispatch each)
+
+    def ops(self) -> float:
+        return sum(n for _, n, _ in self.op_bytes)
+
+    def plus(self, other: PassWork) -> PassWork:
+        """Both passes' work as one (a checkpointed unit's backward: its forward again)."""
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                  for f in dataclasses.fields(self)}  # fmt: skip
+        summed["head_dim"] = self.head_dim or other.head_dim
+        summed["attention_tokens"] = self.attention_tokens or other.attention_tokens
+        return PassWork(**summed)
+
+
+@dataclass(frozen=True)
 class UnitWork:
     """One FSDP unit's work for one micro-batch on one rank."""
 
     name: str
-    forward_flops: float  # matmul FLOPs (attention's included)
-    backward_flops: float  # gradients' FLOPs, a checkpointed unit's recompute included
-    forward_bytes: float  # other operators' bytes moved in forward (backward: ``backward_bytes``)
-    backward_bytes: float
-    forward_ops: int  # operators issued (a checkpointed unit's recompute in backward's)
-    backward_ops: int
+    forward: PassWork
+    backward: PassWork  # a checkpointed unit's recompute included
     gather: Collective | None = None  # its parameters' all-gather (None: never gathered)
     regather: bool = True  # gathered again for backward (resharded after forward)
     reduce: tuple[Collective, ...] = ()  # its gradients' reduction (HSDP: two levels)
     inner: tuple[Collective, ...] = ()  # collectives inside its forward+backward (TP, CP, EP)
-    fp8_share: float = 0.0  # of its matmul FLOPs, those float8 linears run
-    forward_attention: float = 0.0  # of forward_flops, causal attention's (half the scores)
-    backward_attention: float = 0.0  # of backward_flops, attention's (a recompute's included)
-    forward_grouped: float = 0.0  # of forward_flops, the experts' grouped GEMMs'
-    backward_grouped: float = 0.0
+    sharded: bool = True  # an FSDP unit (its hooks run around each pass)
 
 
 @dataclass(frozen=True)
@@ -97,7 +130,6 @@ class StepWork:
     optimizer_on_host: bool = False  # offload=cpu: AdamW runs on the host's memory
     optimizer_tensors: int = 0  # the parameter tensors the optimizer steps (trainable ones)
     model_flops_per_token: float = 0.0  # MFU's numerator per token (6N + attention), no recompute
-    step_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,37 +174,32 @@ def collective_s(c: Collective | None, device: DeviceProfile) -> float:
     return c.count * (steps * link.latency_s + moved / link.bytes_per_s)
 
 
-# Many parameters: a pass's work by kind, as UnitWork holds it.
-def compute_s(flops: float, nbytes: float, ops: int, device: DeviceProfile, dtype: str,
-              fp8_share: float = 0.0, attention: float = 0.0, grouped: float = 0.0,
-              ) -> float:  # fmt: skip
-    """One pass of a unit: its matmuls (``attention`` of them at the attention kernels' rate,
-    ``grouped`` at the experts' grouped GEMMs', ``fp8_share`` of the rest in float8), its other
-    operators' bytes, and their issue cost."""
-    rate = device.flops(dtype)
-    dense = flops - attention - grouped
-    fp8 = fp8_share * dense
-    kernels = (dense - fp8) / rate + (fp8 / device.flops("fp8") if fp8 else 0.0)
-    kernels += attention / (rate * device.attention_fraction)
-    kernels += grouped / device.grouped_flops(dtype) if grouped else 0.0
-    kernels += nbytes / device.memory_bytes_per_s
-    issue = ops * device.op_overhead_s
+def compute_s(w: PassWork, device: DeviceProfile, dtype: str, phase: str) -> float:
+    """One pass of a unit: its kernels (matmuls, float8 ones at float8's rate, attention,
+    grouped GEMMs, other operators' bytes) and the host's issue of its operators."""
+    dense = w.matmul_flops - w.fp8_flops
+    kernels = device.matmul_s(dense, w.matmul_calls, dtype, phase)
+    if w.fp8_flops:
+        kernels += w.fp8_flops / device.flops("fp8")
+    if w.attention_flops:
+        kernels += device.attention_s(
+            w.attention_flops, dtype, phase, w.head_dim, w.attention_tokens
+        )
+    if w.grouped_flops:
+        kernels += w.grouped_flops / device.grouped_flops(dtype)
+    kernels += sum(device.bytes_s(nbytes, bucket) for bucket, _, nbytes in w.op_bytes)
+    issue = (
+        w.ops() * device.op_overhead_s
+        + w.views * device.view_overhead_s
+        + w.tp_linears * device.tp_linear_s
+    )
     return max(kernels, issue) if device.overlap else kernels + issue
 
 
 def _pass_times(work: StepWork, device: DeviceProfile, phase: str) -> list[float]:
-    forward = phase == FORWARD
     return [
-        compute_s(
-            u.forward_flops if forward else u.backward_flops,
-            u.forward_bytes if forward else u.backward_bytes,
-            u.forward_ops if forward else u.backward_ops,
-            device,
-            work.dtype,
-            u.fp8_share,
-            u.forward_attention if forward else u.backward_attention,
-            u.forward_grouped if forward else u.backward_grouped,
-        )
+        compute_s(u.forward if phase == FORWARD else u.backward, device, work.dtype, phase)
+        + (device.unit_overhead_s if u.sharded else 0.0)
         for u in work.units
     ]
 
@@ -219,13 +246,21 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     )
     exposed_inner = m * sum(inner)
     compute = m * (sum(fwd) + sum(bwd))
+    # waiting for the slowest rank at each collective after a unit's compute
+    synced = any(u.gather or u.reduce or u.inner for u in work.units)
+    exposed_fsdp += device.straggle * compute if synced else 0.0
     comm = m * (sum(gathers) + sum(regathers) + sum(inner)) + sum(reduces)
     state_rate = device.host_memory_bytes_per_s if work.optimizer_on_host else None
     moved = work.optimizer_params * OPTIMIZER_BYTES_PER_PARAM
     kernels = moved / (state_rate or device.memory_bytes_per_s)
-    issue = work.optimizer_tensors * device.tensor_step_s
+    issue = work.optimizer_tensors * device.tensor_step_s + device.optimizer_step_s
     optimizer = max(kernels, issue) if device.overlap else kernels + issue
-    other = work.offload_bytes / device.host_link.bytes_per_s + work.step_overhead_s
+    learned = device.learned or {}
+    compute *= learned.get("compute_scale", 1.0)
+    optimizer *= learned.get("compute_scale", 1.0)
+    exposed_fsdp *= learned.get("comm_scale", 1.0)
+    exposed_inner *= learned.get("comm_scale", 1.0)
+    other = work.offload_bytes / device.host_link.bytes_per_s + learned.get("host_s", 0.0)
     step = compute + exposed_fsdp + exposed_inner + optimizer + other
     tokens = work.tokens * m / step if step > 0 else 0.0
     peak = device.compute.get(peak_key(work.dtype))

@@ -207,7 +207,7 @@ def enumerate_candidates(
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    profile, _ = plan.time_device(device, topo)
+    profile, _ = plan.time_device(device, topo, cfg)
     strategies, acs, offloads, batches, tensors, experts, float8s, contexts = _axes(
         cfg, topo, overrides, grid, max_micro_batch
     )

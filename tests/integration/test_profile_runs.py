@@ -127,3 +127,19 @@ def test_the_sweep_report_explains_itself(sweep):
         assert row["departs"] == predicted["departs"] != ""
     assert_png(sweep / "step_breakdown.png")
     assert "step_breakdown.png" in (sweep / "report.md").read_text()
+
+
+def test_calibrate_from_runs_learns_from_the_traced_runs(sweep, tmp_path):
+    out = tmp_path / "learned.json"
+    jobs = [str(sweep / "0"), str(sweep / "1")]
+    proc = run_python(["-m", "fsdp_lab.tools.cli", "calibrate", "--from-runs", *jobs,
+                       "--device", "cpu", "--out", str(out)])  # fmt: skip
+    check_ok(proc)
+    learned = json.loads(out.read_text())["learned"]
+    assert learned["runs"] == jobs and learned["compute_scale"] > 0 and learned["host_s"] >= 0
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith(f"{jobs[0]}: measured ") and " -> " in lines[0]
+    assert lines[-1].startswith("learned from 2 runs: kernels ")
+    again = run_python(["-m", "fsdp_lab.tools.cli", "calibrate", "--from-runs", *jobs,
+                        "--device", "cpu", "--out", str(out)])  # fmt: skip
+    assert again.returncode == 2 and "exists: give a new path" in again.stderr

@@ -1,8 +1,14 @@
-"""Micro-benchmarks of one rank's device, run by ``fsdp-lab calibrate`` on every rank at once
-(so that ranks sharing cores or a network measure each other's contention): matmul FLOP/s at
-given shapes, memory bandwidth, the cost of issuing one operator, collectives' times at given
-sizes, and host<->device copies. Each measurement is repeated; the caller gets every repeat's
-value (medians and spreads are its business).
+"""Micro-benchmarks of one rank's device, run by ``fsdp-lab calibrate`` (and a run's first
+prediction on a new machine) on every rank at once, so that ranks sharing cores, memory or a
+network measure each other's contention: matrix multiplies and attention at a grid of sizes,
+a one-layer decoder at several sizes (the host's cost of an operator, and the other
+operators' bandwidth by size), a view's dispatch, an
+optimizer step per parameter tensor, FSDP2's hooks around a unit, a tensor-parallel linear's
+dispatch, collectives at several sizes, and host<->device copies.
+
+Every figure is a median (a collective's: a mean) over repeated short timings, taken until
+its 95% confidence interval is tight or its time budget is spent (``timing``): a busy machine
+costs more repeats, and a wider interval stated beside the figure, never a refusal.
 """
 
 from __future__ import annotations
@@ -13,164 +19,216 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fsdp_lab.engine import attention as attention_impl
 from fsdp_lab.engine.hardware import devices, process_group
-
-MIB = 2**20
-
-
-def _timed(
-    fn: Callable[[], None], device: torch.device, *, inner: int, repeats: int
-) -> list[float]:
-    """Seconds per call of ``fn``: ``repeats`` timings of ``inner`` calls each, after one
-    warm-up round."""
-    fn()
-    devices.synchronize(device)
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        devices.synchronize(device)
-        out.append((time.perf_counter() - start) / inner)
-    return out
+from fsdp_lab.engine.hardware.timing import Budget, Timing, mean_interval, time_it, time_together
 
 
-def _inner(seconds_per_call: float, budget_s: float = 0.05) -> int:
-    """Calls per timing so that one timing lasts about ``budget_s``."""
-    return max(1, min(1000, int(budget_s / max(seconds_per_call, 1e-7))))
-
-
-def _probe(fn: Callable[[], None], device: torch.device) -> float:
-    fn()
-    devices.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    devices.synchronize(device)
-    return time.perf_counter() - start
-
-
-def matmul_flops(
-    shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, repeats: int
-) -> dict[str, list[float]]:
-    """FLOP/s of a linear layer's training matmuls at each shape, per repeat; keyed ``MxKxN``:
-    M rows of K features through a K -> N weight, forward (M x K by K x N) and backward (the
-    input's and the weight's gradients), 6 x M x K x N FLOPs, as a training step runs them."""
+# ---- what is measured -------------------------------------------------------------------------
+def matmuls(
+    shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, budget: Budget
+) -> dict[tuple[int, int, int], tuple[Timing, Timing]]:
+    """A linear layer at each (M, K, N): M rows of K features through a K -> N weight, its
+    forward alone and forward with backward (the input's and the weight's gradients)."""
     out = {}
     for m, k, n in shapes:
         x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
         w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
         grad = torch.randn(m, n, dtype=dtype, device=device)
 
-        def linear(x=x, w=w, grad=grad) -> None:
+        def forward(x=x, w=w) -> None:
+            with torch.no_grad():
+                torch.nn.functional.linear(x, w)
+
+        def both(x=x, w=w, grad=grad) -> None:
             x.grad = w.grad = None
             torch.nn.functional.linear(x, w).backward(grad)
 
-        times = _timed(linear, device, inner=_inner(_probe(linear, device)), repeats=repeats)
-        out[f"{m}x{k}x{n}"] = [6 * m * k * n / t for t in times]
+        out[(m, k, n)] = (time_it(forward, device, budget), time_it(both, device, budget))
     return out
 
 
-def grouped_flops(
+def attention(
     shapes: list[tuple[int, int, int, int]],
     dtype: torch.dtype,
     device: torch.device,
-    repeats: int,
-) -> list[float]:
-    """FLOP/s of a mixture of experts' grouped GEMMs at (experts, rows an expert, K, N), per
-    repeat: torch's grouped_mm over rows sorted by expert (what transformers' grouped_mm
-    experts run), forward and backward, 6 x rows x K x N FLOPs each, over all the shapes."""
-    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    calls, flops = [], 0.0
-    for e, r, k, n in shapes:
-        x = torch.randn(e * r, k, dtype=dtype, device=device, requires_grad=True)
-        w = torch.randn(e, k, n, dtype=dtype, device=device, requires_grad=True)
-        offs = torch.arange(1, e + 1, dtype=torch.int32, device=device) * r
-        grad = torch.randn(e * r, n, dtype=dtype, device=device)
-        calls.append((x, w, offs, grad))
-        flops += 6 * e * r * k * n
+    budget: Budget,
+) -> dict[tuple[int, int, int, int], tuple[Timing, Timing]]:
+    """Causal SDPA at each (batch, heads, tokens, head dim): forward, forward with backward."""
+    out = {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for b, h, t, d in shapes:
+        q, k, v = (
+            torch.randn(b, h, t, d, dtype=dtype, device=device, requires_grad=True)
+            for _ in range(3)
+        )
+        grad = torch.randn(b, h, t, d, dtype=dtype, device=device)
 
-    def step() -> None:
-        for x, w, offs, grad in calls:
-            x.grad = w.grad = None
-            grouped(x, w, offs=offs).backward(grad)
+        def forward(q=q, k=k, v=v) -> None:
+            with torch.no_grad():
+                sdpa(q, k, v, is_causal=True)
 
-    times = _timed(step, device, inner=_inner(_probe(step, device)), repeats=repeats)
-    return [flops / t for t in times]
+        def both(q=q, k=k, v=v, grad=grad) -> None:
+            q.grad = k.grad = v.grad = None
+            sdpa(q, k, v, is_causal=True).backward(grad)
 
-
-def attention_flops(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, repeats: int
-) -> list[float]:
-    """FLOP/s of causal SDPA forward and backward at (batch, heads, tokens, head dim), per
-    repeat, counting half the T x T scores (what a causal kernel computes): 2 x 2 x B x H x
-    T^2/2 x D forward, 2.5x that backward."""
-    b, h, t, d = shape
-    q, k, v = (
-        torch.randn(b, h, t, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)
-    )
-    grad = torch.randn(b, h, t, d, dtype=dtype, device=device)
-
-    def sdpa() -> None:
-        q.grad = k.grad = v.grad = None
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-    times = _timed(sdpa, device, inner=_inner(_probe(sdpa, device)), repeats=repeats)
-    flops = 3.5 * 2 * b * h * t * t * d  # (1 + 2.5) x 4 x B x H x (T^2 / 2) x D
-    return [flops / t_ for t_ in times]
+        out[(b, h, t, d)] = (time_it(forward, device, budget), time_it(both, device, budget))
+    return out
 
 
-def memory_bandwidth(device: torch.device, repeats: int, nbytes: int = 64 * MIB) -> list[float]:
-    """Bytes/s of an out-of-place add of two fp32 tensors (two read, one written)."""
-    a = torch.ones(nbytes // 4, device=device)
-    b = torch.ones(nbytes // 4, device=device)
-    c = torch.empty_like(a)
-
-    def add() -> None:
-        torch.add(a, b, out=c)
-
-    times = _timed(add, device, inner=_inner(_probe(add, device)), repeats=repeats)
-    return [3 * nbytes / t for t in times]
-
-
-def op_overhead(device: torch.device, repeats: int, ops: int = 200) -> list[float]:
-    """Seconds to issue one small operator under autograd and run its backward: a chain of
-    ``ops`` multiplies of a 64-element tensor, forward and backward, per operator."""
-    x = torch.ones(64, device=device, requires_grad=True)
+def views(device: torch.device, budget: Budget, count: int = 200) -> Timing:
+    """One view's dispatch (``view``, metadata only), per view."""
+    x = torch.ones(64, 64, device=device)
 
     def chain() -> None:
         y = x
-        for _ in range(ops):
-            y = y * 1.0001
-        y.sum().backward()
+        for _ in range(count // 2):
+            y = y.view(4096).view(64, 64)
 
-    times = _timed(chain, device, inner=2, repeats=repeats)
-    return [t / (3 * ops) for t in times]  # a forward op and its backward's two
+    t = time_it(chain, device, budget)
+    return Timing(t.median / count, t.low / count, t.high / count, t.samples)
 
 
-def collective_times(
-    sizes: list[int],
-    device: torch.device,
-    repeats: int,
-    between: tuple[int, int, int] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> dict[str, dict[int, list[float]]]:
-    """Seconds of one all-gather, reduce-scatter and all-reduce over the world, per size (the
-    whole tensor's bytes, fp32), per repeat. With ``between`` (M, K, N) each collective follows
-    a linear layer's forward at that shape, as a unit's collective follows its compute in a
-    step, and only the collective is timed: its time then includes waiting for a rank whose
-    compute ran late (on shared cores, not rare). A collective: every rank calls it."""
+def decoder(hidden: int, tokens: int, dtype: torch.dtype, device: torch.device | str):
+    """A one-layer Llama of ``hidden`` (heads of 32, grouped two to a key-value head, an MLP
+    twice as wide) over ``tokens`` tokens, attending as a run's model does (the masks passed
+    in, none built): the operators a transformer issues, at a size calibrate chooses.
+    Returns the model and its input ids."""
+    from transformers import LlamaConfig, LlamaModel
+
+    heads = max(1, hidden // 32)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        vocab_size=64,
+        max_position_embeddings=max(64, tokens),
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaModel(config).to(dtype)
+    attention_impl.install(model)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    return model, ids
+
+
+def decoders(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, budget: Budget
+) -> dict[tuple[int, int], Timing]:
+    """``decoder``'s forward and backward at each (hidden, tokens): the smallest's kernels are
+    negligible beside their dispatch (what one operator costs the host); the larger ones'
+    other operators (norms, rotary, activations, copies) less their matmuls and attention
+    give those operators' bytes/s at their sizes."""
+    out = {}
+    for hidden, tokens in shapes:
+        model, ids = decoder(hidden, tokens, dtype, device)
+
+        def step(model=model, ids=ids) -> None:
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids).last_hidden_state.sum().backward()
+
+        out[(hidden, tokens)] = time_it(step, device, budget)
+    return out
+
+
+def optimizer(device: torch.device, budget: Budget, counts=(8, 64)) -> dict[int, Timing]:
+    """A step's end over ``count`` small DTensor parameters sharded on every rank:
+    ``clip_grad_norm_`` and a fused AdamW step (their bytes negligible: what is left is each
+    tensor's dispatch, and the norm's one all-reduce). A collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    out = {}
+    for count in counts:
+        params = []
+        for _ in range(count):
+            p = torch.nn.Parameter(
+                distribute_tensor(torch.zeros(1024, device=device), mesh, [Shard(0)])
+            )
+            p.grad = distribute_tensor(torch.ones(1024, device=device), mesh, [Shard(0)])
+            params.append(p)
+        adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+        def step(params=params, adamw=adamw) -> None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            adamw.step()
+
+        out[count] = time_together(step, device, budget)
+    return out
+
+
+def _tiny_units(device: torch.device, units: int, width: int = 16) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(width, width, bias=False) for _ in range(units))
+    ).to(device)
+
+
+def fsdp_units(device: torch.device, budget: Budget, units: int = 4) -> tuple[Timing, Timing]:
+    """A model of ``units`` tiny linear layers, forward and backward, each layer an FSDP2 unit
+    sharded over every rank, and the same model plain: what FSDP2 adds per unit (its hooks,
+    copies and collectives, all tiny here). A collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.ones(8, 16, device=device)
+    plain = _tiny_units(device, units)
+
+    def run(model) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+
+        return step
+
+    base = time_together(run(plain), device, budget)
+    sharded = _tiny_units(device, units)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    return base, time_together(run(sharded), device, budget)
+
+
+def tp_linears(device: torch.device, budget: Budget) -> tuple[Timing, Timing]:
+    """Two tiny linears, colwise then rowwise over a one-rank TP mesh (a TP MLP whose
+    collectives have no one to wait for), forward and backward, and the same two plain: what
+    a TP linear's DTensor dispatch adds. A collective: every rank builds the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    x = torch.ones(8, 16, device=device)
+
+    def run(model) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+
+        return step
+
+    base = time_it(run(_tiny_units(device, 2)), device, budget)
+    tp = _tiny_units(device, 2)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    return base, time_it(run(tp), device, budget)
+
+
+def collectives(
+    sizes: list[int], device: torch.device, budget: Budget
+) -> dict[str, dict[int, Timing]]:
+    """One all-gather, reduce-scatter and all-reduce over the world at each size (the whole
+    tensor's bytes, fp32), the ranks started together. A collective: every rank calls it."""
     world = dist.get_world_size()
     where = process_group.collective_device(device)
-    x = w = None
-    if between is not None:
-        m, k, n = between
-        x = torch.randn(m, k, dtype=dtype, device=device)
-        w = torch.randn(n, k, dtype=dtype, device=device)
-    out: dict[str, dict[int, list[float]]] = {
-        "all_gather": {},
-        "reduce_scatter": {},
-        "all_reduce": {},
-    }
+    out: dict[str, dict[int, Timing]] = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}}
     for nbytes in sizes:
         numel = max(world, nbytes // 4 // world * world)
         whole = torch.ones(numel, device=where)
@@ -183,64 +241,73 @@ def collective_times(
             "all_reduce": lambda w=whole: dist.all_reduce(w),
         }
         for name, fn in ops.items():
-            dist.barrier()
-            inner = max(2, min(50, int(0.1 / max(_probe(fn, where), 1e-6))))
-            # every rank must run as many: take the smallest count any rank chose
-            count = torch.tensor([inner], device=where)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN)
-            out[name][numel * 4] = [
-                _after_compute(fn, x, w, device, int(count.item())) for _ in range(repeats)
-            ]
+            out[name][numel * 4] = time_together(fn, device, budget)
     return out
 
 
-def _after_compute(fn, x, w, device: torch.device, inner: int) -> float:
-    """Seconds per call of ``fn``, each after a linear forward of x by w (none: back to back),
-    the collective's own time alone summed."""
-    total = 0.0
-    for _ in range(inner):
-        if x is not None:
-            torch.nn.functional.linear(x, w)
+def straggle(
+    device: torch.device, budget: Budget, shape: tuple[int, int, int]
+) -> tuple[Timing, Timing, Timing]:
+    """How long the ranks wait for each other after the same compute: a linear forward at
+    ``shape`` on every rank, then a one-element all-reduce, timed apart; and the all-reduce
+    alone, back to back. (wait after compute - wait alone) / compute is the share of a unit's
+    compute a rank spends waiting for the slowest (on shared cores, not rare). A collective:
+    every rank calls it."""
+    where = process_group.collective_device(device)
+    m, k, n = shape
+    x, w = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
+    flag = torch.zeros(1, device=where)
+    alone = time_together(lambda: dist.all_reduce(flag), device, budget)
+    start, computes, waits = time.perf_counter(), [], []
+    while True:
+        begin = time.perf_counter()
+        torch.nn.functional.linear(x, w)
         devices.synchronize(device)
-        start = time.perf_counter()
-        fn()
+        middle = time.perf_counter()
+        dist.all_reduce(flag)
         devices.synchronize(device)
-        total += time.perf_counter() - start
-    return total / inner
+        computes.append(middle - begin)
+        waits.append(time.perf_counter() - middle)
+        if len(waits) < 3 * budget.min_samples:
+            continue
+        t = mean_interval(waits)
+        over = time.perf_counter() - start > budget.seconds
+        more = torch.tensor([float(t.spread > budget.target and not over), float(over)],
+                            device=where)  # fmt: skip
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more[0].item() or more[1].item():
+            return mean_interval(computes), t, alone
 
 
-def optimizer_tensor_times(
-    device: torch.device, repeats: int, tensors: int = 32, numel: int = 1024
-) -> list[float]:
-    """Seconds per parameter tensor of a training step's end: ``clip_grad_norm_`` and a fused
-    AdamW step over small DTensors sharded on every rank (their bytes are negligible: what is
-    left is each tensor's dispatch, and the norm's one all-reduce shared among them). A
-    collective: every rank calls it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+def grouped(
+    shapes: list[tuple[int, int, int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    budget: Budget,
+) -> dict[tuple[int, int, int, int], Timing]:
+    """A mixture of experts' grouped GEMMs at (experts, rows an expert, K, N), forward and
+    backward: torch's grouped_mm over rows sorted by expert, what transformers' grouped_mm
+    experts run."""
+    fn_of = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    out = {}
+    for e, r, k, n in shapes:
+        x = torch.randn(e * r, k, dtype=dtype, device=device, requires_grad=True)
+        w = torch.randn(e, k, n, dtype=dtype, device=device, requires_grad=True)
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device=device) * r
+        grad = torch.randn(e * r, n, dtype=dtype, device=device)
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    params = []
-    for _ in range(tensors):
-        p = torch.nn.Parameter(
-            distribute_tensor(torch.zeros(numel, device=device), mesh, [Shard(0)])
-        )
-        p.grad = distribute_tensor(torch.ones(numel, device=device), mesh, [Shard(0)])
-        params.append(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        def both(x=x, w=w, offs=offs, grad=grad) -> None:
+            x.grad = w.grad = None
+            fn_of(x, w, offs=offs).backward(grad)
 
-    def step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-
-    times = _timed(step, device, inner=5, repeats=repeats)
-    return [t / tensors for t in times]
+        out[(e, r, k, n)] = time_it(both, device, budget)
+    return out
 
 
-def host_copy_bandwidth(
-    device: torch.device, pin: bool, repeats: int, nbytes: int = 64 * MIB
-) -> list[float]:
-    """Bytes/s of a copy from host memory to the device and back (on a CPU rank: a copy)."""
+def host_copies(
+    device: torch.device, pin: bool, budget: Budget, nbytes: int = 64 * 2**20
+) -> Timing:
+    """A copy from host memory to the device and back (on a CPU rank: a copy each way)."""
     host = torch.ones(nbytes // 4)
     if pin:
         host = host.pin_memory()
@@ -250,7 +317,4 @@ def host_copy_bandwidth(
         on_device.copy_(host, non_blocking=pin)
         host.copy_(on_device, non_blocking=pin)
 
-    times = _timed(
-        there_and_back, device, inner=_inner(_probe(there_and_back, device)), repeats=repeats
-    )
-    return [2 * nbytes / t for t in times]
+    return time_it(there_and_back, device, budget)

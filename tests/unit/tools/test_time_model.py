@@ -1,24 +1,37 @@
-"""The time model's arithmetic on hand-computed cases, the hardware profiles' file, calibrate's
-fits and its refusal of a noisy machine, and the plan's time lines. No ranks."""
+"""The time model's arithmetic on hand-computed cases, the hardware profiles' file and rows,
+calibrate's fits, and the plan's time lines. No ranks, and no measured benchmark row: those
+are the benchmarks' (benchmarks/bench_time_model.py, benchmarks/published_runs.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import re
 
 import pytest
 
 from fsdp_lab.config import ConfigError
+from fsdp_lab.config.device_rows import DEVICES, device_profile, row_for
 from fsdp_lab.config.hardware_profiles import (
     PROFILE_VERSION,
+    SOURCE_KINDS,
     DeviceProfile,
     Link,
-    device_profile,
+    Rate,
     read_profile,
     write_profile,
 )
-from fsdp_lab.tools import calibrate, cli, plan, plan_compare, run_check
-from fsdp_lab.tools.time_model import Collective, StepWork, UnitWork, collective_s, predict
+from fsdp_lab.tools import calibrate_fit, cli, plan, plan_compare, plan_time, run_check, time_model
+from fsdp_lab.tools.time_model import (
+    Collective,
+    PassWork,
+    StepWork,
+    UnitWork,
+    collective_s,
+    compute_s,
+    predict,
+)
 
 # A device of round numbers: 1 TFLOP/s, 100 GB/s memory, links of 10 GB/s and 10 us a step.
 ROUND = DeviceProfile(
@@ -40,7 +53,8 @@ def unit(flops: float, gather_bytes: float = 0.0, reduce_bytes: float = 0.0, **k
     """A unit whose backward is twice its forward, on 4 ranks within a node."""
     gather = Collective("all_gather", gather_bytes, 4) if gather_bytes else None
     reduce = (Collective("reduce_scatter", reduce_bytes, 4),) if reduce_bytes else ()
-    return UnitWork("u", flops, 2 * flops, 0.0, 0.0, 0, 0, gather=gather, reduce=reduce, **kw)
+    return UnitWork("u", PassWork(matmul_flops=flops), PassWork(matmul_flops=2 * flops),
+                    gather=gather, reduce=reduce, **kw)  # fmt: skip
 
 
 def work(*units: UnitWork, micro_batches: int = 1) -> StepWork:
@@ -92,44 +106,99 @@ def test_prefetch_hides_the_next_gather_under_this_units_compute():
 
 
 def test_accumulation_gathers_every_micro_batch_and_reduces_once():
-    one = predict(work(unit(10e9, 40e6, 40e6)), dataclasses.replace(ROUND, overlap=False))
-    two = predict(
-        work(unit(10e9, 40e6, 40e6), micro_batches=2), dataclasses.replace(ROUND, overlap=False)
-    )
+    cpu = dataclasses.replace(ROUND, overlap=False)
+    one = predict(work(unit(10e9, 40e6, 40e6)), cpu)
+    two = predict(work(unit(10e9, 40e6, 40e6), micro_batches=2), cpu)
     assert two.compute_s == pytest.approx(2 * one.compute_s)
     assert two.exposed_comm_s == pytest.approx(one.exposed_comm_s + 2 * 3.03e-3)
 
 
-def test_the_optimizer_moves_its_state_at_the_memory_bandwidth_and_mfu_uses_the_peak():
-    w = dataclasses.replace(work(unit(1e9)), optimizer_params=10**8, model_flops_per_token=6e6)
+def test_ranks_wait_for_the_slowest_at_each_collective():
+    # straggle 0.1: a tenth of the compute is spent waiting, only where there is a collective
+    slow = dataclasses.replace(ROUND, overlap=False, straggle=0.1)
+    synced = predict(work(unit(10e9, 40e6, 40e6)), slow)
+    alone = predict(work(unit(10e9)), slow)
+    assert synced.exposed_comm_s == pytest.approx(3 * 3.03e-3 + 0.1 * 30e-3)
+    assert alone.exposed_comm_s == 0.0
+
+
+def test_the_optimizer_moves_its_state_and_issues_each_tensor():
+    w = dataclasses.replace(work(unit(1e9)), optimizer_params=10**8, model_flops_per_token=6e6,
+                            optimizer_tensors=10)  # fmt: skip
     step = predict(w, ROUND)
     assert step.optimizer_s == pytest.approx(10**8 * 40 / 100e9)  # 40 bytes a parameter
     assert step.mfu == pytest.approx(step.tokens_per_s * 6e6 / 1e12)
+    # a CPU adds the issue: 10 tensors x 60 us + a step's 1 ms to the bytes
+    cpu = dataclasses.replace(ROUND, overlap=False, optimizer_step_s=1e-3)
+    assert predict(w, cpu).optimizer_s == pytest.approx(10**8 * 40 / 100e9 + 10 * 60e-6 + 1e-3)
 
 
-def test_experts_grouped_gemms_run_at_their_own_rate():
-    # 4 GFLOP forward of which 2 are experts' grouped GEMMs at 0.25 of peak: 2 ms + 8 ms;
-    # backward twice each: 4 ms + 16 ms. A profile without the fraction runs them as dense.
-    moe = unit(4e9, forward_grouped=2e9, backward_grouped=4e9)
-    step = predict(work(moe), dataclasses.replace(ROUND, grouped_fraction=0.25))
-    assert step.compute_s == pytest.approx(30e-3)
-    assert predict(work(moe), ROUND).compute_s == pytest.approx(12e-3)
-    # float8 converts linears, not the experts: its share leaves their GEMMs alone
+def test_a_pass_prices_each_kind_of_work_at_its_rate():
+    # matmuls at a measured rate (10 us a call + FLOPs at 500 GFLOP/s), attention by the
+    # nearest head size's rate at its length, other operators by their size class
+    measured = dataclasses.replace(
+        ROUND,
+        overlap=False,
+        op_overhead_s=2e-6,
+        view_overhead_s=1e-6,
+        matmul={"bf16 forward": Rate(500e9, 10e-6)},
+        attention={"bf16 forward": [[64, 256, 100e9], [64, 1024, 200e9], [128, 1024, 400e9]]},
+        memory_by_size={10: 20e9, 20: 10e9},
+    )
+    w = PassWork(matmul_flops=1e9, matmul_calls=4, attention_flops=1e8, head_dim=64,
+                 attention_tokens=512, op_bytes=((11, 3, 6e6),), views=5)  # fmt: skip
+    # 512 keys: halfway (log scale) between 256 and 1024: 150 GFLOP/s
+    expect = (4 * 10e-6 + 1e9 / 500e9) + 1e8 / 150e9 + 6e6 / 20e9 + 3 * 2e-6 + 5 * 1e-6
+    assert compute_s(w, measured, "bf16", time_model.FORWARD) == pytest.approx(expect)
+    # beyond the lengths measured the ends hold; head size 100 is nearest 128 (log scale)
+    assert measured.attention_s(4e8, "bf16", "forward", 100, 4096) == pytest.approx(1e-3)
+    # a named row: the peak's fractions, and on a GPU the larger of kernels and issue
+    busy = PassWork(matmul_flops=1e6, op_bytes=((10, 1000, 1e3),))
+    launches = dataclasses.replace(ROUND, op_overhead_s=5e-6)
+    assert compute_s(busy, launches, "bf16", "forward") == pytest.approx(1000 * 5e-6)
+
+
+def test_experts_grouped_gemms_and_float8_run_at_their_own_rates():
+    # 4 GFLOP forward of which 2 are experts' grouped GEMMs at 0.25 of peak: 2 ms + 8 ms
+    moe = PassWork(matmul_flops=2e9, grouped_flops=2e9)
+    assert compute_s(moe, dataclasses.replace(ROUND, grouped_fraction=0.25), "bf16",
+                     "forward") == pytest.approx(10e-3)  # fmt: skip
+    assert compute_s(moe, ROUND, "bf16", "forward") == pytest.approx(4e-3)  # as dense
+    # float8 linears at the float8 rate (2 TFLOP/s), the grouped GEMMs left alone
     fp8 = dataclasses.replace(ROUND, compute={**ROUND.compute, "fp8": 2e12}, grouped_fraction=0.25)
-    step = predict(work(unit(4e9, forward_grouped=2e9, backward_grouped=4e9, fp8_share=1.0)), fp8)
-    assert step.compute_s == pytest.approx(3e-3 + 24e-3)
+    w = PassWork(matmul_flops=2e9, fp8_flops=2e9, grouped_flops=2e9)
+    assert compute_s(w, fp8, "bf16", "forward") == pytest.approx(1e-3 + 8e-3)
+
+
+def test_what_a_users_runs_taught_a_profile_scales_its_prediction():
+    learned = dataclasses.replace(
+        ROUND, overlap=False, learned={"compute_scale": 1.5, "comm_scale": 2.0, "host_s": 0.01}
+    )
+    base = predict(work(unit(1e9, 40e6, 40e6)), dataclasses.replace(ROUND, overlap=False))
+    step = predict(work(unit(1e9, 40e6, 40e6)), learned)
+    assert step.compute_s == pytest.approx(1.5 * base.compute_s)  # its optimizer too
+    assert step.exposed_comm_s == pytest.approx(2.0 * base.exposed_comm_s)
+    assert step.other_s == pytest.approx(0.01)
 
 
 def test_a_profile_file_round_trips_and_another_version_is_one_line(tmp_path):
     path = tmp_path / "p.json"
-    write_profile(device_profile("h100"), path)
-    assert read_profile(path) == device_profile("h100")
-    assert device_profile(str(path)) == device_profile("h100")
+    measured = dataclasses.replace(
+        device_profile("cpu"),
+        matmul={"fp32 forward": Rate(1e11, 3e-6)},
+        attention={"fp32 forward": [[64, 256, 4e10]]},
+        memory_by_size={20: 2e10},
+    )
+    write_profile(measured, path)
+    assert read_profile(path) == measured
+    assert device_profile(str(path)) == measured
     data = json.loads(path.read_text())
-    path.write_text(json.dumps({**data, "fsdp_lab_profile": PROFILE_VERSION + 1}))
-    with pytest.raises(ConfigError, match="format 2, this fsdp_lab reads 1") as e:
+    path.write_text(json.dumps({**data, "fsdp_lab_profile": PROFILE_VERSION - 1}))
+    with pytest.raises(
+        ConfigError, match=f"format {PROFILE_VERSION - 1}, this fsdp_lab reads"
+    ) as e:
         read_profile(path)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "calibrate again" in str(e.value)
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not a readable profile"):
         read_profile(path)
@@ -140,20 +209,47 @@ def test_an_unknown_device_is_one_line_naming_the_known_ones(capsys):
         device_profile("h1000")
     assert cli.main(["plan", "--device", "tpu-v9"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert "a100-40gb, a100-80gb, h100, h200, b200, cpu" in line
+    assert ", ".join(d.name for d in DEVICES) in line
 
 
-def test_calibrate_fits_latency_and_bandwidth_and_refuses_a_noisy_machine():
+def test_an_unknown_gpu_has_no_row_and_is_not_priced_as_another():
+    assert row_for("gpu: 8 x NVIDIA H100 80GB HBM3") == "h100"
+    assert row_for("gpu: 1 x NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert row_for("gpu: 1 x NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert row_for("gpu: 1 x NVIDIA RTX 6000 Ada Generation") is None
+    assert row_for("cpu: 2 cores") == "cpu"
+    base = calibrate_fit.base_profile(None, plan.HardwareKind.gpu, "gpu: 1 x NVIDIA RTX 6000 Ada")
+    assert "RTX 6000 Ada has no row" in base.sources["inter_node"]
+
+
+def test_every_figure_of_a_named_row_says_where_it_comes_from():
+    kinds = ("float", "int", "Link", "dict[str, float]", "float | None")
+    numbers = [f.name for f in dataclasses.fields(DeviceProfile) if f.type in kinds]
+    for row in DEVICES:
+        for name in numbers:
+            value = getattr(row, name)
+            if value in (0, 0.0, None, {}) and name not in ("compute",):
+                continue  # not set: nothing to source
+            source = row.sources.get(name, "")
+            assert source.split(":")[0] in SOURCE_KINDS, (row.name, name, source)
+    for module in (time_model, plan_time):  # the work model's own constants (not imported)
+        defined = set(re.findall(r"^([A-Z][A-Z0-9_]*) *=", inspect.getsource(module), re.M))
+        constants = {k for k in defined if isinstance(getattr(module, k), (int, float))}
+        assert constants <= set(module.SOURCES), constants - set(module.SOURCES)
+        assert all(s.split(":")[0] in SOURCE_KINDS for s in module.SOURCES.values())
+
+
+def test_calibrate_fits_rates_and_links_on_exact_data():
+    # t = 20 us + FLOPs at 100 GFLOP/s, at four sizes
+    points = [(f, 20e-6 + f / 100e9) for f in (1e5, 1e6, 1e7, 1e8)]
+    rate = calibrate_fit.fit_rate(points)
+    assert rate.per_s == pytest.approx(100e9, rel=1e-6)
+    assert rate.latency_s == pytest.approx(20e-6, rel=1e-6)
     # 4 ranks, 20 us a step, 5 GB/s: t = 3 x 20 us + 3/4 S / 5 GB/s
-    times = {s: [3 * 20e-6 + 0.75 * s / 5e9] * 3 for s in (2**16, 2**20, 2**24)}
-    link = calibrate.fit_link(times, "all_gather", 4)
+    times = {s: 3 * 20e-6 + 0.75 * s / 5e9 for s in (2**16, 2**20, 2**24)}
+    link = calibrate_fit.fit_link(times, "all_gather", 4)
     assert link.latency_s == pytest.approx(20e-6, rel=1e-6)
     assert link.bytes_per_s == pytest.approx(5e9, rel=1e-6)
-    quiet = {"matmul": [1.0, 1.02, 0.99, 1.01, 5.0]}  # one outlier is dropped
-    calibrate.check_spread(quiet, 0.25)
-    noisy = {"matmul": [1.0, 1.02], "all_gather 16.0 MiB": [1.0, 1.7, 1.0, 0.5, 1.6]}
-    with pytest.raises(ConfigError, match=r"too noisy to trust: all_gather 16\.0 MiB varied 60%"):
-        calibrate.check_spread(noisy, 0.25)
 
 
 def test_the_plan_prints_the_step_beside_the_memory_on_the_device_named(capsys):
@@ -166,7 +262,6 @@ def test_the_plan_prints_the_step_beside_the_memory_on_the_device_named(capsys):
     assert sum(full[k] for k in ("compute_s", "exposed_comm_s", "optimizer_s", "other_s")) == (
         pytest.approx(full["step_s"])
     )
-    # across 2 nodes full shards over the network, hybrid's gathers stay within a node
     hybrid = out["strategies"]["hybrid"]["time"]
     assert hybrid["exposed_comm_s"] <= full["exposed_comm_s"]
 
@@ -188,7 +283,9 @@ def test_compare_gives_one_row_per_combination_and_marks_the_fastest():
         plan_compare.compare(overrides, ["sharding"], "h100")
 
 
-def test_a_calibrated_profile_measured_on_other_ranks_is_named_in_the_plan(tmp_path):
+def test_a_plan_without_a_measured_machine_says_so(tmp_path):
+    built = plan.build_plan(["hardware=cpu", f"hardware.profile_cache={tmp_path}"])
+    assert any(a.startswith("unmeasured: step times are priced on") for a in built.assumptions)
     p = dataclasses.replace(device_profile("cpu"), measured={"ranks": 4})
     write_profile(p, tmp_path / "cpu4.json")
     built = plan.build_plan(["hardware=cpu"], str(tmp_path / "cpu4.json"))
@@ -207,46 +304,18 @@ def test_a_run_departs_where_its_measured_split_is_furthest_from_the_prediction(
     assert run_check.departure(1.8, predicted, host).startswith("idle 45% of the step")
 
 
-def test_a_run_is_priced_on_its_profile_or_the_gpu_it_ran_on():
-    cfg = plan.compose(["hardware.profile=b200"])
-    assert run_check.device_name(cfg, "gpu: 8 x NVIDIA H100 80GB HBM3") == "b200"
-    cfg = plan.compose([])
-    assert run_check.device_name(cfg, "gpu: 8 x NVIDIA H100 80GB HBM3") == "h100"
-    assert run_check.device_name(cfg, "gpu: 1 x NVIDIA A100-SXM4-40GB") == "a100-40gb"
-    assert run_check.device_name(cfg, "gpu: 1 x NVIDIA A100-SXM4-80GB") == "a100-80gb"
-    assert run_check.device_name(cfg, "cpu: 2 cores") == "cpu"
-
-
-H100_1B = ["experiment=gpu_1b", "hardware.nproc_per_node=1", "trainer.micro_batch_size=8"]
-
-
-@pytest.mark.parametrize(
-    "overrides,measured_s",
-    [  # benchmarks/results/h100-2026-11-26-{1b,160m}.json: one H100 80GB, compiled, bf16
-        (H100_1B, 0.24827),
-        (["experiment=gpu_160m", "hardware.nproc_per_node=1"], 0.074058),
-    ],
-)
-def test_the_measured_h100_steps_are_predicted_from_the_h100_row_alone(overrides, measured_s):
-    step = plan.build_plan(overrides, "h100").chosen_plan.time
-    assert abs(step.step_s / measured_s - 1) < 0.15
-    assert step.exposed_comm_s == 0.0  # one rank: nothing to gather
-
-
-def test_float8_linears_shorten_a_1b_models_predicted_step():
+def test_checkpointing_recomputes_a_units_forward_and_float8_shortens_the_step():
     pytest.importorskip("torchao")
-    bf16 = plan.build_plan(H100_1B, "h100").chosen_plan.time
-    f8 = plan.build_plan([*H100_1B, "precision.float8_recipe=tensorwise"], "h100").chosen_plan.time
-    assert f8.compute_s < 0.8 * bf16.compute_s
+    h100_1b = ["experiment=gpu_1b", "hardware.nproc_per_node=1", "trainer.micro_batch_size=8"]
+    bf16 = plan.build_plan(h100_1b, "h100").chosen_plan.time
+    full = plan.build_plan([*h100_1b, "activation_checkpointing=full"], "h100").chosen_plan.time
+    assert 1.2 * bf16.compute_s < full.compute_s < 1.45 * bf16.compute_s  # ~one more forward
+    f8 = plan.build_plan([*h100_1b, "precision.float8_recipe=tensorwise"], "h100").chosen_plan.time
+    assert f8.compute_s < bf16.compute_s  # by how much: the GPU benchmark measures it
 
 
-def test_calibrate_measures_a_mixture_of_experts_grouped_gemms_at_its_shapes():
+def test_eager_experts_are_dense_matmuls_and_grouped_ones_run_at_the_grouped_rate():
     moe = ["model=qwen3_moe_tiny", "trainer.seq_len=64", "trainer.micro_batch_size=2"]
-    *_, grouped = calibrate.shapes_and_sizes(moe)
-    # 8 experts, top 2: 128 tokens' 256 copies, 32 an expert; gate+up 64 -> 128, down 64 -> 64
-    assert grouped == [(8, 32, 64, 128), (8, 32, 64, 64)]
-    assert calibrate.shapes_and_sizes(["trainer.seq_len=64"])[-1] == []
-    # the plan prices those experts at the grouped rate, eager ones as dense matmuls
     big = [*moe, "hardware=gpu", "model.hidden_size=1024", "model.expert_intermediate_size=512"]
     big += ["model.num_experts=64", "model.experts_per_token=8", "trainer.micro_batch_size=64"]
     grouped_s = plan.build_plan(big, "h100").chosen_plan.time.compute_s
