@@ -1,15 +1,17 @@
-"""The time model against measured steps on CPU ranks (gloo): for each setup `fsdp-lab
-calibrate` at its model's shapes on its ranks, then the plan's predicted step time beside the
-median step time of a real run right after (steps after the first two), and the error.
+"""The time model against measured steps on CPU ranks (gloo), calibrated once: one `fsdp-lab
+calibrate` per rank count at calibrate's own sizes (never a model's), then every setup's
+predicted step beside the median step of a real run (steps after the first two), twice (a
+second sweep in reverse order: the machine's own drift, stated beside the errors).
 
-    python benchmarks/bench_time_model.py                 # every setup, ~15 min on 2 cores
-    python benchmarks/bench_time_model.py --only m1-full-2 m2-full-2 --steps 6
-    python benchmarks/bench_time_model.py --again benchmarks/results/cpu-...-time-model.json
-        # the same profiles and measured steps, predicted again (after a change to the model)
+    python benchmarks/bench_time_model.py                     # ~25 min on 2 cores
+    python benchmarks/bench_time_model.py --only a-full-2 moe-ep2-2 --sweeps 1
+    python benchmarks/bench_time_model.py --profiles P2.json P4.json   # skip calibrating
+    python benchmarks/bench_time_model.py --first-run          # a fresh machine's first run
 
-Setups cover the five strategies, two model sizes (a Llama of hidden 256 x 4 layers, and of
-hidden 512 x 8 layers) and a mixture of experts, 2 and 4 ranks, TP 2, activation
-checkpointing, offload, LoRA and gradient accumulation. Results go to
+The setups' three models share no shape with calibrate's grid or with each other: a Llama
+(hidden 192, 6 layers), a Qwen2 (hidden 320, 4 layers, 512 tokens) and a Qwen3-MoE (hidden
+128, 16 experts, top 4). They cover the five strategies, 2 and 4 ranks, TP 2, CP 2, EP 2,
+LoRA, activation checkpointing, offload and accumulation. Results go to
 benchmarks/results/cpu-<date>-time-model.json and a markdown table on stdout
 (docs/benchmarks.md, "The time model").
 """
@@ -18,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -28,19 +33,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.tools import plan, plan_compare  # noqa: E402
+from fsdp_lab.tools import plan  # noqa: E402
 
-M1 = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4"]
-M2 = ["model.hidden_size=512", "model.intermediate_size=1408", "model.num_layers=8"]
-# A Qwen3-MoE of hidden 256 x 4 layers, 16 experts of width 256, top 4 (grouped_mm)
-MOE = ["model=qwen3_moe_tiny", "model.hidden_size=256", "model.num_layers=4",
-       "model.num_experts=16", "model.experts_per_token=4", "model.expert_intermediate_size=256",
-       "model.experts_implementation=grouped_mm"]  # fmt: skip
-MODELS = {"m1": M1, "m2": M2, "moe": MOE}
+LLAMA = ["model.hidden_size=192", "model.intermediate_size=512", "model.num_layers=6",
+         "model.num_heads=6", "model.num_kv_heads=2", "trainer.seq_len=256",
+         "trainer.micro_batch_size=4"]  # fmt: skip
+QWEN2 = ["model=qwen2_tiny", "model.hidden_size=320", "model.intermediate_size=864",
+         "model.num_layers=4", "model.num_heads=5", "model.num_kv_heads=1",
+         "trainer.seq_len=512", "model.max_position_embeddings=512",
+         "trainer.micro_batch_size=2"]  # fmt: skip
+MOE = ["model=qwen3_moe_tiny", "model.hidden_size=128", "model.num_layers=4",
+       "model.num_experts=16", "model.experts_per_token=4", "model.expert_intermediate_size=192",
+       "model.experts_implementation=grouped_mm", "trainer.seq_len=256",
+       "trainer.micro_batch_size=4"]  # fmt: skip
+FOUR = "hardware.nproc_per_node=4"
 COMMON = [
     "hardware=cpu",
-    "trainer.seq_len=256",
-    "trainer.micro_batch_size=4",
     "trainer.eval_every=0",
     "trainer.log_every=1",
     "checkpoint=none",
@@ -48,128 +56,50 @@ COMMON = [
     "trainer.progress_bar=false",
 ]
 SETUPS = {
-    "m1-full-2": [*M1],
-    "m1-grad_op-2": [*M1, "sharding=grad_op"],
-    "m1-no_shard-2": [*M1, "sharding=no_shard"],
-    "m1-full-4": [*M1, "hardware.nproc_per_node=4"],
-    "m1-hybrid-4": [*M1, "hardware.nproc_per_node=4", "sharding=hybrid"],
-    "m1-hybrid_zero2-4": [*M1, "hardware.nproc_per_node=4", "sharding=hybrid_zero2"],
-    "m1-ac-2": [*M1, "activation_checkpointing=full"],
-    "m1-offload-2": [*M1, "offload=cpu"],
-    "m1-lora-2": [*M1, "finetune=lora"],
-    "m1-tp2-2": [*M1, "parallel.tensor=2"],
-    "m1-accum2-2": [*M1, "trainer.grad_accum_steps=2"],
-    "m2-full-2": [*M2],
-    "m2-grad_op-2": [*M2, "sharding=grad_op"],
-    "m2-full-4": [*M2, "hardware.nproc_per_node=4"],
-    "m2-ac-2": [*M2, "activation_checkpointing=full"],
-    "m2-lora-2": [*M2, "finetune=lora"],
+    "a-full-2": [*LLAMA],
+    "a-grad_op-2": [*LLAMA, "sharding=grad_op"],
+    "a-no_shard-2": [*LLAMA, "sharding=no_shard"],
+    "a-full-4": [*LLAMA, FOUR],
+    "a-hybrid-4": [*LLAMA, FOUR, "sharding=hybrid"],
+    "a-hybrid_zero2-4": [*LLAMA, FOUR, "sharding=hybrid_zero2"],
+    "a-ac-2": [*LLAMA, "activation_checkpointing=full"],
+    "a-offload-2": [*LLAMA, "offload=cpu"],
+    "a-lora-2": [*LLAMA, "finetune=lora"],
+    "a-tp2-2": [*LLAMA, "parallel.tensor=2"],
+    "a-cp2-2": [*LLAMA, "parallel.context=2"],
+    "a-accum2-2": [*LLAMA, "trainer.grad_accum_steps=2"],
+    "b-full-2": [*QWEN2],
+    "b-grad_op-2": [*QWEN2, "sharding=grad_op"],
+    "b-full-4": [*QWEN2, FOUR],
+    "b-ac-2": [*QWEN2, "activation_checkpointing=full"],
+    "b-lora-2": [*QWEN2, "finetune=lora"],
     "moe-full-2": [*MOE],
+    "moe-ep2-2": [*MOE, "parallel.expert=2"],
 }
 
 
-# One H100 80GB HBM3, measured (benchmarks/results/h100-2026-11-26-*.json): predicted from
-# the h100 row alone. (name, overrides, measured step s)
-LLAMA_1B = ["experiment=gpu_1b", "hardware.nproc_per_node=1"]
-QWEN3_MOE = [
-    "hardware=gpu", "hardware.nproc_per_node=1", "precision=bf16", "model=qwen3_moe_tiny",
-    "model.hidden_size=1024", "model.num_layers=8", "model.num_heads=16",
-    "model.num_kv_heads=4", "model.num_experts=64", "model.experts_per_token=8",
-    "model.expert_intermediate_size=512", "model.vocab_size=32000", "trainer.seq_len=2048",
-    "model.max_position_embeddings=2048", "trainer.micro_batch_size=8",
-    "model.experts_implementation=grouped_mm",
-]  # fmt: skip
-H100_ROWS = [
-    ("1.1B Llama, 8 x 2048, compiled", [*LLAMA_1B, "trainer.micro_batch_size=8"], 0.24827),
-    ("1.1B Llama, 16 x 2048, compiled", LLAMA_1B, 0.46307),
-    ("160M Llama, 16 x 2048, compiled", ["experiment=gpu_160m", "hardware.nproc_per_node=1"],
-     0.074058),
-    ("Qwen3-MoE 0.9B (64 experts, top 8, grouped_mm), 8 x 2048, eager", QWEN3_MOE,
-     8 * 2048 / 114205.18),
-]  # fmt: skip
-
-# Published multi-GPU runs (docs/benchmarks.md cites each): (name, overrides, device, nodes,
-# published tokens/s per GPU). torchtitan's selective op-level checkpointing recomputes only
-# cheap operators: modelled as none.
-LLAMA3_8B = ["hardware=gpu", "precision=bf16", "model.hidden_size=4096",
-             "model.intermediate_size=14336", "model.num_layers=32", "model.num_heads=32",
-             "model.num_kv_heads=8", "model.vocab_size=128256", "trainer.seq_len=8192",
-             "model.max_position_embeddings=8192"]  # fmt: skip
-LLAMA3_70B = ["hardware=gpu", "precision=bf16", "model.hidden_size=8192",
-              "model.intermediate_size=28672", "model.num_layers=80", "model.num_heads=64",
-              "model.num_kv_heads=8", "model.vocab_size=128256", "trainer.seq_len=8192",
-              "model.max_position_embeddings=8192"]  # fmt: skip
-MPT_7B = ["hardware=gpu", "precision=bf16", "model=gpt2_tiny", "model.hidden_size=4096",
-          "model.intermediate_size=16384", "model.num_layers=32", "model.num_heads=32",
-          "model.num_kv_heads=32", "model.vocab_size=50368", "trainer.seq_len=2048",
-          "model.max_position_embeddings=2048"]  # fmt: skip
-PUBLISHED = [
-    ("torchtitan Llama 3.1 8B, 8 x H100, FSDP, 2 x 8192, compile", [*LLAMA3_8B,
-     "trainer.micro_batch_size=2", "compile=true"], "h100", 1, 6667),
-    ("torchtitan Llama 3 8B, 64 x A100 80GB, FSDP, 1 x 8192", [*LLAMA3_8B,
-     "trainer.micro_batch_size=1"], "a100-80gb", 8, 2973),
-    ("torchtitan Llama 3 70B, 64 x A100 80GB, FSDP, 1 x 8192, full AC", [*LLAMA3_70B,
-     "trainer.micro_batch_size=1", "activation_checkpointing=full"], "a100-80gb", 8, 331),
-    ("torchtitan (Trainy) Llama 3.1 8B, 32 x H200, FSDP, 2 x 8192, compile, float8", [
-     *LLAMA3_8B, "trainer.micro_batch_size=2", "compile=true",
-     "precision.float8_recipe=tensorwise", "precision.float8_all_gather=true"], "h200", 4,
-     10938),
-    ("llm-foundry MPT-7B, 8 x H100, FSDP, 6 x 2048", [*MPT_7B, "trainer.micro_batch_size=6"],
-     "h100", 1, 10643),
-]  # fmt: skip
-
-
-def predicted_rows() -> list[dict]:
-    """The H100 rows and the published runs, predicted (no run)."""
-    out = []
-    for name, overrides, measured in H100_ROWS:
-        t = plan.build_plan(overrides, "h100").chosen_plan.time
-        error = t.step_s / measured - 1
-        out.append({"kind": "h100", "name": name, "predicted_s": t.step_s,
-                    "measured_s": measured, "error": error, "mfu": t.mfu})  # fmt: skip
-    for name, overrides, device, nodes, published in PUBLISHED:
-        args = plan_compare.with_device(overrides, device, nodes)
-        t = plan.build_plan(args, device).chosen_plan.time
-        out.append({"kind": "published", "name": name, "predicted_tokens_per_s_per_gpu":
-                    t.tokens_per_s, "published": published, "error": t.tokens_per_s / published - 1,
-                    "mfu": t.mfu, "exposed_comm_share": t.share("exposed_comm_s")})  # fmt: skip
-    return out
-
-
 def ranks(setup: list[str]) -> int:
-    return next(
-        (int(o.split("=")[1]) for o in setup if o.startswith("hardware.nproc_per_node=")), 2
-    )
+    return 4 if FOUR in setup else 2
 
 
-def key(setup: list[str]) -> str:
-    """The profile a setup is priced on: its model's shapes on its ranks."""
-    model = next(k for k, v in MODELS.items() if setup[: len(v)] == v)
-    return f"{model}-cpu{ranks(setup)}"
-
-
-def calibrate(tmp: Path, setup: str, name: str, a) -> Path:
-    """`fsdp-lab calibrate` at the model's shapes on its ranks, as a user runs it."""
-    out = tmp / f"{setup}.json"
-    model, nproc = MODELS[name.split("-")[0]], name.split("cpu")[1]
-    cmd = [
-        sys.executable, "-m", "fsdp_lab.tools.cli", "calibrate", *COMMON, *model,
-        f"hardware.nproc_per_node={nproc}", "--out", str(out), "--max-spread", str(a.max_spread),
-        "--repeats", str(a.repeats),
-    ]  # fmt: skip
+def calibrate(out: Path, nproc: int, seconds: float) -> Path:
+    """`fsdp-lab calibrate` at its own sizes on ``nproc`` ranks, as a user runs it."""
+    cmd = [sys.executable, "-m", "fsdp_lab.tools.cli", "calibrate", "hardware=cpu",
+           f"hardware.nproc_per_node={nproc}", "--out", str(out),
+           "--seconds", str(seconds)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"calibrate {name} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"calibrate on {nproc} ranks failed:\n{proc.stderr[-2000:]}")
     print(proc.stdout, file=sys.stderr)
     return out
 
 
 def measure(tmp: Path, name: str, args: list[str], steps: int) -> float:
-    run_dir = tmp / name
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *args]
-    proc = subprocess.run(
-        [*cmd, f"trainer.max_steps={steps}"], cwd=ROOT, capture_output=True, text=True
-    )
+    """A real run's median step time (steps after the first two)."""
+    run_dir = tmp / f"{name}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *args,
+           f"trainer.max_steps={steps}", "hardware.profile=cpu"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -179,82 +109,117 @@ def measure(tmp: Path, name: str, args: list[str], steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def _save(rows: list, profiles: dict, predicted: list | None = None) -> Path:
-    out = ROOT / "benchmarks" / "results" / f"cpu-{time.strftime('%Y-%m-%d')}-time-model.json"
-    record = {"rows": rows, "profiles": profiles, "predicted_only": predicted or []}
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    return out
+def first_run(tmp: Path) -> dict:
+    """A fresh machine's first `python train.py`: no cached profile, so the run measures
+    this machine after it ends and prints its step beside the prediction."""
+    cache = tmp / "fresh-cache"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp / 'first'}", "logger=none",
+           "trainer.progress_bar=false", f"hardware.profile_cache={cache}"]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    line = next((x for x in proc.stderr.splitlines() if "predicted on" in x), "")
+    ratio = re.search(r"\((\d+\.\d+)x\)", line)
+    return {"line": line, "ratio": float(ratio.group(1)) if ratio else None,
+            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=list(SETUPS))
     p.add_argument("--steps", type=int, default=12)
-    # 2 shared cores: gloo's small collectives after a matmul spread up to ~130% (a rank's
-    # compute running late), which the median absorbs; the benchmark takes them
-    p.add_argument("--max-spread", type=float, default=2.0)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument(
-        "--again",
-        type=Path,
-        help="a results JSON of this benchmark: its profiles and measured steps, predicted anew",
-    )
-    p.add_argument(
-        "--recalibrate", action="store_true", help="with --again: measure the profiles anew"
-    )
-    p.add_argument(
-        "--predicted-only",
-        action="store_true",
-        help="only the H100 rows and the published runs, predicted (seconds, no run)",
-    )
+    p.add_argument("--sweeps", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=30.0, help="calibrate's budget (30)")
+    p.add_argument("--profiles", nargs=2, type=Path, metavar=("P2", "P4"),
+                   help="profiles of 2 and 4 ranks to use instead of calibrating")  # fmt: skip
+    p.add_argument("--first-run", action="store_true", help="also a fresh first run's ratio")
+    p.add_argument("--out", type=Path)
     a = p.parse_args()
-    if a.predicted_only:
-        for r in predicted_rows():
-            print(json.dumps(r))
-        return
     names = a.only or list(SETUPS)
-    earlier = json.loads(a.again.read_text()) if a.again else {"rows": [], "profiles": {}}
-    known = {r["setup"]: r["measured_s"] for r in earlier["rows"]}
-    rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        profiles: dict[str, dict] = {}
-        for name in names:
-            args = [*COMMON, *SETUPS[name]]
-            # calibrated right before the setup runs, so both see the machine in one state
-            # (on a shared 2-core VM its speed drifts by 20-30% over minutes)
-            saved = earlier["profiles"].get(name)
-            if saved is None or a.recalibrate:
-                saved = json.loads(calibrate(tmp, name, key(SETUPS[name]), a).read_text())
-            profiles[name] = saved
-            path = tmp / f"{name}.profile.json"
-            path.write_text(json.dumps(saved))
-            predicted = plan.build_plan(args, str(path)).chosen_plan.time
-            measured = known.get(name) or measure(tmp, name, args, a.steps)
-            rows.append(
-                {
-                    "setup": name,
-                    "overrides": SETUPS[name],
-                    "predicted_s": round(predicted.step_s, 4),
-                    "measured_s": round(measured, 4),
-                    "error": round(predicted.step_s / measured - 1, 3),
-                    "split": {
-                        k: round(getattr(predicted, k), 4)
-                        for k in ("compute_s", "exposed_comm_s", "optimizer_s", "other_s")
-                    },
-                }
-            )
-            _save(rows, profiles)  # each setup as it ends: a failure later keeps it
-            r = rows[-1]
-            print(f"{name}: predicted {r['predicted_s']:.3f} s, measured {r['measured_s']:.3f} s,"
-                  f" {100 * r['error']:+.1f}%", file=sys.stderr, flush=True)  # fmt: skip
-    out = _save(rows, profiles, predicted_rows())
-    print("| setup | predicted s | measured s | error |\n| --- | ---: | ---: | ---: |")
+        first = first_run(tmp) if a.first_run else None
+        if a.profiles:
+            profiles = dict(zip((2, 4), a.profiles, strict=True))
+        else:
+            needed = sorted({ranks(SETUPS[n]) for n in names})
+            profiles = {r: calibrate(tmp / f"cpu{r}.json", r, a.seconds) for r in needed}
+        predicted = {
+            n: plan.build_plan(
+                [*COMMON, *SETUPS[n]], str(profiles[ranks(SETUPS[n])])
+            ).chosen_plan.time
+            for n in names
+        }
+        measured: dict[str, list[float]] = {n: [] for n in names}
+        for sweep in range(a.sweeps):
+            for n in names if sweep % 2 == 0 else reversed(names):
+                measured[n].append(measure(tmp, n, [*COMMON, *SETUPS[n]], a.steps))
+                m = measured[n][-1]
+                print(f"sweep {sweep + 1} {n}: predicted {predicted[n].step_s:.3f} s, measured"
+                      f" {m:.3f} s, {100 * (predicted[n].step_s / m - 1):+.1f}%",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        saved = {r: json.loads(Path(path).read_text()) for r, path in profiles.items()}
+    rows = []
+    for n in names:
+        t, ms = predicted[n], measured[n]
+        rows.append({
+            "setup": n,
+            "overrides": SETUPS[n],
+            "predicted_s": round(t.step_s, 4),
+            "measured_s": [round(m, 4) for m in ms],
+            "errors": [round(t.step_s / m - 1, 3) for m in ms],
+            "split": {k: round(getattr(t, k), 4) for k in
+                      ("compute_s", "exposed_comm_s", "optimizer_s", "other_s")},
+        })  # fmt: skip
+    drift = [
+        abs(r["measured_s"][1] / r["measured_s"][0] - 1) for r in rows if len(r["measured_s"]) > 1
+    ]
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "rows": rows,
+        "first_run": first,
+        "sweep_drift_median": statistics.median(drift) if drift else None,
+        "profiles": saved,
+    }
+    out = a.out or ROOT / "benchmarks" / "results" / f"cpu-{record['date']}-time-model.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(render(record))
+    print(f"\n({out})")
+
+
+def render(record: dict) -> str:
+    """The markdown table docs/benchmarks.md holds, from a results JSON."""
+    rows = record["rows"]
+    sweeps = max(len(r["measured_s"]) for r in rows)
+    head = " | ".join(f"measured s ({i + 1})" for i in range(sweeps))
+    errs = " | ".join(f"error ({i + 1})" for i in range(sweeps))
+    out = [f"| setup | overrides | predicted s | {head} | {errs} |",
+           "| --- | --- | ---: |" + " ---: |" * (2 * sweeps)]  # fmt: skip
     for r in rows:
-        print(f"| {r['setup']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
-              f"{100 * r['error']:+.1f}% |")  # fmt: skip
-    worst = max(abs(r["error"]) for r in rows)
-    print(f"\nworst |error| {100 * worst:.1f}% over {len(rows)} setups ({out})")
+        model = r["setup"].split("-")[0]
+        extra = " ".join(
+            o for o in r["overrides"] if o not in {"a": LLAMA, "b": QWEN2, "moe": MOE}[model]
+        )
+        measured = " | ".join(f"{m:.3f}" for m in r["measured_s"])
+        errors = " | ".join(f"{100 * e:+.1f}%" for e in r["errors"])
+        out.append(f"| {r['setup']} | `{extra or 'sharding=full'}` | {r['predicted_s']:.3f} | "
+                   f"{measured} | {errors} |")  # fmt: skip
+    all_errors = [abs(e) for r in rows for e in r["errors"]]
+    within = sum(all(abs(e) <= 0.2 for e in r["errors"]) for r in rows)
+    out.append("")
+    out.append(
+        f"{within} of {len(rows)} setups within +-20% in every sweep; median |error| "
+        f"{100 * statistics.median(all_errors):.1f}%, worst {100 * max(all_errors):.1f}%"
+    )
+    if record.get("sweep_drift_median") is not None:
+        drift = 100 * record["sweep_drift_median"]
+        out.append(f"the same setup's two sweeps differ by {drift:.1f}% (median): the machine's "
+                   "own noise")  # fmt: skip
+    if record.get("first_run"):
+        f = record["first_run"]
+        out.append(f"a fresh machine's first `python train.py`: {f['line']} ({f['seconds']} s)")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from fsdp_lab.config.precisions import check_precision, dtype_row
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import (
+    ActivationCheckpointingMode,
     OffloadDevice,
     check_layout,
     check_sharding,
@@ -105,6 +106,11 @@ def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
         (
             cfg.offload.device is not OffloadDevice.none,
             "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none",
+        ),
+        (
+            cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
+            "activation_checkpointing=op: torch_xla's checkpoint takes no operator policy; use "
+            "activation_checkpointing=full or selective",
         ),
         (
             bool(off_xla),

@@ -47,6 +47,7 @@ class ActivationCheckpointingMode(enum.Enum):
     none = "none"
     full = "full"  # recompute every FSDP unit's activations in backward
     selective = "selective"  # every k-th unit only
+    op = "op"  # every unit, keeping some operators' outputs: torchtitan's selective op-level
 
 
 @dataclass
@@ -150,7 +151,9 @@ class OffloadConfig:
 class ActivationCheckpointingConfig:
     mode: ActivationCheckpointingMode = ActivationCheckpointingMode.none
     """none; full: every FSDP unit recomputes its activations in backward; selective: every
-    `every`-th unit. Trades compute (about one extra forward) for activation memory."""
+    `every`-th unit; op: every unit, keeping the outputs of attention and of every second
+    matrix multiply (torchtitan's selective op-level policy: the recompute is the cheap
+    operators and half the matmuls). Trades compute (up to one extra forward) for memory."""
     every: int = 2
     """selective: checkpoint units 0, k, 2k, ... (k = every)."""
 

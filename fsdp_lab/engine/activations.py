@@ -18,6 +18,7 @@ from fsdp_lab.config import ActivationCheckpointingConfig, ActivationCheckpointi
 log = logging.getLogger(__name__)
 
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+AC = ActivationCheckpointingMode
 
 
 def clean_name(name: str) -> str:
@@ -29,7 +30,7 @@ def checkpointed_indices(cfg: ActivationCheckpointingConfig, num_units: int) -> 
     match cfg.mode:
         case ActivationCheckpointingMode.none:
             return []
-        case ActivationCheckpointingMode.full:
+        case ActivationCheckpointingMode.full | ActivationCheckpointingMode.op:
             return list(range(num_units))
         case ActivationCheckpointingMode.selective:
             return list(range(0, num_units, cfg.every))
@@ -67,10 +68,47 @@ def apply_activation_checkpointing(
         parent, name = parents_of[id(unit)]
         # Non-reentrant: works with keyword arguments, FSDP2 hooks and torch.compile; the RNG
         # state is restored for the recomputation, so dropout masks match.
-        wrapped = checkpoint_wrapper(unit, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        extra = {"context_fn": keep_every_second_matmul} if cfg.mode is AC.op else {}
+        wrapped = checkpoint_wrapper(unit, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
         parent.register_module(name, wrapped)
         out.append(wrapped)
     return out
+
+
+# What activation_checkpointing=op keeps (torchtitan's ``_save_list``): the matmuls' outputs
+# (every second one recomputed), attention's (every kernel's), reduce-scatters' and max's.
+MATMULS = ("mm", "addmm")
+KEPT = (
+    "mm",
+    "addmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "max",
+)
+
+
+def keep_every_second_matmul():
+    """A checkpoint's context for activation_checkpointing=op: its policy keeps the outputs of
+    the operators in ``KEPT`` except every second matmul of the unit's forward (counted anew
+    for each forward and its recomputation), and recomputes the rest."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = {getattr(torch.ops.aten, n).default for n in KEPT if hasattr(torch.ops.aten, n)}
+    kept.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    matmuls = {getattr(torch.ops.aten, n).default for n in MATMULS}
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in matmuls:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def is_checkpointed(unit: nn.Module) -> bool:

@@ -89,6 +89,27 @@ def layer_bytes_per_token(
             raise ValueError(f"unknown layer family {s.family}")
 
 
+def op_kept_bytes_per_token(s: LayerShape, b: int, *, tensor: int = 1) -> int:
+    """What a layer keeps under activation_checkpointing=op (``engine.activations``'s policy),
+    per token: its input, attention's output and logsumexp, and the outputs of its odd
+    matrix multiplies in forward order (the even ones recomputed). Llama: q, v, the MLP's gate
+    and down projections (a mixture of experts' grouped GEMMs are not matmuls: its router's
+    logits instead); GPT-2 and NeoX: the fused qkv and the MLP's first projection; BERT: q, v
+    and the intermediate."""
+    h, i, q, kv = s.hidden, s.intermediate, s.q_dim, s.kv_dim
+    attention = _split(b * q + FP32 * s.num_heads, tensor)
+    match s.family:
+        case "llama":
+            mlp = b * s.experts if s.experts else _split(b * i, tensor) + b * h
+            return b * h + _split(b * (q + kv), tensor) + attention + mlp
+        case "gpt2" | "neox":
+            return b * h + _split(b * (3 * h + i), tensor) + attention
+        case "bert":
+            return b * h + _split(b * (2 * h + i), tensor) + attention
+        case _:
+            raise ValueError(f"unknown layer family {s.family}")
+
+
 def _experts_bytes_per_token(s: LayerShape, b: int) -> int:
     """A routed experts block (transformers' grouped_mm kernel; eager and batched_mm keep more):
     the router's fp32 probabilities and one more fp32 a token; per routed copy of a token its
@@ -263,6 +284,7 @@ def activations(
     sequence_parallel: bool = False,
     cpu_kernels: bool = False,
     context: ContextLayout | None = None,
+    op: bool = False,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
     a KV cache, see model.build_hf_config) and recomputes the rest in backward, one layer at a
@@ -275,11 +297,11 @@ def activations(
 
     ``tensor``, ``sequence_parallel``: one rank of a TP group (``layer_bytes_per_token``); a
     checkpointed layer's input is then 1/tensor of the rows with sequence parallelism.
-
     ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``).
 
     ``context``: one rank of a CP group (``ContextLayout``): seq_len/N of each row's tokens, each
-    layer's gathered keys and values, the forward's masks."""
+    layer's gathered keys and values, the forward's masks. ``op``: a checkpointed layer keeps
+    some operators' outputs too (activation_checkpointing=op, ``op_kept_bytes_per_token``)."""
     cp = context.size if context is not None else 1
     tokens = batch * seq_len // cp
     fused = loss_chunk is not None
@@ -288,6 +310,7 @@ def activations(
     layer += dropout_bytes_per_token(s, b, seq_len=seq_len, cpu_kernels=cpu_kernels, tensor=tensor)
     embedding = s.hidden * (b if cpu_kernels else 1) if s.embedding_dropout else 0
     kept = _split(b * s.hidden, tensor) if sp else b * s.hidden
+    kept = op_kept_bytes_per_token(s, b, tensor=tensor) if op else kept
     head = head_bytes_per_token(s, b, fused_loss=fused)
     per_token = (s.num_layers - num_checkpointed) * layer + num_checkpointed * kept + head
     per_token += embedding

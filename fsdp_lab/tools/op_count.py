@@ -70,6 +70,10 @@ class PassTrace:
     views: int = 0
     fused_kernels: int = 0  # compile=true: kernels of fused regions
     fused_bytes: float = 0.0  # compile=true: the bytes those kernels read and write
+    # every second mm/addmm in dispatch order (what activation_checkpointing=op recomputes)
+    second_matmuls: int = 0
+    second_flops: float = 0.0
+    _plain_matmuls: int = 0  # mm/addmm seen so far (the count the alternation follows)
 
     def matmul_flops(self) -> float:
         return sum(2 * b * m * k * n * c for (b, m, k, n), c in self.matmuls.items())
@@ -216,6 +220,10 @@ class _Counter:
                 p.matmuls[(a.shape[0], a.shape[1], a.shape[2], b.shape[2])] += 1
             else:
                 p.matmuls[(1, a.shape[0], a.shape[1], b.shape[1])] += 1
+                p._plain_matmuls += 1
+                if p._plain_matmuls % 2 == 0:
+                    p.second_matmuls += 1
+                    p.second_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
             self.regions.boundary()
             return
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

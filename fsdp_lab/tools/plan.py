@@ -201,6 +201,7 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         sequence_parallel=cfg.parallel.sequence_parallel,
         cpu_kernels=topo.device is HardwareKind.cpu,
         context=_context_layout(cfg, topo, facts.layer),
+        op=cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
     )
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),

@@ -16,9 +16,10 @@ What the trace leaves to arithmetic here, per micro-batch of ``b x T`` rows on o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from fsdp_lab.config import (
+    ActivationCheckpointingMode,
     Config,
     ExpertsImplementation,
     HardwareKind,
@@ -27,15 +28,13 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.low_precision import NF4_BITS
-from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.tools import memory, op_count, plan_trace
+from fsdp_lab.tools import memory, op_count, plan_comm, plan_trace
 from fsdp_lab.tools.plan_model import ModelShape
 from fsdp_lab.tools.plan_result import StrategyPlan
 from fsdp_lab.tools.time_model import (
     BACKWARD,
     FORWARD,
-    Collective,
     PassWork,
     StepTime,
     StepWork,
@@ -95,72 +94,6 @@ def _attention_flops(cfg: Config, layer, device: HardwareKind) -> float:
         return total
 
     return 4 * b * max(pairs(r) for r in range(cp)) * q_dim
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How a strategy lays the units' parameters out on this rank's groups, and what moving
-    them costs: the collectives and FSDP2's copies around them."""
-
-    shard: int  # ranks a unit is sharded over (shard x context)
-    replicate: int  # replica groups (HSDP; DDP's every rank)
-    shard_across: bool  # the shard group spans nodes
-    replicate_across: bool
-    b: int  # param_dtype bytes
-    rb: int  # reduce_dtype bytes
-    gathers: dict[int, int]  # elements each unit all-gathers (its gathered size)
-    grads: dict[int, int]  # elements each unit reduces
-    per_node: int  # ranks per node (TP, CP and EP groups within one are on its links)
-
-    def gather(self, group: int) -> Collective | None:
-        n = self.gathers.get(group, 0)
-        if not n or self.shard == 1:
-            return None
-        return Collective("all_gather", n * self.b, self.shard, self.shard_across)
-
-    def reduce(self, group: int) -> tuple[Collective, ...]:
-        """A unit's gradient reduction: DDP's all-reduce (no_shard), a reduce-scatter over the
-        shard group, then HSDP's all-reduce of the shard over the replicas."""
-        numel = self.grads.get(group, 0)
-        if not numel:
-            return ()
-        nbytes, replicas = numel * self.rb, (self.replicate, self.replicate_across)
-        if self.shard == 1:
-            return (Collective("all_reduce", nbytes, *replicas),)
-        scatter = Collective("reduce_scatter", nbytes, self.shard, self.shard_across)
-        if self.replicate == 1:
-            return (scatter,)
-        return scatter, Collective("all_reduce", nbytes / self.shard, *replicas)
-
-    def gather_copies(self, group: int) -> float:
-        """FSDP2's copies around a unit's all-gather: its fp32 shards cast into the gather's
-        input, the gathered buffer split out into the parameters (over one rank too)."""
-        n = self.gathers.get(group, 0)
-        return n / self.shard * (4 + self.b) + 2 * n * self.b
-
-    def reduce_copies(self, group: int) -> float:
-        """...and around its reduce-scatter: the gradients copied into the flat input, the
-        output cast to fp32 into the sharded gradient."""
-        n = self.grads.get(group, 0)
-        return 2 * n * self.rb + n / self.shard * (self.rb + 4)
-
-
-def _layout(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> _Layout:
-    p, tp, ep = cfg.precision, cfg.parallel.tensor, cfg.parallel.expert
-    b = dtype_row(p.param_dtype).bytes
-    replicate, shard = (1, *s.fsdp_mesh)[-2:]
-    per_node = topo.nproc_per_node
-    return _Layout(
-        shard=shard,
-        replicate=replicate,
-        shard_across=shard * tp > per_node,
-        replicate_across=replicate > 1 and replicate * shard * tp > per_node,
-        b=b,
-        rb=dtype_row(p.reduce_dtype).bytes,
-        gathers=memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
-        grads=memory.group_numels(facts.params, shard, trainable_only=True, ep=ep),
-        per_node=per_node,
-    )
 
 
 def _copies(nbytes: float) -> tuple[tuple[int, float, float], ...]:
@@ -234,7 +167,7 @@ def _low_precision(
 def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> list[UnitWork]:
     """The root's collectives, each block unit, then the root's own compute (embeddings,
     final norm, head and loss): their work per micro-batch."""
-    layer, lay = facts.layer, _layout(cfg, topo, facts, s)
+    layer, lay = facts.layer, plan_comm.layout(cfg, topo, facts, s)
     tp, cp = cfg.parallel.tensor, cfg.parallel.context
     t = cfg.trainer.micro_batch_size * cfg.trainer.seq_len / cp
     trace = plan_trace.trace_step(
@@ -293,7 +226,7 @@ def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> l
 def _block(
     cfg: Config,
     facts: ModelShape,
-    lay: _Layout,
+    lay: plan_comm.Layout,
     trace: plan_trace.StepTrace,
     params: list,
     group: int,
@@ -322,8 +255,8 @@ def _block(
                 head_dim=dim, attention_tokens=keys)  # fmt: skip
     low_f, low_b = _low_precision(cfg, params, t, lay.b, lay.shard)
     fwd, bwd = fwd.plus(low_f), bwd.plus(low_b)
-    if group in facts.checkpointed_units:
-        bwd = bwd.plus(fwd)  # recomputed in backward
+    if group in facts.checkpointed_units:  # recomputed in backward
+        bwd = bwd.plus(_recomputed(cfg, fwd, trace.of(group, FORWARD)))
     copies_f = lay.gather_copies(group)
     copies_b = (copies_f if regather else 0.0) + lay.reduce_copies(group)
     return UnitWork(
@@ -333,35 +266,25 @@ def _block(
         gather=lay.gather(group),
         regather=regather,
         reduce=lay.reduce(group),
-        inner=_inner_collectives(cfg, facts.layer, t, lay.b, lay.per_node, linears),
+        inner=plan_comm.inner_collectives(cfg, facts.layer, t, lay.b, lay.per_node, linears),
     )
 
 
-def _inner_collectives(
-    cfg: Config, layer, t: float, b: int, per_node: int, linears: float
-) -> tuple:
-    """A block's collectives inside its compute, per micro-batch: TP's all-reduce of the
-    hidden state for each split linear (a rowwise one's output forward, a colwise one's
-    input gradient backward: each colwise module takes its input on its own, so q, k and v
-    reduce theirs apart; sequence parallelism's all-gather/reduce-scatter pairs move the
-    same); CP's gather of the keys and values forward and the reduce-scatter of their
-    gradients backward; EP's four all-to-alls of each token's top_k rows."""
-    tp, cp, ep = cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.expert
-    out = []
-    if tp > 1:
-        hidden = t * layer.hidden * b
-        out.append(Collective("all_reduce", hidden, tp, tp > per_node, count=linears))
-    if cp > 1:
-        kv = 2 * layer.kv_dim / tp * t * cp * b  # the gathered K and V, whole
-        across = cp * tp > per_node
-        out += [
-            Collective("all_gather", kv, cp, across),
-            Collective("reduce_scatter", kv, cp, across),
-        ]
-    if ep > 1 and layer.experts:
-        rows = t * layer.top_k * layer.hidden * b * ep  # the exchange's whole tensor
-        out.append(Collective("all_gather", rows, ep, ep * tp > per_node, count=4))
-    return tuple(out)
+def _recomputed(cfg: Config, fwd: PassWork, traced: op_count.PassTrace) -> PassWork:
+    """What a checkpointed unit runs again in backward: its forward, or with
+    activation_checkpointing=op all but attention and every second matmul (their outputs
+    are kept)."""
+    if cfg.activation_checkpointing.mode is not ActivationCheckpointingMode.op:
+        return fwd
+    return dataclasses.replace(
+        fwd,
+        matmul_flops=traced.second_flops,
+        matmul_calls=float(traced.second_matmuls),
+        fp8_flops=traced.second_flops if fwd.fp8_flops else 0.0,
+        attention_flops=0.0,
+        attention_calls=0.0,
+        tp_linears=fwd.tp_linears / 2,
+    )
 
 
 def step_work(

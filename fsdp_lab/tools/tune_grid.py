@@ -29,7 +29,7 @@ from fsdp_lab.tools.plan_result import StrategyPlan
 
 AC = ActivationCheckpointingMode
 # The grid's checkpointing modes, least recomputation first.
-AC_MODES = (AC.none, AC.selective, AC.full)
+AC_MODES = (AC.none, AC.op, AC.selective, AC.full)
 # Sequences from this long on are offered context parallelism (CP degrees 2, 4, 8 beside 1):
 # at 4k tokens a 1B Llama's activations of one sequence (about 7 GiB in bf16, the plan says)
 # pass its sharded state on 8 ranks; shorter ones fit by checkpointing and micro-batch alone.

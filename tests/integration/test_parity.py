@@ -103,6 +103,7 @@ def test_mixed_precision_stays_close_to_fp32_reference(run_dir, precision, tol):
         ("model=bert_tiny",),  # masked LM: the ranks' masks differ; one mean over all masked
         ("data=shakespeare", "trainer.seq_len=32"),  # packed text, each rank its own rows
         ("activation_checkpointing=full",),
+        ("activation_checkpointing=op",),  # torchtitan's op-level policy under FSDP2
     ],
     ids=lambda o: ",".join(o),
 )

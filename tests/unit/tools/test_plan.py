@@ -636,7 +636,7 @@ def test_activations_under_context_parallelism_are_what_autograd_saves(
     assert measured < whole / cp * 1.2  # about 1/N of the whole, plus the gathered K/V
 
 
-@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("ac", ["full", "selective", "op"])
 @pytest.mark.parametrize(
     "arch,dtype",
     [
@@ -651,7 +651,12 @@ def test_activations_with_checkpointing(arch, dtype, ac):
     ids = torch.randint(0, 250, (3, 96))
     measured = live_bytes_after_forward(model, dict(input_ids=ids, labels=ids))
     estimate = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=num_checkpointed
+        shape,
+        batch=3,
+        seq_len=96,
+        b=dtype.itemsize,
+        num_checkpointed=num_checkpointed,
+        op=ac == "op",
     ).saved
     assert abs(estimate / measured - 1) <= 2 * ACTIVATION_TOLERANCE, (estimate, measured)
 

@@ -14,9 +14,9 @@ def test_the_gpu_grid_has_every_axis_and_the_cpu_grid_drops_offload():
     gpu, device, world = tune.enumerate_candidates(["hardware=gpu", "hardware.nproc_per_node=8"], 4)
     assert (device.name, world) == ("gpu", 8)
     axes = {(c.strategy, c.ac, c.offload, c.micro_batch, c.tensor) for c in gpu}
-    # strategies x ac x offload x micro-batch 1,2,4 x TP 1,2 (4 and 8: the tiny Llama's 2 KV
+    # strategies x ac (4) x offload x micro-batch 1,2,4 x TP 1,2 (4 and 8: the tiny Llama's 2 KV
     # heads do not divide, the plan refuses them)
-    assert len(axes) == len(gpu) == 5 * 3 * 2 * 3 * 2
+    assert len(axes) == len(gpu) == 5 * 4 * 2 * 3 * 2
     assert {c.tensor for c in gpu} == {1, 2}
     tp2 = next(c for c in gpu if c.tensor == 2)
     assert "parallel.tensor=2" in tp2.overrides()
@@ -75,7 +75,7 @@ def test_overrides_hold_an_axis_and_the_grid_restricts_the_others():
     "args,message",
     [
         (("full,zero3", None, None), "--sharding full,zero3: use a comma list of full"),
-        ((None, "some", None), "--checkpointing some: use a comma list of none, selective"),
+        ((None, "some", None), "--checkpointing some: use a comma list of none, op, selective"),
         ((None, None, "2,x"), "--micro-batches 2,x: use a comma list of sizes >= 1"),
         ((None, None, "0"), "--micro-batches 0: use a comma list of sizes >= 1"),
         ((None, None, None, "2,"), "--tensor 2,: use a comma list of sizes >= 1"),
