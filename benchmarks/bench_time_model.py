@@ -6,7 +6,7 @@ second sweep in reverse order: the machine's own drift, stated beside the errors
     python benchmarks/bench_time_model.py                     # ~25 min on 2 cores
     python benchmarks/bench_time_model.py --only a-full-2 moe-ep2-2 --sweeps 1
     python benchmarks/bench_time_model.py --profiles P2.json P4.json   # skip calibrating
-    python benchmarks/bench_time_model.py --first-run          # a fresh machine's first run
+    python benchmarks/bench_time_model.py --first-runs 5       # and 5 fresh machines' first run
 
 The setups' three models share no shape with calibrate's grid or with each other: a Llama
 (hidden 192, 6 layers), a Qwen2 (hidden 320, 4 layers, 512 tokens) and a Qwen3-MoE (hidden
@@ -109,18 +109,22 @@ def measure(tmp: Path, name: str, args: list[str], steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def first_run(tmp: Path) -> dict:
-    """A fresh machine's first `python train.py`: no cached profile, so the run measures
-    this machine after it ends and prints its step beside the prediction."""
-    cache = tmp / "fresh-cache"
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp / 'first'}", "logger=none",
-           "trainer.progress_bar=false", f"hardware.profile_cache={cache}"]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
-    line = next((x for x in proc.stderr.splitlines() if "predicted on" in x), "")
-    ratio = re.search(r"\((\d+\.\d+)x\)", line)
-    return {"line": line, "ratio": float(ratio.group(1)) if ratio else None,
-            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+def first_run(tmp: Path, n: int) -> dict:
+    """A fresh machine's first `python train.py`, ``n`` times: no cached profile, so each
+    run measures this machine after it ends and prints its step beside the prediction."""
+    lines, ratios, seconds = [], [], []
+    for i in range(n):
+        cache = tmp / f"fresh-cache-{i}"
+        cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp / f'first-{i}'}", "logger=none",
+               "trainer.progress_bar=false", f"hardware.profile_cache={cache}"]  # fmt: skip
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+        line = next((x for x in proc.stderr.splitlines() if "predicted on" in x), "")
+        ratio = re.search(r"\((\d+\.\d+)x\)", line)
+        lines.append(line)
+        ratios.append(float(ratio.group(1)) if ratio else None)
+        seconds.append(round(time.perf_counter() - start, 1))
+    return {"lines": lines, "ratios": ratios, "seconds": seconds}
 
 
 def main() -> None:
@@ -131,13 +135,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="calibrate's budget (30)")
     p.add_argument("--profiles", nargs=2, type=Path, metavar=("P2", "P4"),
                    help="profiles of 2 and 4 ranks to use instead of calibrating")  # fmt: skip
-    p.add_argument("--first-run", action="store_true", help="also a fresh first run's ratio")
+    p.add_argument("--first-runs", type=int, default=0,
+                   help="also this many fresh machines' first runs")  # fmt: skip
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     names = a.only or list(SETUPS)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        first = first_run(tmp) if a.first_run else None
+        first = first_run(tmp, a.first_runs) if a.first_runs else None
         if a.profiles:
             profiles = dict(zip((2, 4), a.profiles, strict=True))
         else:
@@ -218,7 +223,9 @@ def render(record: dict) -> str:
                    "own noise")  # fmt: skip
     if record.get("first_run"):
         f = record["first_run"]
-        out.append(f"a fresh machine's first `python train.py`: {f['line']} ({f['seconds']} s)")
+        ratios = ", ".join(f"{r:.2f}x" for r in f["ratios"] if r is not None)
+        out.append(f"a fresh machine's first `python train.py` ({len(f['ratios'])} fresh caches): "
+                   f"measured over predicted {ratios}")  # fmt: skip
     return "\n".join(out)
 
 

@@ -25,31 +25,43 @@ _GPU_SOURCES = {
     "matmul_fraction": "micro-benchmark: the maximum achievable matmul FLOP/s (MAMF) over the "
     "peak, ml-engineering's mamf-finder tables (bf16, best shape)",
     "fp8_fraction": "micro-benchmark: ml-engineering's mamf-finder tables, fp8",
+    "shape_fraction": "micro-benchmark: the matmul kernels of a 1.1B Llama's compiled training "
+    "step on one H100 (8 x 2048 tokens) ran at 0.888 of its MAMF: 144.2 ms for 1.017e14 "
+    "FLOPs in its profile (benchmarks/results/h100-2026-11-26-checks.json)",
     "memory_bytes_per_s": "datasheet: NVIDIA's HBM bandwidth",
     "memory_bytes": "datasheet: NVIDIA's HBM capacity",
-    "intra_node": "micro-benchmark: nccl-tests' bus bandwidth on one 8-GPU node "
-    "(all-gather, reduce-scatter, ring all-reduce; ml-engineering network/README.md); latency "
-    "per ring step: nccl-tests' 8-byte all-reduce on 8 H100s, 13.67 us over 14 steps "
-    "(NVIDIA dgxc-benchmarking nccl/README.md)",
-    "inter_node": "micro-benchmark: a 4-node ring all-reduce on 8 x 400 Gb/s nodes reaching "
-    "36.95 of 50 GB/s per GPU (74%; ml-engineering network/README.md), applied to each "
-    "node's adapters (datasheet: DGX A100 8 x 200 Gb/s HDR, DGX H100 8 x 400 Gb/s NDR); "
+    "intra_node": "micro-benchmark: nccl-tests' ring bus bandwidth on one 8-GPU node "
+    "(8 x H200: all-gather 361.4, reduce-scatter 362.9 GB/s; 8 x A100 ~235; 8 x B200 ring "
+    "all-reduce 682; stas00/ml-engineering network/README.md); latency per ring step: "
+    "nccl-tests' 8-byte all-reduce on 8 H100s, 13.67 us over 14 steps (NVIDIA "
+    "dgxc-benchmarking nccl/README.md)",
+    "inter_node": "micro-benchmark: nccl-tests' ring bus bandwidth across nodes of 8 GPUs "
+    "with a NIC each: a ring's channels cross nodes through every NIC at once, so a GPU's "
+    "bus bandwidth is about the node's NICs together (NVIDIA in nccl-tests#319: 48 GB/s per "
+    "CX7 400G NIC, ~396 GB/s a node with the ring; AWS p5 H100 all-reduce 355-357 GB/s on "
+    "4-16 nodes, crazyguitar/aws-gpu-communication-benchmark; p5en H200 364.9, p6 B200 "
+    "381.8 on 4 nodes, ml-engineering; DGX A100 8 x 200G: 192 GB/s, NVIDIA in nccl#812); "
     "latency per network step: NCCL's tuning model (src/graph/tuning.cc, 2.7-14 us)",
-    "host_link": "datasheet: PCIe Gen4/Gen5 x16 per direction (32/64 GB/s) at 80%, the "
-    "ratio nvbandwidth reports for pinned host-device copies (NVIDIA/nvbandwidth README)",
+    "host_link": "micro-benchmark: nvbandwidth's pinned host<->device copies (H200 on PCIe "
+    "Gen5: 55.4 GB/s each way, ml-engineering; A100 on Gen4: 25.1 GB/s, NVIDIA/nvbandwidth#42)",
     "host_memory_bytes_per_s": "datasheet: 8-channel DDR5-4800 per socket (307 GB/s), a "
     "third of it per GPU under 8 GPUs on 2 sockets",
-    "op_overhead_s": "micro-benchmark: an empty CUDA kernel's launch through PyTorch's "
-    "eager dispatcher, 4-6 us (PyTorch dev-discuss 'Overhead in PyTorch eager', H100)",
+    "op_overhead_s": "micro-benchmark: a kernel's launch through PyTorch's eager dispatcher, "
+    "'between 5-20 microseconds' on the CPU side (Meta's HolisticTraceAnalysis docs; about "
+    "2 us of it the dispatcher's own, pytorch#41383): the low end",
     "attention_fraction": "micro-benchmark: FlashAttention-2 forward+backward, causal, head "
-    "dim 128, 8k tokens on an H100 SXM: 335 TFLOP/s (FlashAttention-3 paper, Shah et al. "
-    "2024, Fig. 5) over that GPU's MAMF 794.5",
+    "dim 128, 8k tokens on an H100 SXM: 308 TFLOP/s (Dao-AILab/flash-attention README "
+    "benchmark figure, 4f285b35) over that GPU's MAMF 794.5; on an A100, 182 of MAMF 271.2",
     "tensor_step_s": "micro-benchmark: fused AdamW + clip_grad_norm_ over DTensor shards, "
-    "per parameter tensor, on this project's CPU host (fsdp-lab calibrate, 2026-11-29): the "
-    "host-side dispatch a GPU's step issues too",
+    "per parameter tensor, on this project's CPU host (fsdp-lab calibrate, 2026-11-29: "
+    "18-42 us; 60 us kept for a GPU host's bigger DTensor dispatch): the host-side dispatch "
+    "a GPU's step issues too",
     "grouped_fraction": "micro-benchmark: torch grouped_mm MoE forward on an H100 at ~2,048 "
     "rows an expert, 242.1 TFLOP/s (ByteDance-Seed/VeOmni PR #460) over the bf16 peak",
     "ranks_per_node": "datasheet: DGX/HGX nodes of 8 GPUs",
+    "overlap_slowdown": "micro-benchmark: compute kernels run 18.9% slower on average (40% "
+    "at most) while NCCL collectives overlap them, measured on A100, H100, MI250 and MI210 "
+    "(Y. Zhang et al., arXiv 2507.03114)",
 }
 
 
@@ -66,6 +78,7 @@ def _gpu(
     nvlink,
     network,
     host,
+    attention=0.388,
     aliases=(),
     sources=None,
 ) -> DeviceProfile:
@@ -88,7 +101,9 @@ def _gpu(
         host_memory_bytes_per_s=100 * GB,
         op_overhead_s=5e-6,
         overlap=True,
-        attention_fraction=0.42,
+        attention_fraction=attention,
+        shape_fraction=0.888,
+        overlap_slowdown=0.189,
         tensor_step_s=60e-6,
         grouped_fraction=0.245,
         memory_bytes=int(memory_gb * GB),
@@ -99,11 +114,10 @@ def _gpu(
 
 # Named devices; docs/benchmarks.md ("Hardware profiles") cites every figure. Peaks: dense
 # bf16/fp8 datasheet TFLOP/s. fraction, fp8: the maximum achievable matmul FLOP/s (MAMF,
-# stas00/ml-engineering's table) over the peak. nvlink: nccl-tests' all-gather / ring
-# all-reduce bus bandwidth on one 8-GPU node (GB/s, ~78-80% of NVLink's per-direction rate);
-# network: 74% of the per-GPU adapter's line rate (HDR 200 Gb/s on DGX A100, NDR 400 Gb/s
-# on H100/H200/B200 nodes: the measured 4-node ring all-reduce efficiency); host: PCIe Gen4
-# x16 (A100) or Gen5 x16 (later) at 80%.
+# stas00/ml-engineering's table) over the peak. nvlink: nccl-tests' ring bus bandwidth on one
+# 8-GPU node (GB/s); network: across nodes of 8 GPUs with a NIC each (GB/s a GPU, the ring's
+# channels through every NIC); host: nvbandwidth's pinned copies (GB/s each way); attention:
+# FlashAttention-2's causal forward+backward at head dim 128, 8k tokens, over MAMF.
 DEVICES: tuple[DeviceProfile, ...] = (
     _gpu(
         "a100-40gb",
@@ -113,8 +127,9 @@ DEVICES: tuple[DeviceProfile, ...] = (
         hbm_tb_s=1.555,
         memory_gb=40,
         nvlink=235,
-        network=18.5,
+        network=192,
         host=25,
+        attention=0.671,
         aliases=("a100_40gb", "a100-40"),
     ),
     _gpu(
@@ -125,8 +140,9 @@ DEVICES: tuple[DeviceProfile, ...] = (
         hbm_tb_s=2.039,
         memory_gb=80,
         nvlink=235,
-        network=18.5,
+        network=192,
         host=25,
+        attention=0.671,
         aliases=("a100", "a100_80gb", "a100-80"),
     ),
     _gpu(
@@ -138,8 +154,8 @@ DEVICES: tuple[DeviceProfile, ...] = (
         hbm_tb_s=3.35,
         memory_gb=80,
         nvlink=361,
-        network=37,
-        host=50,
+        network=356,
+        host=55,
         aliases=("h100-sxm", "h100_sxm"),
     ),
     _gpu(
@@ -151,8 +167,8 @@ DEVICES: tuple[DeviceProfile, ...] = (
         hbm_tb_s=4.8,
         memory_gb=141,
         nvlink=361,
-        network=37,
-        host=50,
+        network=365,
+        host=55,
         aliases=("h200-sxm",),
     ),
     _gpu(
@@ -164,8 +180,38 @@ DEVICES: tuple[DeviceProfile, ...] = (
         hbm_tb_s=8.0,
         memory_gb=180,
         nvlink=682,
-        network=37,
-        host=50,
+        network=382,
+        host=55,
+        sources={
+            "attention_fraction": "micro-benchmark: the H100's (FlashAttention-2 at head dim "
+            "128, 8k tokens, over MAMF); no B200 figure is published",
+            "grouped_fraction": "micro-benchmark: the H100's (VeOmni PR #460); no B200 "
+            "figure is published",
+        },
+    ),
+    # Meta's Grand Teton H100s, as torchtitan's H100 benchmarks ran them: 96 GB of HBM2e at
+    # 2.4 TB/s, a 500 W power limit, 400 Gb/s RoCE a GPU (torchtitan benchmarks/
+    # llama3_h100_202412_torchtitan.md). No datasheet gives a 500 W part's peak: the H100
+    # NVL's (a power-limited H100, 835 TFLOP/s dense bf16 at 350-400 W) is the nearest.
+    _gpu(
+        "h100-96gb-500w",
+        835,
+        1671,
+        fraction=0.803,
+        fp8=0.709,
+        hbm_tb_s=2.4,
+        memory_gb=96,
+        nvlink=361,
+        network=356,
+        host=55,
+        aliases=("h100-500w", "grand-teton-h100"),
+        sources={
+            "compute": "datasheet: NVIDIA H100 NVL's dense peaks (835 bf16, 1671 fp8 TFLOP/s "
+            "at 350-400 W), the nearest published for torchtitan's 500 W-capped H100",
+            "memory_bytes_per_s": "datasheet: torchtitan's benchmark states 96 GB HBM2e at "
+            "2.4 TB/s (benchmarks/llama3_h100_202412_torchtitan.md)",
+            "memory_bytes": "datasheet: torchtitan's benchmark states 96 GB HBM2e",
+        },
     ),
     # CPU ranks with nothing measured: a rank of this project's 2-core CI VM as fsdp-lab
     # calibrate measured it. A run on another machine measures its own (tools.machine).
@@ -201,6 +247,7 @@ DEVICES: tuple[DeviceProfile, ...] = (
                 "tensor_step_s",
                 "attention_fraction",
                 "ranks_per_node",
+                "shape_fraction",
             )
         },
     ),

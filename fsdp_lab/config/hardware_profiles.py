@@ -100,7 +100,7 @@ class DeviceProfile:
     name: str
     kind: str  # gpu | cpu
     compute: dict[str, float]  # FLOP/s by dtype name
-    matmul_fraction: float
+    matmul_fraction: float  # the best shape's achievable share of the peak (MAMF)
     memory_bytes_per_s: float
     intra_node: Link
     inter_node: Link
@@ -110,6 +110,9 @@ class DeviceProfile:
     overlap: bool
     memory_bytes: int = 0  # the device's memory (0: the host's, unbounded here)
     fp8_fraction: float | None = None  # float8 matmuls' achievable fraction (None: as bf16's)
+    # a model's own matmul shapes against the best shape's rate (a named row: measured on a
+    # training step's kernels; a measured profile's rates are of its own shapes: 1)
+    shape_fraction: float = 1.0
     attention_fraction: float = 0.4  # attention kernels' FLOP rate over the matmuls'
     tensor_step_s: float = 60e-6  # optimizer step + clipping's issue cost per parameter tensor
     optimizer_step_s: float = 0.0  # ...and per step (the norm's all-reduce, the setup)
@@ -133,6 +136,9 @@ class DeviceProfile:
     # The share of a unit's compute a rank waits at the next collective for the slowest rank
     # (the same work runs at different speeds on shared cores)
     straggle: float = 0.0
+    # How much slower kernels run while a collective overlaps them (they share the GPU's SMs
+    # and memory), per second of overlapped communication
+    overlap_slowdown: float = 0.0
     # calibrate --from-runs: what the user's own runs taught the profile (scales of the
     # predicted compute and exposed communication, a step's unmodelled host time)
     learned: dict = field(default_factory=dict)
@@ -160,6 +166,7 @@ class DeviceProfile:
             )
         if fraction is None:
             fraction = (self.fp8_fraction if dtype == "fp8" else None) or self.matmul_fraction
+            fraction *= self.shape_fraction
         return self.compute[dtype] * fraction
 
     def matmul_s(self, flops: float, calls: float, dtype: str, phase: str) -> float:

@@ -99,7 +99,25 @@ GRIDS = {
         grouped=((64, 2048, 1024, 1024), (128, 2048, 2048, 1536)),
     ),
 }
-QUICK_SECONDS = 5.0  # a run's first prediction on a new machine measures this long
+# A run's first prediction on a new machine: fewer sizes (each head size at one length, the
+# decoder at three), each figure from fewer, shorter samples.
+QUICK_GRIDS = {
+    HardwareKind.cpu: Grid(
+        matmuls=((64, 64, 64), (512, 256, 512), (1024, 256, 1024), (512, 512, 1024)),
+        attention=((1, 4, 256, 64), (1, 4, 1024, 64), (1, 4, 512, 32), (1, 4, 512, 128)),
+        decoders=((16, 8), (128, 256), (384, 256)),
+        collectives=(4 * KIB, 256 * KIB, 4 * MIB),
+        grouped=((8, 64, 64, 128),),
+    ),
+    HardwareKind.gpu: Grid(
+        matmuls=((1024, 1024, 1024), (8192, 4096, 4096), (8192, 14336, 4096)),
+        attention=((1, 16, 2048, 128), (1, 16, 8192, 128), (1, 16, 4096, 64)),
+        decoders=((16, 8), (2048, 2048), (4096, 2048)),
+        collectives=(64 * KIB, 16 * MIB, 256 * MIB),
+        grouped=((64, 2048, 1024, 1024),),
+    ),
+}
+QUICK_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -113,11 +131,14 @@ class Job:
     grid: Grid
     seconds: float  # the whole measurement's budget
     store: str
+    quick: bool = False  # fewer, shorter samples (QUICK_GRIDS)
 
     def budget(self, share: float):
         """A measurement's budget: ``share`` of the whole, split over its sizes."""
-        from fsdp_lab.engine.hardware.calibration import Budget
+        from fsdp_lab.engine.hardware.timing import Budget
 
+        if self.quick:
+            return Budget(seconds=max(0.02, self.seconds * share), min_samples=5, sample_s=0.005)
         return Budget(seconds=max(0.02, self.seconds * share))
 
 
@@ -214,6 +235,8 @@ def _plain(value):
 
 def measure(job: Job, timeout_s: float = 900) -> list[dict]:
     """Start the ranks, wait for rank 0's report of every rank's numbers."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - forked ranks inherit it
+
     method = "fork" if job.kind is HardwareKind.cpu else "spawn"
     ctx = multiprocessing.get_context(method)
     results = ctx.Queue()
@@ -250,13 +273,16 @@ def run_calibration(
     dtype: str,
     seconds: float,
     base: str | None = None,
+    quick: bool = False,
 ) -> DeviceProfile:
-    """Measure this machine's ``nproc`` ranks for ``seconds`` into a profile."""
+    """Measure this machine's ``nproc`` ranks for ``seconds`` into a profile (``quick``: the
+    few sizes of a run's first prediction)."""
     if kind is HardwareKind.cpu:
         calibrate_fit.base_profile(base, kind, "cpu")  # a bad --base fails before measuring
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(kind=kind, nproc=nproc, threads=threads, dtype=dtype, grid=GRIDS[kind],
-                  seconds=seconds, store=str(Path(tmp) / "store"))  # fmt: skip
+        grid = (QUICK_GRIDS if quick else GRIDS)[kind]
+        job = Job(kind=kind, nproc=nproc, threads=threads, dtype=dtype, grid=grid,
+                  seconds=seconds, store=str(Path(tmp) / "store"), quick=quick)  # fmt: skip
         everyone = measure(job)
     return calibrate_fit.profile_from(
         everyone, job, calibrate_fit.base_profile(base, kind, everyone[0]["device"])
@@ -271,6 +297,7 @@ def quick(cfg, topo, seconds: float = QUICK_SECONDS) -> DeviceProfile:
         threads=cfg.hardware.threads_per_rank,
         dtype=cfg.precision.param_dtype.name,
         seconds=seconds,
+        quick=True,
     )
 
 

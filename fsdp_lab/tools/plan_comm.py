@@ -102,6 +102,7 @@ def inner_collectives(cfg: Config, layer, t: float, b: int, per_node: int, linea
             Collective("reduce_scatter", kv, cp, across),
         ]
     if ep > 1 and layer.experts:
-        rows = t * layer.top_k * layer.hidden * b * ep  # the exchange's whole tensor
+        # an all-to-all sends (ep-1)/ep of a rank's rows, as an all-gather of that much each
+        rows = t * layer.top_k * layer.hidden * b
         out.append(Collective("all_gather", rows, ep, ep * tp > per_node, count=4))
     return tuple(out)

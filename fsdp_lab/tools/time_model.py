@@ -15,7 +15,8 @@ counted by ``plan_trace`` from the operators the model dispatches):
 * **communication** (``collective_s``): ring all-gather and reduce-scatter of S bytes over n
   ranks take (n-1) x latency + (n-1)/n x S / bus bandwidth, an all-reduce twice that; a group
   that spans nodes runs at the network's rate.
-* **overlap** (FSDP2's prefetch, the rule of torch's ``_tools/fsdp_ilp.py``): in forward the
+* **overlap** (FSDP2's prefetch, the rule of torch's ``_tools/fsdp_ilp.py``; the kernels under
+  a collective slowed by ``overlap_slowdown`` of its time): in forward the
   next unit's all-gather runs under this unit's compute, exposed by max(0, gather - compute);
   in backward the next unit's all-gather and the previous unit's reduce-scatter run under
   this unit's, exposed by max(0, gather + reduce-scatter - compute); the first gather and the
@@ -246,10 +247,12 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     )
     exposed_inner = m * sum(inner)
     compute = m * (sum(fwd) + sum(bwd))
+    comm = m * (sum(gathers) + sum(regathers) + sum(inner)) + sum(reduces)
     # waiting for the slowest rank at each collective after a unit's compute
     synced = any(u.gather or u.reduce or u.inner for u in work.units)
     exposed_fsdp += device.straggle * compute if synced else 0.0
-    comm = m * (sum(gathers) + sum(regathers) + sum(inner)) + sum(reduces)
+    # kernels slowed by the collectives running under them (SMs and memory shared)
+    compute += device.overlap_slowdown * max(0.0, comm - exposed_fsdp - exposed_inner)
     state_rate = device.host_memory_bytes_per_s if work.optimizer_on_host else None
     moved = work.optimizer_params * OPTIMIZER_BYTES_PER_PARAM
     kernels = moved / (state_rate or device.memory_bytes_per_s)

@@ -3,12 +3,12 @@
     fsdp-lab tune model=local model.name_or_path=$HOME/smollm2 trainer.seq_len=512 --memory-gib 6
 
 1. **Enumerate** sharding strategy x activation checkpointing (none, op, selective every 2,
-   full) x offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch (powers of two
-   up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing the ranks per
-   node, where the model's TP plan takes it) x, for a mixture of experts, expert-parallel
-   degree (1, 2, 4, 8 dividing its experts and the shard axis). Model, data, sequence length,
-   ranks and precision are the overrides'; an axis the overrides set (``sharding=full``) is
-   held there. With ``--keep-global-batch`` each candidate's grad_accum_steps makes up the
+   full) x offload (none, cpu; not on hardware=cpu, where it moves nothing) x micro-batch
+   (powers of two up to ``--max-micro-batch``) x tensor-parallel degree (1, 2, 4, 8 dividing
+   the ranks per node, where the model's TP plan takes it) x, for a mixture of experts,
+   expert-parallel degree (1, 2, 4, 8 dividing its experts and the shard axis). Model, data,
+   sequence length, ranks and precision are the overrides'; an axis the overrides set
+   (``sharding=full``) is held there. With ``--keep-global-batch`` each candidate's grad_accum_steps makes up the
    overrides' global batch (micro-batches that cannot are left out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
