@@ -8,8 +8,9 @@
    the ranks per node, where the model's TP plan takes it) x, for a mixture of experts,
    expert-parallel degree (1, 2, 4, 8 dividing its experts and the shard axis). Model, data,
    sequence length, ranks and precision are the overrides'; an axis the overrides set
-   (``sharding=full``) is held there. With ``--keep-global-batch`` each candidate's grad_accum_steps makes up the
-   overrides' global batch (micro-batches that cannot are left out).
+   (``sharding=full``) is held there. With ``--keep-global-batch`` each candidate's
+   grad_accum_steps makes up the overrides' global batch (micro-batches that cannot are left
+   out).
 2. **Drop** what the plan (``fsdp-lab plan``, no device) says exceeds the budget, with its margin:
    predicted peak = process baseline + ``SAFETY`` x the plan's peak + ``SLACK``.
 3. **Probe** the first ``--probes`` (3) of the rest, fastest first as the time model predicts
