@@ -182,12 +182,49 @@ def render(rows: list[dict], predictions: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# This project's own runs on one H100 80GB HBM3 (benchmarks/results/h100-2026-11-26-*.json):
+# (name, overrides, measured step s). Not in the published table: the first one's profiled
+# matmul kernels are where the GPU rows' shape_fraction comes from.
+LLAMA_1B = ["experiment=gpu_1b", "hardware.nproc_per_node=1"]
+QWEN3_MOE = [
+    "hardware=gpu", "hardware.nproc_per_node=1", "precision=bf16", "model=qwen3_moe_tiny",
+    "model.hidden_size=1024", "model.num_layers=8", "model.num_heads=16",
+    "model.num_kv_heads=4", "model.num_experts=64", "model.experts_per_token=8",
+    "model.expert_intermediate_size=512", "model.vocab_size=32000", "trainer.seq_len=2048",
+    "model.max_position_embeddings=2048", "trainer.micro_batch_size=8",
+    "model.experts_implementation=grouped_mm",
+]  # fmt: skip
+OWN_H100 = [
+    ("1.1B Llama, 8 x 2048, compiled", [*LLAMA_1B, "trainer.micro_batch_size=8"], 0.24827),
+    ("1.1B Llama, 16 x 2048, compiled", LLAMA_1B, 0.46307),
+    ("160M Llama, 16 x 2048, compiled", ["experiment=gpu_160m", "hardware.nproc_per_node=1"],
+     0.074058),
+    ("Qwen3-MoE 0.9B (64 experts, top 8, grouped_mm), 8 x 2048, eager", QWEN3_MOE,
+     8 * 2048 / 114205.18),
+]  # fmt: skip
+
+
+def own_h100() -> str:
+    """This project's H100 rows, predicted on the h100 row: a markdown table."""
+    lines = ["| run | predicted ms | measured ms | error | predicted MFU |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, args, measured in OWN_H100:
+        t = plan.build_plan(args, "h100").chosen_plan.time
+        lines.append(f"| {name} | {1e3 * t.step_s:.1f} | {1e3 * measured:.1f} | "
+                     f"{100 * (t.step_s / measured - 1):+.1f}% | {100 * t.mfu:.1f}% |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="rows whose source contains this")
     p.add_argument("--check", action="store_true", help="exit 1 where docs' table is stale")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--own", action="store_true", help="this project's H100 rows only")
     a = p.parse_args()
+    if a.own:
+        print(own_h100())
+        return
     rows = json.loads(DATA.read_text())
     start = time.perf_counter()
     predictions, tmp = {}, Path(tempfile.mkdtemp())

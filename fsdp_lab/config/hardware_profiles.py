@@ -136,6 +136,9 @@ class DeviceProfile:
     # The share of a unit's compute a rank waits at the next collective for the slowest rank
     # (the same work runs at different speeds on shared cores)
     straggle: float = 0.0
+    # A step's host cost nothing else prices (the loss's scale, the micro-batches' bookkeeping,
+    # Python between the pieces): measured on calibrate's tiny model's whole step
+    step_host_s: float = 0.0
     # How much slower kernels run while a collective overlaps them (they share the GPU's SMs
     # and memory), per second of overlapped communication
     overlap_slowdown: float = 0.0

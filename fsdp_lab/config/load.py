@@ -6,6 +6,8 @@ Imports no torch: the parent checks a config in well under a second.
 
 from __future__ import annotations
 
+import contextlib
+
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -58,11 +60,31 @@ def compose(overrides: list[str], config_dirs: list[str] | None = None) -> Confi
     register_schema()
     overrides = with_config_dirs(list(overrides), list(config_dirs or []))
     try:
-        with initialize_config_module(CONF_MODULE, version_base="1.3", job_name="compose"):
+        with (
+            _outside_a_running_app(),
+            initialize_config_module(CONF_MODULE, version_base="1.3", job_name="compose"),
+        ):
             composed = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(compose_error(str(e), searchpath_dirs(overrides))) from e
     return to_typed(composed)
+
+
+@contextlib.contextmanager
+def _outside_a_running_app():
+    """Compose from inside a running Hydra app too (a job's callback measuring the machine):
+    the app's global Hydra is set aside while this composes, and put back."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    running = GlobalHydra.instance()
+    saved = running.hydra if running.is_initialized() else None
+    running.clear()
+    try:
+        yield
+    finally:
+        running.clear()
+        if saved is not None:
+            running.initialize(saved)
 
 
 def slurm_tasks_per_node(nproc_per_node: int | None) -> int:

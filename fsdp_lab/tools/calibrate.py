@@ -39,7 +39,8 @@ from fsdp_lab.config.hardware_profiles import (
 )
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import validate
-from fsdp_lab.tools import calibrate_fit, plan
+from fsdp_lab.config.topology import Topology
+from fsdp_lab.tools import calibrate_fit, calibrate_loop, plan
 
 KIB, MIB = 2**10, 2**20
 
@@ -143,10 +144,9 @@ class Job:
 
 
 # The budget's shares by measurement (per size where there are several); they add up to 1.
-SHARES = {"matmul": 0.25, "attention": 0.1, "decoders": 0.15,
-          "views": 0.02, "optimizer": 0.08, "fsdp": 0.08, "tp": 0.06, "collectives": 0.14,
-          "straggle": 0.06,
-          "grouped": 0.03, "host": 0.03}  # fmt: skip
+SHARES = {"matmul": 0.18, "attention": 0.08, "decoders": 0.12, "views": 0.02,
+          "optimizer": 0.08, "fsdp": 0.08, "tp": 0.04, "collectives": 0.18, "straggle": 0.06,
+          "loop": 0.12, "grouped": 0.02, "host": 0.02}  # fmt: skip
 
 
 def _rank_main(rank: int, job: Job, results) -> None:
@@ -208,6 +208,9 @@ def _measure_rank(rank: int, job: Job) -> list[dict] | None:
             list(g.collectives), device, each("collectives", 3 * len(g.collectives))
         )
         mine["straggle"] = cal.straggle(device, each("straggle", 1), g.matmuls[len(g.matmuls) // 2])
+    loop = compose(calibrate_loop.overrides(job.kind, job.nproc, job.dtype))
+    topo = Topology.nodes(job.nproc, 1, job.kind)
+    mine["loop"] = calibrate_loop.step(loop, topo, device, each("loop", 1))
     everyone = process_group.gather_from_processes(_plain(mine))
     dist.barrier()
     return everyone if rank == 0 else None
@@ -360,7 +363,8 @@ def describe(p: DeviceProfile, seconds: float) -> str:
         f" an FSDP unit's pass {p.unit_overhead_s * 1e6:.0f} us, a TP linear's pass "
         f"{p.tp_linear_s * 1e6:.0f} us; host<->device {p.host_link.bytes_per_s / 1e9:.2f} GB/s"
     )
-    lines.append(f"  ranks wait for the slowest for {p.straggle:.1%} of their compute")
+    lines.append(f"  ranks wait for the slowest for {p.straggle:.1%} of their compute; a step's "
+                 f"host cost besides: {p.step_host_s * 1e3:.2f} ms")  # fmt: skip
     if p.grouped_fraction is not None:
         lines.append(f"  experts' grouped GEMMs: {p.grouped_fraction:.2f}x the dense forward rate")
     for op, link in p.collectives.items():

@@ -163,7 +163,7 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
     host = 2 * 64 * MIB / _median(first["host"])
     who = f"micro-benchmark: fsdp-lab calibrate on {platform.node()}, {first['device']}, " \
           f"{job.nproc} ranks, {time.strftime('%Y-%m-%d')}"  # fmt: skip
-    return dataclasses.replace(
+    profile = dataclasses.replace(
         base,
         name=f"measured ({first['device']}, {job.nproc} ranks)",
         compute={**base.compute, job.dtype: forward},
@@ -193,6 +193,7 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
         measured=_record(everyone, job, base),
         aliases=(),
     )
+    return dataclasses.replace(profile, step_host_s=_step_host(everyone, job, profile))
 
 
 MEASURED_FIELDS = (
@@ -243,6 +244,24 @@ def _tp_overhead(first: dict) -> float:
         return 0.0
     plain, tp = (_median(v) for v in first["tp"])
     return max(tp - plain, 0.0) / 6
+
+
+def _step_host(everyone: list[dict], job, profile: DeviceProfile) -> float:
+    """A step's host cost beyond its predicted work: the tiny model's measured training step
+    (``calibrate_loop``, the slowest rank's) less its prediction on the rest of the profile."""
+    import tempfile
+    from pathlib import Path
+
+    from fsdp_lab.config.hardware_profiles import write_profile
+    from fsdp_lab.tools import calibrate_loop, plan
+
+    measured = _median(_slowest(everyone, "loop"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        write_profile(profile, path)
+        args = calibrate_loop.overrides(job.kind, job.nproc, job.dtype)
+        predicted = plan.build_plan(args, str(path)).chosen_plan.time.step_s
+    return max(0.0, measured - predicted)
 
 
 def _straggle(first: dict, job) -> float:

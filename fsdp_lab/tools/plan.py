@@ -270,7 +270,7 @@ def time_device(
 
     notes = []
     device = device_profile(name) if name else None
-    if device is None and cfg is not None and _on_this_machine(topo):
+    if device is None and cfg is not None and on_this_machine(topo):
         device = machine.cached(cfg, topo)
     if device is None:
         device = device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
@@ -295,7 +295,7 @@ def time_device(
     return device, notes
 
 
-def _on_this_machine(topo: Topology) -> bool:
+def on_this_machine(topo: Topology) -> bool:
     """Whether the plan is of this machine's own kind of device (a CPU plan here; a GPU plan
     where CUDA is): only then can this machine's profile price it."""
     if topo.device is HardwareKind.cpu:

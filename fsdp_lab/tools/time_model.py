@@ -26,8 +26,9 @@ counted by ``plan_trace`` from the operators the model dispatches):
 * **optimizer**: AdamW's bytes (param, grad, two moments, read and written; the gradient
   norm) at the memory bandwidth of where the state lives (the host under offload), and each
   parameter tensor's issue cost (``tensor_step_s``: DTensor dispatch, clipping's all-reduce).
-* **other**: offload's host<->device copies of the shards, and what ``calibrate
-  --from-runs`` learned the user's runs spend outside the model (``learned``).
+* **other**: offload's host<->device copies of the shards, a step's host cost that nothing
+  else prices (``step_host_s``, measured by calibrate on its tiny model's whole step), and what
+  ``calibrate --from-runs`` learned the user's runs spend outside the model (``learned``).
 
 Gradients are reduced once per step (the last micro-batch: ``set_requires_gradient_sync``);
 parameters are gathered every micro-batch.
@@ -263,7 +264,8 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     optimizer *= learned.get("compute_scale", 1.0)
     exposed_fsdp *= learned.get("comm_scale", 1.0)
     exposed_inner *= learned.get("comm_scale", 1.0)
-    other = work.offload_bytes / device.host_link.bytes_per_s + learned.get("host_s", 0.0)
+    host = learned.get("host_s", 0.0) + device.step_host_s
+    other = work.offload_bytes / device.host_link.bytes_per_s + host
     step = compute + exposed_fsdp + exposed_inner + optimizer + other
     tokens = work.tokens * m / step if step > 0 else 0.0
     peak = device.compute.get(peak_key(work.dtype))

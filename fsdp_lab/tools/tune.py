@@ -206,6 +206,18 @@ def order_errors(probed: list[Candidate]) -> list[str]:
     return out
 
 
+def _measure_this_machine(overrides: list[str]) -> None:
+    """This machine's profile for the overrides' ranks, measured now if none is cached (a few
+    seconds), so that the probes are ordered on it, not on a named row's figures."""
+    from fsdp_lab.config import compose
+    from fsdp_lab.tools import calibrate, machine, plan
+
+    cfg = compose(overrides)
+    topo, _ = plan.topology(cfg)
+    if plan.on_this_machine(topo):
+        machine.ensure(cfg, topo, lambda: calibrate.quick(cfg, topo), log=print)
+
+
 def tune_command(
     overrides: list[str],
     memory_gib: float,
@@ -225,6 +237,8 @@ def tune_command(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} already holds files: pick a new --out")
     start = time.perf_counter()
+    if device is None:  # the order the probes run in is this machine's: measured first
+        _measure_this_machine(overrides)
     result = tune(
         overrides,
         memory_gib,

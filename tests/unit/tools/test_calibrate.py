@@ -36,7 +36,7 @@ def test_calibrate_measures_every_figure_on_two_gloo_ranks(tmp_path):
     assert len(everyone) == 2  # rank 0 reports both ranks' timings
     for rank in everyone:
         assert set(rank) >= {"matmul", "attention", "decoders", "views", "optimizer", "fsdp",
-                             "tp", "collectives", "straggle", "host", "device"}  # fmt: skip
+                             "tp", "collectives", "straggle", "loop", "host", "device"}  # fmt: skip
         median, low, high, samples = rank["matmul"]["64x32x64"][1]
         assert low <= median <= high and samples >= 7  # a 95% interval around each figure
     profile = calibrate_fit.profile_from(everyone, job, device_profile("cpu"))
