@@ -118,7 +118,7 @@ QUICK_GRIDS = {
         grouped=((64, 2048, 1024, 1024),),
     ),
 }
-QUICK_SECONDS = 4.0
+QUICK_SECONDS = 5.0
 
 
 @dataclass(frozen=True)

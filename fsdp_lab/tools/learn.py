@@ -26,7 +26,6 @@ from pathlib import Path
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.hardware_profiles import DeviceProfile, write_profile
-from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
 from fsdp_lab.tools import plan, plan_time, run_check
 
@@ -52,9 +51,11 @@ def observe(run_dir: Path, device: DeviceProfile) -> Observed:
             "(its run.json has no facts or too few steps)"
         )
     cfg = rundir.load_run_config(run_dir)
-    kind = plan.HardwareKind.gpu if facts.hardware.startswith("gpu") else plan.HardwareKind.cpu
-    topo = Topology.nodes(facts.world_size // max(1, facts.num_nodes), facts.num_nodes, kind)
-    shape = plan.inspect_model(cfg, kind)
+    topo = run_check.run_topology(facts)
+    if topo is None:
+        raise ConfigError(f"--from-runs {run_dir}: a {facts.hardware} run; the time model "
+                          "prices cpu and gpu runs")  # fmt: skip
+    shape = plan.inspect_model(cfg, topo.device)
     s = plan.strategy_plan(cfg, topo, shape, cfg.sharding.strategy)
     step = plan_time.predict_step(cfg, topo, shape, s, cfg.sharding.strategy, device)
     profile = record.results.profile if record.results else None
@@ -185,9 +186,8 @@ def _profile_to_refine(cfg, run_dir: Path, device: str | None, machine, device_p
     facts = record.facts
     if facts is None:
         raise ConfigError(f"--from-runs {run_dir}: its run.json has no facts")
-    kind = plan.HardwareKind.gpu if facts.hardware.startswith("gpu") else plan.HardwareKind.cpu
-    topo = Topology.nodes(facts.world_size // max(1, facts.num_nodes), facts.num_nodes, kind)
-    profile = machine.cached(cfg, topo)
+    topo = run_check.run_topology(facts)
+    profile = machine.cached(cfg, topo) if topo is not None else None
     if profile is None:
         raise ConfigError(
             "--from-runs: this machine has no measured profile for these runs' ranks to "

@@ -52,21 +52,29 @@ def profile_for(cfg, topo: Topology, hardware: str, *, measure: bool, log=print)
     return profile
 
 
+def run_topology(facts) -> Topology | None:
+    """The ranks, nodes and device kind a run's facts describe (its hardware line: ``gpu: 8 x
+    ...``, ``cpu: 2 cores``); None for a TPU run, which the time model does not price."""
+    kind = facts.hardware.split(":", 1)[0].strip()
+    if kind not in ("gpu", "cpu"):
+        return None
+    nproc = facts.world_size // max(1, facts.num_nodes)
+    return Topology.nodes(nproc, facts.num_nodes, plan.HardwareKind[kind])
+
+
 def predict_run(run_dir: Path, record: RunRecord, *, measure: bool = False, log=print):
     """The time model's step for the run in ``run_dir`` (its config.yaml and run.json's
     facts: ranks, nodes, hardware), and the device name; None where it has no facts or the
     machine is unmeasured."""
     facts = record.facts
-    if facts is None:
+    topo = run_topology(facts) if facts is not None else None
+    if topo is None:
         return None
     cfg = rundir.load_run_config(run_dir)
-    kind = plan.HardwareKind.gpu if facts.hardware.startswith("gpu") else plan.HardwareKind.cpu
-    nproc = facts.world_size // max(1, facts.num_nodes)
-    topo = Topology.nodes(nproc, facts.num_nodes, kind)
     device = profile_for(cfg, topo, facts.hardware, measure=measure, log=log)
     if device is None:
         return None
-    shape = plan.inspect_model(cfg, kind)
+    shape = plan.inspect_model(cfg, topo.device)
     strategy = cfg.sharding.strategy
     s = plan.strategy_plan(cfg, topo, shape, strategy)
     return plan_time.predict_step(cfg, topo, shape, s, strategy, device)
@@ -119,7 +127,8 @@ def check(run_dir: Path, *, measure: bool = False, log=print) -> dict | str | No
         return None
     step = predict_run(run_dir, record, measure=measure, log=log)
     if step is None:
-        return UNMEASURED if record.facts is not None else None
+        priced = record.facts is not None and run_topology(record.facts) is not None
+        return UNMEASURED if priced else None
     measured = statistics.median(steps)
     profile = record.results.profile if record.results else None
     summary = profile.get("summary") if isinstance(profile, dict) else None

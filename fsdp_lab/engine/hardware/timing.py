@@ -104,10 +104,16 @@ def time_it(fn: Callable[[], None], device: torch.device, budget: Budget) -> Tim
                 return t
 
 
-def time_together(fn: Callable[[], None], device: torch.device, budget: Budget) -> Timing:
+def time_together(
+    fn: Callable[[], None],
+    device: torch.device,
+    budget: Budget,
+    statistic: Callable[[list[float]], Timing] = mean_interval,
+) -> Timing:
     """``fn``'s seconds per call where ``fn`` is a collective: every rank takes as many
     samples of as many calls (the most any rank chose; it stops when every rank's interval
-    is tight enough or any rank's budget is spent)."""
+    is tight enough or any rank's budget is spent). ``statistic``: the mean (a collective's
+    cost that a step sums), or the median (a whole step's, as a run reports its step)."""
     where = process_group.collective_device(device)
     calls = torch.tensor([_calls(fn, device, budget.sample_s)], device=where)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
@@ -116,7 +122,7 @@ def time_together(fn: Callable[[], None], device: torch.device, budget: Budget) 
     while True:
         dist.barrier()
         xs.append(_sample(fn, device, n))
-        t = mean_interval(xs)
+        t = statistic(xs)
         if len(xs) < budget.min_samples:
             continue
         more = t.spread > budget.target and time.perf_counter() - start <= budget.seconds
