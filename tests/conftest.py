@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+# fsdp_lab's cache (measured profiles, tokenized corpora) is the session's own: a test sees
+# what its session made, never what earlier runs on this machine left. SmolLM2's converted
+# weights stay in the user's cache (USER_CACHE): converting them takes ~40 s.
+USER_CACHE = Path(os.environ.get("FSDP_LAB_CACHE") or "~/.cache/fsdp_lab").expanduser()
+_SESSION_CACHE = tempfile.mkdtemp(prefix="fsdp_lab_cache_")
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+os.environ["FSDP_LAB_CACHE"] = _SESSION_CACHE
 
 
 def _train_args(run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
@@ -315,6 +325,6 @@ def smollm2() -> str:
     finally:
         sys.path.pop(0)
     try:
-        return str(prepare())
+        return str(prepare(USER_CACHE))
     except MissingDependency as e:  # `make test` installs them: a missing one is a failure
         pytest.fail(f"SmolLM2 tests need: {e}")

@@ -90,7 +90,8 @@ class DataConfig:
     mlm_probability: float = 0.15
     """masked_lm: share of tokens masked (80% [MASK], 10% random, 10% kept, as in BERT)."""
     cache_dir: Optional[str] = None
-    """Tokenised corpora are cached here. None: ~/.cache/fsdp_lab/data."""
+    """Tokenised corpora are cached here. None: ``data`` under fsdp_lab's cache
+    (``$FSDP_LAB_CACHE``, else ~/.cache/fsdp_lab)."""
     layout: ChatLayout = ChatLayout.auto
     """chat: messages (a list of {role, content}) or prompt_completion; auto: from the columns."""
     messages_column: str = "messages"

@@ -273,8 +273,14 @@ def row_for(hardware: str) -> str | None:
     return None
 
 
-def device_profile(name_or_path: str) -> DeviceProfile:
-    """A named device (or alias), or a profile file ``fsdp-lab calibrate`` wrote."""
+def setting(flag: str, value: str) -> str:
+    """``--device h100`` or ``hardware.profile=h100``: a setting as the user wrote it."""
+    return f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
+
+
+def device_profile(name_or_path: str, flag: str = "--device") -> DeviceProfile:
+    """A named device (or alias), or a profile file ``fsdp-lab calibrate`` wrote; ``flag``
+    is the setting that named it, for the error."""
     key = name_or_path.strip().lower()
     for d in DEVICES:
         if key == d.name or key in d.aliases:
@@ -283,6 +289,6 @@ def device_profile(name_or_path: str) -> DeviceProfile:
     if path.exists() or len(path.parts) > 1:  # a file, or a path to one
         return read_profile(path)
     raise ConfigError(
-        f"--device {name_or_path}: not a known device ({', '.join(named_devices())}) nor a "
+        f"{setting(flag, name_or_path)}: not a known device ({', '.join(named_devices())}) nor a "
         "profile file; name one, or give the JSON fsdp-lab calibrate wrote"
     )

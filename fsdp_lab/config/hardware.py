@@ -4,9 +4,12 @@ memory, and its single-field rules. Imports no torch."""
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+from fsdp_lab.config.device_rows import device_profile
 from fsdp_lab.config.errors import ConfigError, positive
 
 
@@ -97,9 +100,21 @@ class HardwareConfig:
     machine's own, measured in a few seconds after the first run on it with these ranks
     (cached in ``profile_cache``; measured again after 30 days or under another torch);
     under torchrun or srun the cached one, or none (``fsdp-lab calibrate`` on a node)."""
-    profile_cache: str = "~/.cache/fsdp_lab/profiles"
+    profile_cache: Optional[str] = None
     """Where this machine's measured profiles are kept (one per machine, ranks, dtype and
-    torch version), for runs, ``fsdp-lab plan`` and ``tune`` to read."""
+    torch version), for runs, ``fsdp-lab plan`` and ``tune`` to read. None: ``profiles``
+    under fsdp_lab's cache (``$FSDP_LAB_CACHE``, else ``~/.cache/fsdp_lab``)."""
+
+
+def cache_root() -> Path:
+    """Where fsdp_lab keeps what it makes once per machine (tokenized corpora, measured
+    profiles, converted models): ``$FSDP_LAB_CACHE``, else ``~/.cache/fsdp_lab``."""
+    return Path(os.environ.get("FSDP_LAB_CACHE") or "~/.cache/fsdp_lab").expanduser()
+
+
+def profile_dir(h: HardwareConfig) -> Path:
+    """Where this machine's measured profiles are cached (``profile_cache``)."""
+    return Path(h.profile_cache).expanduser() if h.profile_cache else cache_root() / "profiles"
 
 
 def check_hardware(h: HardwareConfig) -> None:
@@ -122,3 +137,5 @@ def check_hardware(h: HardwareConfig) -> None:
     if h.peak_tflops is not None:
         positive(h.peak_tflops, "hardware.peak_tflops")
     positive(h.time_limit_min, "hardware.time_limit_min")
+    if h.profile:  # a bad name fails here, not after the run it was to price
+        device_profile(h.profile, "hardware.profile=")

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -271,6 +272,9 @@ def read_profile(path: Path) -> DeviceProfile:
 def write_profile(profile: DeviceProfile, path: Path) -> None:
     """Write a profile whole or not at all (a temporary file renamed over the target)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two writers never share one
+    try:
+        tmp.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

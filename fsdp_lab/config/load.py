@@ -73,18 +73,20 @@ def compose(overrides: list[str], config_dirs: list[str] | None = None) -> Confi
 @contextlib.contextmanager
 def _outside_a_running_app():
     """Compose from inside a running Hydra app too (a job's callback measuring the machine):
-    the app's global Hydra is set aside while this composes, and put back."""
+    the app's global Hydra is set aside while this composes, and put back (Hydra's own
+    backup, as its ``initialize`` contexts do)."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    running = GlobalHydra.instance()
-    saved = running.hydra if running.is_initialized() else None
-    running.clear()
+    if not GlobalHydra.instance().is_initialized():
+        yield
+        return
+    backup = get_gh_backup()
+    restore_gh_from_backup(None)  # no global Hydra: compose makes its own
     try:
         yield
     finally:
-        running.clear()
-        if saved is not None:
-            running.initialize(saved)
+        restore_gh_from_backup(backup)
 
 
 def slurm_tasks_per_node(nproc_per_node: int | None) -> int:

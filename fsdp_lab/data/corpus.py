@@ -32,6 +32,7 @@ import xxhash
 
 from fsdp_lab.config import Config, ConfigError, ModelTask
 from fsdp_lab.config.data_kinds import Holds, Rows, Source, kind_row
+from fsdp_lab.config.hardware import cache_root
 from fsdp_lab.data import cache, cache_lock, chat_prep, encode, tasks, worker
 from fsdp_lab.data.worker import Setup, in_validation
 
@@ -58,7 +59,7 @@ class Corpus:
 
 
 def default_cache_dir() -> Path:
-    return Path("~/.cache/fsdp_lab/data").expanduser()
+    return cache_root() / "data"
 
 
 # -- tokenizer ---------------------------------------------------------------------------------

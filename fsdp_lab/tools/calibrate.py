@@ -134,6 +134,11 @@ class Job:
     store: str
     quick: bool = False  # fewer, shorter samples (QUICK_GRIDS)
 
+    def timeout_s(self) -> float:
+        """How long the ranks may take in all: the budget, plus starting them and building
+        the loop's model, with room for a loaded machine (measurements overrun)."""
+        return 120 + 8 * self.seconds
+
     def budget(self, share: float):
         """A measurement's budget: ``share`` of the whole, split over its sizes."""
         from fsdp_lab.engine.hardware.timing import Budget
@@ -181,7 +186,7 @@ def _measure_rank(rank: int, job: Job) -> list[dict] | None:
         init_method=f"file://{job.store}",
         rank=rank,
         world_size=job.nproc,
-        timeout=datetime.timedelta(seconds=600),
+        timeout=datetime.timedelta(seconds=job.timeout_s()),
     )
     dtype = devices.TORCH_DTYPES[Dtype[job.dtype]]
     g = job.grid
@@ -236,8 +241,9 @@ def _plain(value):
     return value
 
 
-def measure(job: Job, timeout_s: float = 900) -> list[dict]:
-    """Start the ranks, wait for rank 0's report of every rank's numbers."""
+def measure(job: Job) -> list[dict]:
+    """Start the ranks, wait for rank 0's report of every rank's numbers; on a rank's death
+    or the timeout stop them all (the living would wait in a collective for the dead)."""
     import transformers.models.llama.modeling_llama  # noqa: F401 - forked ranks inherit it
 
     method = "fork" if job.kind is HardwareKind.cpu else "spawn"
@@ -246,7 +252,7 @@ def measure(job: Job, timeout_s: float = 900) -> list[dict]:
     procs = [ctx.Process(target=_rank_main, args=(r, job, results)) for r in range(job.nproc)]
     for p in procs:
         p.start()
-    deadline, report = time.monotonic() + timeout_s, None
+    deadline, report = time.monotonic() + job.timeout_s(), None
     try:
         while report is None:
             try:
@@ -257,12 +263,17 @@ def measure(job: Job, timeout_s: float = 900) -> list[dict]:
                 if dead or all(p.exitcode is not None for p in procs):
                     report = f"rank(s) {dead or 'all'} exited without a report"
                 elif time.monotonic() > deadline:
-                    report = f"no report within {timeout_s:.0f} s"
+                    report = f"no report within {job.timeout_s():.0f} s"
     finally:
+        if isinstance(report, str) or report is None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
     if isinstance(report, str):
         raise ConfigError(f"fsdp-lab calibrate: a rank failed: {report}")
     return report
@@ -280,8 +291,8 @@ def run_calibration(
 ) -> DeviceProfile:
     """Measure this machine's ``nproc`` ranks for ``seconds`` into a profile (``quick``: the
     few sizes of a run's first prediction)."""
-    if kind is HardwareKind.cpu:
-        calibrate_fit.base_profile(base, kind, "cpu")  # a bad --base fails before measuring
+    if base:
+        calibrate_fit.base_profile(base, kind, "")  # a bad --base fails before measuring
     with tempfile.TemporaryDirectory() as tmp:
         grid = (QUICK_GRIDS if quick else GRIDS)[kind]
         job = Job(kind=kind, nproc=nproc, threads=threads, dtype=dtype, grid=grid,
@@ -313,21 +324,27 @@ def calibrate_command(
         raise ConfigError(f"--seconds {seconds:g}: give calibrate at least 1 s (default 30)")
     if out is not None and out.exists():
         raise ConfigError(f"--out {out} exists: give a new path (a profile is never overwritten)")
+    from fsdp_lab.engine.hardware import devices
+
     cfg = compose(overrides)
+    devices.resolve_kind(cfg.hardware)  # hardware=gpu without CUDA: the one-line error
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
-    key = machine.key_of(cfg, topo)
-    start = time.perf_counter()
-    profile = run_calibration(
-        topo.device,
-        topo.nproc_per_node,
-        threads=cfg.hardware.threads_per_rank,
-        dtype=cfg.precision.param_dtype.name,
-        seconds=seconds,
-        base=base,
-    )
-    path = out or machine.cache_path(cfg, key)
-    write_profile(profile, path)
+    cache = machine.cache_path(cfg, machine.key_of(cfg, topo))
+    path = out or cache
+    with machine.measuring(cache, wait=True):  # never beside another measurement
+        start = time.perf_counter()
+        profile = run_calibration(
+            topo.device,
+            topo.nproc_per_node,
+            threads=cfg.hardware.threads_per_rank,
+            dtype=cfg.precision.param_dtype.name,
+            seconds=seconds,
+            base=base,
+        )
+        write_profile(profile, path)
+        if out is None:
+            machine.failed_path(cache).unlink(missing_ok=True)
     print(describe(profile, time.perf_counter() - start))
     where = f"--device {path}" if out else "(this machine's profile: runs, plan and tune read it)"
     print(f"wrote {path} {where}")

@@ -39,6 +39,13 @@ def add_command(sub, name: str) -> None:
 
 
 def command(args) -> int:
+    if args.device and not args.from_runs:
+        from fsdp_lab.config import ConfigError
+
+        raise ConfigError(
+            f"--device {args.device} names the profile --from-runs refines; measuring this "
+            "machine starts from --base (or drop --device)"
+        )
     if args.from_runs:
         from fsdp_lab.tools.learn import learn_command
 

@@ -343,7 +343,7 @@ def base_profile(name: str | None, kind: HardwareKind, summary: str) -> DevicePr
     machine is (its summary names its GPU), else the cpu row. An unknown GPU takes the h100
     row's network, and says so in its sources."""
     if name:
-        return device_profile(name)
+        return device_profile(name, "--base")
     if kind is not HardwareKind.gpu:
         return device_profile("cpu")
     row = row_for(summary)

@@ -27,7 +27,8 @@ from pathlib import Path
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.hardware_profiles import DeviceProfile, write_profile
 from fsdp_lab.observe import rundir
-from fsdp_lab.tools import plan, plan_time, run_check
+from fsdp_lab.tools import run_check
+from fsdp_lab.tools.calibrate_fit import fit_rate
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,16 @@ class Observed:
 def observe(run_dir: Path, device: DeviceProfile) -> Observed:
     """A run predicted on ``device`` beside its measured step (and split)."""
     record = rundir.read_run_file(run_dir)
-    facts = record.facts
     steps = run_check.measured_steps(run_dir, record)
-    if facts is None or len(steps) < run_check.MIN_STEPS:
+    if record.facts is None or len(steps) < run_check.MIN_STEPS:
         raise ConfigError(
             f"--from-runs {run_dir}: not a finished run of {run_check.MIN_STEPS}+ steps "
             "(its run.json has no facts or too few steps)"
         )
-    cfg = rundir.load_run_config(run_dir)
-    topo = run_check.run_topology(facts)
-    if topo is None:
-        raise ConfigError(f"--from-runs {run_dir}: a {facts.hardware} run; the time model "
-                          "prices cpu and gpu runs")  # fmt: skip
-    shape = plan.inspect_model(cfg, topo.device)
-    s = plan.strategy_plan(cfg, topo, shape, cfg.sharding.strategy)
-    step = plan_time.predict_step(cfg, topo, shape, s, cfg.sharding.strategy, device)
+    step = run_check.predict_run(run_dir, record, device=device)
+    if step is None:
+        raise ConfigError(f"--from-runs {run_dir}: a {record.facts.hardware} run; the time "
+                          "model prices cpu and gpu runs")  # fmt: skip
     profile = record.results.profile if record.results else None
     summary = profile.get("summary") if isinstance(profile, dict) else None
     return Observed(run_dir, step.to_json(), statistics.median(steps), summary)
@@ -71,48 +67,28 @@ def _geomean(ratios: list[float]) -> float:
 def fit(observed: list[Observed]) -> dict:
     """The learned figures. A trace's split is scaled to the run's unprofiled median step
     (the profiler slows the steps it records). Exposed communication: the geometric mean of
-    measured over predicted. The rest of the step (compute and idle host time, measured;
-    compute and the optimizer, predicted): measured = scale x predicted + host time, fitted
-    by least squares on relative errors (host time >= 0)."""
+    measured over predicted. The rest of the step, less what the prediction already puts in
+    ``other`` (the profile's host cost, offload's copies): measured = scale x (predicted
+    compute and optimizer) + host time, fitted as calibrate fits a rate and a latency
+    (least squares on relative errors, host time >= 0)."""
     comm, busy = [], []
     for o in observed:
         p = o.predicted
         predicted_busy = p["compute_s"] + p["optimizer_s"]
         if o.split and o.split.get("step_s"):
-            k = o.step_s / o.split["step_s"]
-            measured_comm = k * o.split["exposed_comm_s"]
+            measured_comm = o.step_s / o.split["step_s"] * o.split["exposed_comm_s"]
             if p["exposed_comm_s"] > 0 and measured_comm > 0:
                 comm.append(measured_comm / p["exposed_comm_s"])
-            busy.append((predicted_busy, o.step_s - measured_comm))
-        else:  # the step alone: what the predicted communication leaves of it
-            busy.append((predicted_busy, o.step_s - p["exposed_comm_s"]))
-    comm_scale = _geomean(comm)
-    if not comm:  # no trace: the step's communication scaled as its compute
-        busy = [(b + o.predicted["exposed_comm_s"], b2 + o.predicted["exposed_comm_s"])
-                for (b, b2), o in zip(busy, observed, strict=True)]  # fmt: skip
-    scale, host = _scale_and_offset(busy)
-    return {
-        "compute_scale": scale,
-        "comm_scale": comm_scale if comm else scale,
-        "host_s": host,
-    }
-
-
-def _scale_and_offset(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """a, h >= 0 minimising the relative errors of a x predicted + h against measured."""
-    rows = [(x / y, 1 / y) for x, y in points if y > 0]
-    if len(rows) >= 2:
-        sxx = sum(x * x for x, _ in rows)
-        sxo = sum(x * o for x, o in rows)
-        soo = sum(o * o for _, o in rows)
-        sx, so = sum(x for x, _ in rows), sum(o for _, o in rows)
-        det = sxx * soo - sxo * sxo
-        if det > 0:
-            a, h = (sx * soo - so * sxo) / det, (sxx * so - sxo * sx) / det
-            if a > 0 and h >= 0:
-                return a, h
-    a = sum(x for x, _ in rows) / sum(x * x for x, _ in rows) if rows else 1.0
-    return a, 0.0
+        else:  # the step alone: the predicted communication taken as it is
+            measured_comm = p["exposed_comm_s"]
+        busy.append((predicted_busy, o.step_s - measured_comm - p["other_s"]))
+    scale, host = 1.0, 0.0
+    points = [(x, y) for x, y in busy if x > 0 and y > 0]
+    if points:
+        rate = fit_rate(points)
+        scale, host = 1 / rate.per_s, rate.latency_s
+    return {"compute_scale": scale, "comm_scale": _geomean(comm) if comm else 1.0,
+            "host_s": host}  # fmt: skip
 
 
 def refined(device: DeviceProfile, learned: dict, runs: list[Path]) -> DeviceProfile:

@@ -26,7 +26,7 @@ from fsdp_lab.config import (
     ShardingStrategy,
 )
 from fsdp_lab.config.data_kinds import Rows, kind_row
-from fsdp_lab.config.device_rows import device_profile
+from fsdp_lab.config.device_rows import device_profile, named_devices, setting
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.precisions import dtype_row
@@ -260,7 +260,7 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
 
 
 def time_device(
-    name: str | None, topo: Topology, cfg: Config | None = None
+    name: str | None, topo: Topology, cfg: Config | None = None, *, flag: str = "--device"
 ) -> tuple[DeviceProfile, list[str]]:
     """The device the step is priced on: ``name`` (a named device or a calibrated profile),
     else this machine's measured profile for these ranks where one is cached (``cfg``'s
@@ -269,20 +269,20 @@ def time_device(
     from fsdp_lab.tools import machine
 
     notes = []
-    device = device_profile(name) if name else None
+    device = device_profile(name, flag) if name else None
     if device is None and cfg is not None and on_this_machine(topo):
         device = machine.cached(cfg, topo)
     if device is None:
         device = device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
         notes.append(
             f"unmeasured: step times are priced on the hardware table's {device.name} row, "
-            "not this machine: name the device with --device (a100-40gb, a100-80gb, h100, "
-            "h200, b200, cpu), or measure this machine with fsdp-lab calibrate (a run measures "
-            "it too, after its first run)"
+            f"not this machine: name the device with {flag.rstrip('=')} "
+            f"({', '.join(named_devices())}), or measure this machine with fsdp-lab calibrate "
+            "(a run measures it too, after its first run)"
         )
     if (device.kind == "cpu") != (topo.device is HardwareKind.cpu):
         notes.append(
-            f"--device {device.name} is a {device.kind}; the run is hardware="
+            f"{setting(flag, device.name)} is a {device.kind}; the run is hardware="
             f"{topo.device.name} (plan it with hardware={device.kind})"
         )
     measured = (device.measured or {}).get("ranks")

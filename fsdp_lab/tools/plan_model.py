@@ -4,6 +4,7 @@ shape its activations are counted from, and the loss."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -130,9 +131,16 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     )
 
 
-def trace_hf_config(cfg: Config):
-    """The run's transformers config, as ``inspect_model`` builds the model from it."""
-    return _hf_config(cfg)[0]
+def trace_hf_config(cfg: Config, vocab: int | None = None):
+    """The run's transformers config, as ``inspect_model`` builds the model from it (with
+    ``vocab``, the vocabulary it resolved: the tokenizer not read again)."""
+    if vocab is None:
+        return _hf_config(cfg)[0]
+    from fsdp_lab.engine import model as model_lib
+
+    preset = cfg.model.arch is not None
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab) if preset else cfg.model
+    return model_lib.build_hf_config(model_cfg)
 
 
 def _hf_config(cfg: Config):

@@ -175,6 +175,7 @@ def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> l
         batch=cfg.trainer.micro_batch_size,
         seq_len=cfg.trainer.seq_len // cp,
         loss=facts.loss,
+        vocab=layer.vocab,
         tp=tp,
     )
     by_unit = _unit_params(facts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from fsdp_lab.config import Config
+from fsdp_lab.config import Config, ConfigError
 from fsdp_lab.tools.op_count import BACKWARD, FORWARD, ROOT, PassTrace, _Counter, _Stubs
 
 
@@ -34,11 +34,14 @@ class StepTrace:
         return self.passes.get((unit, phase)) or PassTrace()
 
 
-def trace_step(cfg: Config, *, batch: int, seq_len: int, loss: str, tp: int = 1) -> StepTrace:
+def trace_step(
+    cfg: Config, *, batch: int, seq_len: int, loss: str, vocab: int, tp: int = 1
+) -> StepTrace:
     """The run's micro-batch of ``batch`` x ``seq_len`` tokens, traced (cached), with the loss
     the plan resolved (``loss``: a ``LossKind`` name; one whose kernels need a GPU is traced
-    as the loss its row says the plan counts it as). ``tp``: the layer as one rank of a TP
-    group runs it (heads and MLP width split; ``tp_config``)."""
+    as the loss its row says the plan counts it as). ``vocab``: the vocabulary the plan
+    resolved (the tokenizer is not read again). ``tp``: the layer as one rank of a TP group
+    runs it (heads and MLP width split; ``tp_config``)."""
     from omegaconf import OmegaConf
 
     key = (
@@ -51,12 +54,13 @@ def trace_step(cfg: Config, *, batch: int, seq_len: int, loss: str, tp: int = 1)
         batch,
         seq_len,
         loss,
+        vocab,
         tp,
     )
     if key not in _CACHE:
         if len(_CACHE) >= 64:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _trace(cfg, batch, seq_len, loss, tp)
+        _CACHE[key] = _trace(cfg, batch, seq_len, loss, vocab, tp)
     return _CACHE[key]
 
 
@@ -65,14 +69,14 @@ _CACHE: dict[tuple, StepTrace] = {}  # the settings a trace depends on -> the tr
 
 def tp_config(hf_config, tp: int):
     """The config of one TP rank's layer: heads, key-value heads and MLP widths divided by
-    ``tp`` with the head size kept (what a rank of a colwise/rowwise split computes), or None
-    where the config cannot say so (no ``head_dim`` field)."""
+    ``tp`` with the head size kept (what a rank of a colwise/rowwise split computes; models
+    read ``head_dim`` where it is set), or None where its heads do not divide."""
     import copy
 
     heads = getattr(hf_config, "num_attention_heads", None)
     if tp == 1:
         return hf_config
-    if heads is None or not hasattr(hf_config, "head_dim") or heads % tp:
+    if heads is None or heads % tp:
         return None
     local = copy.deepcopy(hf_config)
     local.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -85,7 +89,7 @@ def tp_config(hf_config, tp: int):
     return local
 
 
-def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, tp: int) -> StepTrace:
+def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp: int) -> StepTrace:
     import torch
 
     from fsdp_lab.config import LossKind
@@ -96,14 +100,17 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, tp: int) -> St
     from fsdp_lab.tools.plan_model import trace_hf_config
     from fsdp_lab.train import loss as loss_lib
 
-    hf_config = trace_hf_config(cfg)
+    hf_config = trace_hf_config(cfg, vocab)
     # experts as grouped GEMMs whatever the run's implementation: their calls are stubbed
     # and priced by plan_time (an eager loop's routing reads its data: not on meta)
     if _is_moe(hf_config):
         moe.set_experts_implementation(hf_config, "grouped_mm")
     local = tp_config(hf_config, tp)
     if local is None:
-        raise ValueError(f"{type(hf_config).__name__} has no head_dim: no TP-local layer")
+        raise ConfigError(
+            f"parallel.tensor={tp}: {type(hf_config).__name__}'s attention heads do not divide "
+            "by it; fsdp-lab plan cannot price one rank's layer"
+        )
     model = model_lib.model_on_meta(local, cfg.model.task, cfg.finetune)
     dtype = devices.TORCH_DTYPES[cfg.precision.param_dtype]
     model.to(dtype)

@@ -38,14 +38,14 @@ MIN_STEPS = 3  # steady steps (after the first) a median needs to say anything
 DEPARTS = 1.25  # a gap of more than this (either way) is named
 
 
-def profile_for(cfg, topo: Topology, hardware: str, *, measure: bool, log=print):
+def profile_for(cfg, topo: Topology, *, measure: bool, log=print):
     """The profile a run is priced on: ``hardware.profile``, else this machine's (measured
     now where ``measure`` and none is cached); None where the machine is unmeasured, or its
     GPU has no row and is unmeasured too."""
     from fsdp_lab.tools import calibrate, machine
 
     if cfg.hardware.profile:
-        return plan.time_device(cfg.hardware.profile, topo)[0]
+        return plan.time_device(cfg.hardware.profile, topo, flag="hardware.profile=")[0]
     profile = machine.cached(cfg, topo)
     if profile is None and measure:
         profile = machine.ensure(cfg, topo, lambda: calibrate.quick(cfg, topo), log=log)
@@ -62,16 +62,16 @@ def run_topology(facts) -> Topology | None:
     return Topology.nodes(nproc, facts.num_nodes, plan.HardwareKind[kind])
 
 
-def predict_run(run_dir: Path, record: RunRecord, *, measure: bool = False, log=print):
+def predict_run(run_dir: Path, record: RunRecord, *, measure: bool = False, log=print, device=None):
     """The time model's step for the run in ``run_dir`` (its config.yaml and run.json's
-    facts: ranks, nodes, hardware), and the device name; None where it has no facts or the
-    machine is unmeasured."""
+    facts: ranks, nodes, hardware) on ``device``, else on ``profile_for``'s; None where it
+    has no facts, is a TPU run, or the machine is unmeasured."""
     facts = record.facts
     topo = run_topology(facts) if facts is not None else None
     if topo is None:
         return None
     cfg = rundir.load_run_config(run_dir)
-    device = profile_for(cfg, topo, facts.hardware, measure=measure, log=log)
+    device = device or profile_for(cfg, topo, measure=measure, log=log)
     if device is None:
         return None
     shape = plan.inspect_model(cfg, topo.device)
@@ -168,10 +168,11 @@ class RunCheck(Callback):
                 return
             predicted = check(run_dir, measure=local, log=say)
             if predicted == UNMEASURED:
-                say(
-                    "no predicted step: this machine is unmeasured (fsdp-lab calibrate "
-                    "measures it, in seconds; a local run does so itself)"
-                )
+                if not local:  # a local run's measuring has said why it did not
+                    say(
+                        "no predicted step: this machine is unmeasured (fsdp-lab calibrate "
+                        "measures it, in seconds; a local run does so itself)"
+                    )
                 return
             if predicted is None:
                 return

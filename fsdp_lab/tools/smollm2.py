@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsdp_lab.config.hardware import cache_root
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUBDIR = "smollm2-135m-instruct"
 MARKER = "PREPARED.json"
@@ -38,7 +40,7 @@ class MissingDependency(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("FSDP_LAB_CACHE") or Path.home() / ".cache" / "fsdp_lab")
+    return cache_root()
 
 
 def find_gguf() -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_lab.config import HardwareKind, compose
+from fsdp_lab.config import ConfigError, HardwareKind, compose
 from fsdp_lab.config.device_rows import device_profile
 from fsdp_lab.config.hardware_profiles import read_profile, write_profile
 from fsdp_lab.config.topology import Topology
@@ -32,7 +32,7 @@ TINY = calibrate.Grid(
 def test_calibrate_measures_every_figure_on_two_gloo_ranks(tmp_path):
     job = calibrate.Job(kind=HardwareKind.cpu, nproc=2, threads=1, dtype="fp32", grid=TINY,
                         seconds=1.0, store=str(tmp_path / "store"))  # fmt: skip
-    everyone = calibrate.measure(job, timeout_s=300)
+    everyone = calibrate.measure(job)
     assert len(everyone) == 2  # rank 0 reports both ranks' timings
     for rank in everyone:
         assert set(rank) >= {"matmul", "attention", "decoders", "views", "optimizer", "fsdp",
@@ -84,11 +84,21 @@ def test_this_machines_profile_is_kept_per_ranks_and_torch_and_measured_once(tmp
     assert machine.cached(cfg, topo) is None
     with open(path.with_suffix(".lock"), "w") as held:  # another process measuring now
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert machine.ensure(cfg, topo, measure) is None
-    assert len(calls) == 1
+        assert machine.ensure(cfg, topo, measure, log=said.append) is None
+    assert len(calls) == 1 and "another process is measuring" in said[-1]
+
+    def broken():  # a measuring that fails says why once; the day's other runs skip it
+        calls.append(1)
+        raise RuntimeError("rank 1 exited")
+
+    fresh = compose(["hardware=cpu", f"hardware.profile_cache={tmp_path / 'fresh'}"])
+    with pytest.raises(ConfigError, match="rank 1 exited"):
+        machine.ensure(fresh, topo, broken)
+    assert machine.ensure(fresh, topo, broken, log=said.append) is None
+    assert len(calls) == 2 and "failed within the day" in said[-1] and "rank 1" in said[-1]
     # a run on an unmeasured machine that may not measure it has nothing to compare with
     other = compose(["hardware=cpu", f"hardware.profile_cache={tmp_path / 'none'}"])
-    assert run_check.profile_for(other, topo, "cpu: 2 cores", measure=False) is None
+    assert run_check.profile_for(other, topo, measure=False) is None
 
 
 def _observed(step, compute, comm, *, split=None):
@@ -116,9 +126,16 @@ def test_from_runs_fits_the_compute_scale_the_host_time_and_the_communication():
     assert refined.sources["learned"].startswith("fit: fsdp-lab calibrate --from-runs over 2")
     for run in runs:  # the fit reproduces the runs it learned from
         assert learn.predicted_step(run, refined) == pytest.approx(run.step_s)
-    # runs without a trace: the step as a whole
-    plain = [_observed(0.3, 0.2, 0.05), _observed(0.6, 0.4, 0.1)]
-    assert learn.fit(plain)["comm_scale"] == learn.fit(plain)["compute_scale"]
+    # runs without a trace: their steps less the predicted communication teach the rest
+    plain = [_observed(0.3, 0.2, 0.05), _observed(0.6, 0.4, 0.1)]  # 1.25 x compute
+    assert learn.fit(plain)["comm_scale"] == 1.0
+    assert learn.fit(plain)["compute_scale"] == pytest.approx(1.25)
+    # what the prediction already puts in `other` (4 ms) is not learned again as host time
+    busy, exposed = 1.2 * 0.1 + 0.005, 1.5 * 0.02
+    step = busy + exposed + 0.004
+    split = {"step_s": 2 * step, "exposed_comm_s": 2 * exposed}
+    with_other = learn.Observed(Path("r"), {**runs[0].predicted, "other_s": 0.004}, step, split)
+    assert learn.fit([with_other, *runs[1:]])["host_s"] == pytest.approx(0.005)
 
 
 def test_from_runs_refuses_what_is_not_a_run(tmp_path, capsys):
