@@ -227,25 +227,26 @@ def main() -> None:
         return
     rows = json.loads(DATA.read_text())
     start = time.perf_counter()
-    predictions, tmp = {}, Path(tempfile.mkdtemp())
-    for r in rows:
-        if r["not_expressible"] or (a.only and a.only not in r["source"]):
-            continue
-        predictions[r["id"]] = predict(r, tmp)
-        if a.verbose:
-            print(r["id"], setup(r), predictions[r["id"]], file=sys.stderr, flush=True)
+    predictions = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in rows:
+            if r["not_expressible"] or (a.only and a.only not in r["source"]):
+                continue
+            predictions[r["id"]] = predict(r, Path(tmp))
+            if a.verbose:
+                print(r["id"], setup(r), predictions[r["id"]], file=sys.stderr, flush=True)
     if a.only:
         errs = [abs(v["error"]) for v in predictions.values() if "predicted" in v]
         print(f"{len(errs)} rows: median {100 * statistics.median(errs):.1f}%")
         return
     table = render(rows, predictions)
-    RESULTS.write_text(json.dumps(predictions, indent=1) + "\n")
     doc = DOC.read_text()
     head, _, rest = doc.partition(BEGIN)
     _, _, tail = rest.partition(END)
     new = f"{head}{BEGIN}\n{table}\n{END}{tail}"
-    if a.check:
+    if a.check:  # writes nothing
         sys.exit(0 if new == doc else 1)
+    RESULTS.write_text(json.dumps(predictions, indent=1) + "\n")
     DOC.write_text(new)
     print(table.splitlines()[0])
     print(f"({time.perf_counter() - start:.0f} s)")

@@ -383,7 +383,8 @@ def describe(p: DeviceProfile, seconds: float) -> str:
     lines.append(f"  ranks wait for the slowest for {p.straggle:.1%} of their compute; a step's "
                  f"host cost besides: {p.step_host_s * 1e3:.2f} ms")  # fmt: skip
     if p.grouped_fraction is not None:
-        lines.append(f"  experts' grouped GEMMs: {p.grouped_fraction:.2f}x the dense forward rate")
+        rate = p.grouped_flops(d)
+        lines.append(f"  experts' grouped GEMMs: {rate / 1e9:.1f} GFLOP/s")
     for op, link in p.collectives.items():
         lines.append(
             f"  {op}: {link.bytes_per_s / 1e9:.2f} GB/s bus bandwidth, "

@@ -16,6 +16,7 @@ import time
 from fsdp_lab.config import HardwareKind
 from fsdp_lab.config.device_rows import device_profile, row_for
 from fsdp_lab.config.hardware_profiles import COLLECTIVES, DeviceProfile, Link, Rate
+from fsdp_lab.config.precisions import peak_key
 from fsdp_lab.tools import op_count
 
 MIB = 2**20
@@ -89,8 +90,10 @@ def _fits(everyone: list[dict], job) -> dict:
         fwd, both = (_median(_slowest(everyone, "attention", key, i)) for i in (0, 1))
         at_f.append([dim, t, flops / fwd])
         at_b.append([dim, t, 2.5 * flops / max(both - fwd, 1e-9)])
+    backward = fit_rate(mm_b)  # a latency per linear's backward: two calls (the gradients)
+    backward = dataclasses.replace(backward, latency_s=backward.latency_s / 2)
     return {
-        "matmul": {f"{d} forward": fit_rate(mm_f), f"{d} backward": fit_rate(mm_b)},
+        "matmul": {f"{d} forward": fit_rate(mm_f), f"{d} backward": backward},
         "attention": {f"{d} forward": at_f, f"{d} backward": at_b},
     }
 
@@ -128,10 +131,14 @@ def _host_and_memory(
         rests.append((ops, nbytes, _median(_slowest(everyone, "decoders", key)) - known))
     ops, _, rest = rests[0]
     op_s = max(rest, 0.0) / max(ops, 1)
+    # A GPU issues operators while earlier ones run (time_model takes the larger of the
+    # two): its larger decoders' rest is their bytes alone. A CPU runs them one by one.
+    gpu = job.kind is HardwareKind.gpu
     memory = {}
     for ops, nbytes, rest in rests[1:]:
-        bucket = op_count.size_bucket(nbytes / max(ops, 1))
-        memory[bucket] = nbytes / max(rest - ops * op_s, 1e-9)
+        moving = rest if gpu else rest - ops * op_s
+        if moving > 0:  # else within the noise of the fitted rates: no figure from it
+            memory[op_count.size_bucket(nbytes / max(ops, 1))] = nbytes / moving
     return op_s, memory
 
 
@@ -154,7 +161,8 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
         for op in COLLECTIVES
         if "collectives" in first
     }
-    forward = rates["matmul"][f"{job.dtype} forward"].per_s
+    compute = _peaks(base, job.dtype, rates["matmul"][f"{job.dtype} forward"].per_s)
+    peak = dataclasses.replace(base, compute=compute).flops(job.dtype, 1.0)
     optimizer = {int(k): _median(v) for k, v in first["optimizer"].items()}
     few, many = min(optimizer), max(optimizer)
     tensor_s = max(0.0, (optimizer[many] - optimizer[few]) / (many - few))
@@ -166,12 +174,10 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
     profile = dataclasses.replace(
         base,
         name=f"measured ({first['device']}, {job.nproc} ranks)",
-        compute={**base.compute, job.dtype: forward},
-        matmul_fraction=1.0,
+        compute=compute,
         matmul=rates["matmul"],
         attention=rates["attention"],
-        attention_fraction=max(p[2] for p in rates["attention"][f"{job.dtype} forward"]) / forward,
-        memory_bytes_per_s=memory[max(memory)],
+        memory_bytes_per_s=memory[max(memory)] if memory else base.memory_bytes_per_s,
         memory_by_size=memory,
         op_overhead_s=op_s,
         view_overhead_s=view_s,
@@ -180,28 +186,46 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
         unit_overhead_s=unit_s,
         tp_linear_s=_tp_overhead(first),
         straggle=_straggle(first, job),
-        grouped_fraction=_grouped_fraction(everyone, forward) if "grouped" in first else None,
+        grouped_fraction=_grouped_fraction(everyone, peak) if "grouped" in first else None,
         host_link=Link(host, base.host_link.latency_s),
         host_memory_bytes_per_s=(
-            memory[max(memory)] if job.kind is HardwareKind.cpu else base.host_memory_bytes_per_s
+            memory[max(memory)]
+            if memory and job.kind is HardwareKind.cpu
+            else base.host_memory_bytes_per_s
         ),
         intra_node=collectives.get("all_gather", base.intra_node),
         collectives=collectives,
         ranks_per_node=job.nproc,
         learned={},
-        sources={**base.sources, **{k: who for k in MEASURED_FIELDS}},
+        sources=_sources(base, who, measured_memory=bool(memory)),
         measured=_record(everyone, job, base),
         aliases=(),
     )
     return dataclasses.replace(profile, step_host_s=_step_host(everyone, job, profile))
 
 
+def _peaks(base: DeviceProfile, dtype: str, forward: float) -> dict[str, float]:
+    """The peaks stay the base row's (MFU is over them; their fractions price what was not
+    measured); a dtype the row has no peak of takes the measured forward rate as its own."""
+    compute = dict(base.compute)
+    if dtype not in compute and peak_key(dtype) not in compute:
+        compute[dtype] = forward
+    return compute
+
+
+def _sources(base: DeviceProfile, who: str, *, measured_memory: bool) -> dict[str, str]:
+    """Where each figure came from: what calibrate measured, else the base row's source."""
+    sources = {**base.sources, **{k: who for k in MEASURED_FIELDS}}
+    if not measured_memory:
+        for field in ("memory_bytes_per_s", "memory_by_size"):
+            sources[field] = "not measured: the base row's (the decoders' time was within " \
+                             "their fitted matmuls')"  # fmt: skip
+    return sources
+
+
 MEASURED_FIELDS = (
-    "compute",
-    "matmul_fraction",
     "matmul",
     "attention",
-    "attention_fraction",
     "memory_bytes_per_s",
     "memory_by_size",
     "op_overhead_s",
@@ -275,15 +299,14 @@ def _straggle(first: dict, job) -> float:
     return max(0.0, wait - alone) / compute
 
 
-def _grouped_fraction(everyone: list[dict], forward: float) -> float:
-    """The grouped GEMMs' FLOP rate (forward and backward, 6 x rows x K x N) over the dense
-    matmuls' forward rate."""
+def _grouped_fraction(everyone: list[dict], peak: float) -> float:
+    """The grouped GEMMs' FLOP rate (forward and backward, 6 x rows x K x N) over the peak."""
     flops = seconds = 0.0
     for key in everyone[0]["grouped"]:
         e, r, k, n = _shape(key)
         flops += 6 * e * r * k * n
         seconds += _median(_slowest(everyone, "grouped", key))
-    return flops / seconds / forward
+    return flops / seconds / peak
 
 
 def _record(everyone: list[dict], job, base: DeviceProfile) -> dict:

@@ -44,6 +44,7 @@ class ParamShape:
     # float8 (an fp32 master, gathered in 1 byte); nf4 (frozen, 4.13 bits, gathered as such).
     storage: str = "fp32"
     lookup: bool = False  # an embedding's table, read by index: no matmul (a tied head's is one)
+    tp_linear: bool = False  # a linear's weight parallel.tensor splits (DTensor dispatch a pass)
 
     @property
     def row(self) -> int:

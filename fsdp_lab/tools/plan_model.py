@@ -37,10 +37,11 @@ class ModelShape(ModelCounts):
     notes: list[str] = field(default_factory=list)
 
 
-def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
+def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int, bool]]:
     """What a rank keeps of each TP-split parameter before FSDP shards it on the data-parallel
-    ranks: (elements, rows). A colwise layer keeps 1/tensor of its rows (weight and bias), a
-    rowwise one 1/tensor of its columns (its bias stays whole)."""
+    ranks: (elements, rows, whether it is a split linear's weight). A colwise layer keeps
+    1/tensor of its rows (weight and bias), a rowwise one 1/tensor of its columns (its bias
+    stays whole)."""
     if parallel.tensor == 1:
         return {}
     from fsdp_lab.engine import tensor_parallel
@@ -49,11 +50,11 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int]]:
     for split in tensor_parallel.splits(model, tensor_parallel.check(model, parallel)):
         w, bias = split.module.weight, split.module.bias
         if split.splits_output:
-            out[id(w)] = (w.numel() // tp, w.shape[0] // tp)
+            out[id(w)] = (w.numel() // tp, w.shape[0] // tp, True)
             if bias is not None:
-                out[id(bias)] = (bias.numel() // tp, bias.shape[0] // tp)
+                out[id(bias)] = (bias.numel() // tp, bias.shape[0] // tp, False)
         else:
-            out[id(w)] = (w.numel() // tp, w.shape[0])
+            out[id(w)] = (w.numel() // tp, w.shape[0], True)
     return out
 
 
@@ -200,14 +201,15 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
     }
     params = [
         memory.ParamShape(
-            numel=split.get(id(p), (p.numel(), 0))[0],
-            dim0=split.get(id(p), (0, p.shape[0] if p.ndim else 1))[1],
+            numel=split[id(p)][0] if id(p) in split else p.numel(),
+            dim0=split[id(p)][1] if id(p) in split else (p.shape[0] if p.ndim else 1),
             group=owner.get(id(p), -1),
             trainable=p.requires_grad,
             expert_dim1=p.shape[1] if id(p) in experts else 0,
             module_dim1s=experts.get(id(p), ()),
             storage=low_precision.storage(p),
             lookup=id(p) in tables,
+            tp_linear=id(p) in split and split[id(p)][2],
         )
         for p in model.parameters()
     ]

@@ -23,6 +23,7 @@ from fsdp_lab.config import (
     Config,
     ExpertsImplementation,
     HardwareKind,
+    ModelTask,
     OffloadDevice,
     ShardingStrategy,
 )
@@ -68,13 +69,16 @@ def _grouped(cfg: Config) -> bool:
 
 def _attention_flops(cfg: Config, layer, device: HardwareKind) -> float:
     """Forward FLOPs of one layer's attention on the busiest rank: QK^T and AV over the keys
-    each query sees (causal: half the sequence on average, a window at most). Under context
+    each query sees (causal: half the sequence on average, a window at most; a masked LM's
+    encoder: every key, the kernel run without a causal mask). Under context
     parallelism a rank holds chunks r and 2C-1-r of 2C and attends each against the keys
     before it; the first chunk is a square causal block, later ones run with a mask (every
     key computed) except where the GPU applies the lower-right causal bias in place."""
     b, seq, cp = cfg.trainer.micro_batch_size, cfg.trainer.seq_len, cfg.parallel.context
     q_dim = layer.q_dim / cfg.parallel.tensor
     window = layer.sliding_window
+    if cfg.model.task is ModelTask.masked_lm:  # context parallelism refuses it
+        return 4 * b * seq * seq * q_dim
     if cp == 1:
         keys = seq / 2 if window is None else min(seq / 2, window)
         return 4 * b * seq * keys * q_dim
@@ -114,16 +118,15 @@ def _traced(p: op_count.PassTrace, *, compiled: bool, grouped: bool) -> PassWork
         op_bytes = tuple((k, float(p.ops[k]), float(p.op_bytes[k])) for k in sorted(p.ops))
         views = float(p.views)
     flops, calls = p.matmul_flops(), float(sum(p.matmuls.values()))
-    grouped_flops, grouped_calls = p.grouped_flops(), float(sum(p.grouped.values()))
+    grouped_flops = p.grouped_flops()
     if not grouped:  # an eager loop (or batched_mm): dense matmuls, one call an expert
         flops += grouped_flops
         calls += sum(e * c for (e, *_), c in p.grouped.items())
-        grouped_flops = grouped_calls = 0.0
+        grouped_flops = 0.0
     return PassWork(
         matmul_flops=flops,
         matmul_calls=calls,
         grouped_flops=grouped_flops,
-        grouped_calls=grouped_calls,
         op_bytes=op_bytes,
         views=views,
     )
@@ -196,10 +199,11 @@ def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> l
     first = UnitWork(
         "root",
         PassWork(op_bytes=_copies(lay.gather_copies(-1))),
-        PassWork(op_bytes=_copies(lay.reduce_copies(-1))),
+        PassWork(),
         lay.gather(-1),
         False,
         lay.reduce(-1),
+        PassWork(op_bytes=_copies(lay.reduce_copies(-1))),
     )
     dim = layer.q_dim // max(1, layer.num_heads)
     head = UnitWork(
@@ -207,14 +211,12 @@ def _units(cfg: Config, topo: Topology, facts: ModelShape, s: StrategyPlan) -> l
         _with(
             root_f,
             attention_flops=attn,
-            attention_calls=float(bool(attn)),
             head_dim=dim,
             attention_tokens=cfg.trainer.seq_len,
         ),
         _with(
             root_b,
             attention_flops=ATTENTION_BACKWARD * attn,
-            attention_calls=float(bool(attn)),
             head_dim=dim,
             attention_tokens=cfg.trainer.seq_len,
         ),
@@ -239,19 +241,14 @@ def _block(
     grouped, compiled = _grouped(cfg), cfg.compile
     fwd = _traced(trace.of(group, FORWARD), compiled=compiled, grouped=grouped)
     bwd = _traced(trace.of(group, BACKWARD), compiled=compiled, grouped=grouped)
-    calls = float(trace.of(group, FORWARD).attention)
-    linears = float(
-        sum(1 for p in params if p.row > 1 and not p.lookup and not p.expert_dim1)
-        if cfg.parallel.tensor > 1
-        else 0
-    )
+    linears = float(sum(1 for p in params if p.tp_linear))
     fp8 = cfg.precision.float8_recipe is not None
     dim = facts.layer.q_dim // max(1, facts.layer.num_heads)
     keys = cfg.trainer.seq_len
-    fwd = _with(fwd, attention_flops=attn, attention_calls=calls, tp_linears=linears,
+    fwd = _with(fwd, attention_flops=attn, tp_linears=linears,
                 fp8_flops=fwd.matmul_flops if fp8 else 0.0, head_dim=dim,
                 attention_tokens=keys)  # fmt: skip
-    bwd = _with(bwd, attention_flops=ATTENTION_BACKWARD * attn, attention_calls=calls,
+    bwd = _with(bwd, attention_flops=ATTENTION_BACKWARD * attn,
                 tp_linears=2 * linears, fp8_flops=bwd.matmul_flops if fp8 else 0.0,
                 head_dim=dim, attention_tokens=keys)  # fmt: skip
     low_f, low_b = _low_precision(cfg, params, t, lay.b, lay.shard)
@@ -259,14 +256,14 @@ def _block(
     if group in facts.checkpointed_units:  # recomputed in backward
         bwd = bwd.plus(_recomputed(cfg, fwd, trace.of(group, FORWARD)))
     copies_f = lay.gather_copies(group)
-    copies_b = (copies_f if regather else 0.0) + lay.reduce_copies(group)
     return UnitWork(
         name=f"unit {group}",
         forward=_with(fwd, op_bytes=_copies(copies_f)),
-        backward=_with(bwd, op_bytes=_copies(copies_b)),
+        backward=_with(bwd, op_bytes=_copies(copies_f if regather else 0.0)),
         gather=lay.gather(group),
         regather=regather,
         reduce=lay.reduce(group),
+        reduce_copies=PassWork(op_bytes=_copies(lay.reduce_copies(group))),
         inner=plan_comm.inner_collectives(cfg, facts.layer, t, lay.b, lay.per_node, linears),
     )
 
@@ -274,16 +271,20 @@ def _block(
 def _recomputed(cfg: Config, fwd: PassWork, traced: op_count.PassTrace) -> PassWork:
     """What a checkpointed unit runs again in backward: its forward, or with
     activation_checkpointing=op all but attention and every second matmul (their outputs
-    are kept)."""
+    are kept; a mixture of experts' grouped GEMMs run again)."""
     if cfg.activation_checkpointing.mode is not ActivationCheckpointingMode.op:
         return fwd
+    # The experts run again whole as grouped GEMMs (the policy keeps none); an eager loop's
+    # matmuls join the alternation: every second one runs again.
+    eager = 0.0 if _grouped(cfg) else 0.5
+    experts = eager * traced.grouped_flops()
+    expert_calls = eager * sum(e * c for (e, *_), c in traced.grouped.items())
     return dataclasses.replace(
         fwd,
-        matmul_flops=traced.second_flops,
-        matmul_calls=float(traced.second_matmuls),
+        matmul_flops=traced.second_flops + experts,
+        matmul_calls=traced.second_matmuls + expert_calls,
         fp8_flops=traced.second_flops if fwd.fp8_flops else 0.0,
         attention_flops=0.0,
-        attention_calls=0.0,
         tp_linears=fwd.tp_linears / 2,
     )
 

@@ -79,11 +79,9 @@ class PassWork:
     matmul_calls: float = 0.0
     fp8_flops: float = 0.0  # of matmul_flops, those float8 linears run
     attention_flops: float = 0.0  # causal: half the scores counted
-    attention_calls: float = 0.0
     head_dim: int = 0  # its attention's head size and keys (rates depend on them)
     attention_tokens: int = 0
     grouped_flops: float = 0.0  # a mixture of experts' grouped GEMMs
-    grouped_calls: float = 0.0
     # other operators: (size class, operators, bytes read and written) each; a size class is
     # log2 of one operator's bytes (a device's bandwidth depends on it)
     op_bytes: tuple[tuple[int, float, float], ...] = ()
@@ -112,6 +110,8 @@ class UnitWork:
     gather: Collective | None = None  # its parameters' all-gather (None: never gathered)
     regather: bool = True  # gathered again for backward (resharded after forward)
     reduce: tuple[Collective, ...] = ()  # its gradients' reduction (HSDP: two levels)
+    # the copies around that reduction: once a step, in the last micro-batch's backward
+    reduce_copies: PassWork = PassWork()
     inner: tuple[Collective, ...] = ()  # collectives inside its forward+backward (TP, CP, EP)
     sharded: bool = True  # an FSDP unit (its hooks run around each pass)
 
@@ -241,19 +241,24 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     reduces = [sum(collective_s(c, device) for c in u.reduce) for u in work.units]
     inner = [sum(collective_s(c, device) for c in u.inner) for u in work.units]
     no_reduce = [0.0] * len(reduces)
+    last = [  # the last micro-batch's backward copies the gradients for their reduction
+        b + compute_s(u.reduce_copies, device, work.dtype, BACKWARD)
+        for b, u in zip(bwd, work.units, strict=True)
+    ]
     m = work.micro_batches
     exposed_fsdp = m * _exposed_forward(fwd, gathers, device.overlap) + (
         (m - 1) * _exposed_backward(bwd, regathers, no_reduce, device.overlap)
-        + _exposed_backward(bwd, regathers, reduces, device.overlap)
+        + _exposed_backward(last, regathers, reduces, device.overlap)
     )
     exposed_inner = m * sum(inner)
-    compute = m * (sum(fwd) + sum(bwd))
+    compute = m * sum(fwd) + (m - 1) * sum(bwd) + sum(last)
     comm = m * (sum(gathers) + sum(regathers) + sum(inner)) + sum(reduces)
+    # kernels slowed by the collectives running under them (SMs and memory shared)
+    hidden = max(0.0, comm - exposed_fsdp - exposed_inner)
     # waiting for the slowest rank at each collective after a unit's compute
     synced = any(u.gather or u.reduce or u.inner for u in work.units)
     exposed_fsdp += device.straggle * compute if synced else 0.0
-    # kernels slowed by the collectives running under them (SMs and memory shared)
-    compute += device.overlap_slowdown * max(0.0, comm - exposed_fsdp - exposed_inner)
+    compute += device.overlap_slowdown * hidden
     state_rate = device.host_memory_bytes_per_s if work.optimizer_on_host else None
     moved = work.optimizer_params * OPTIMIZER_BYTES_PER_PARAM
     kernels = moved / (state_rate or device.memory_bytes_per_s)

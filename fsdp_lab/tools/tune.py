@@ -84,10 +84,15 @@ def tune(
     grid: Grid | None = None,
     log=print,
     device: str | None = None,
+    measure: bool = False,
 ) -> TuneResult:
-    """Enumerate, drop, probe, pick. ConfigError (exit 2) when nothing fits."""
+    """Enumerate, drop, probe, pick. ConfigError (exit 2) when nothing fits. ``measure``:
+    measure this machine first where it is unmeasured (once the plan stands), so that the
+    probes are ordered on its figures."""
     budget = int(memory_gib * GIB)
     search = _plan(overrides, budget, max_micro_batch, grid, device)  # 1) enumerate, 2) drop
+    if measure and device is None and _measure_this_machine(overrides, log):
+        search = _plan(overrides, budget, max_micro_batch, grid, device)
     result, fitting = search.result, search.fitting
     host = host_overrides(overrides, search.device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,16 +211,17 @@ def order_errors(probed: list[Candidate]) -> list[str]:
     return out
 
 
-def _measure_this_machine(overrides: list[str]) -> None:
-    """This machine's profile for the overrides' ranks, measured now if none is cached (a few
-    seconds), so that the probes are ordered on it, not on a named row's figures."""
+def _measure_this_machine(overrides: list[str], log) -> bool:
+    """Whether this machine's profile for the overrides' ranks was measured now (none was
+    cached: a few seconds), so that the probes are ordered on it, not on a named row's."""
     from fsdp_lab.config import compose
     from fsdp_lab.tools import calibrate, machine, plan
 
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)
-    if plan.on_this_machine(topo):
-        machine.ensure(cfg, topo, lambda: calibrate.quick(cfg, topo), log=print)
+    if not plan.on_this_machine(topo) or machine.cached(cfg, topo) is not None:
+        return False
+    return machine.ensure(cfg, topo, lambda: calibrate.quick(cfg, topo), log=log) is not None
 
 
 def tune_command(
@@ -237,8 +243,6 @@ def tune_command(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} already holds files: pick a new --out")
     start = time.perf_counter()
-    if device is None:  # the order the probes run in is this machine's: measured first
-        _measure_this_machine(overrides)
     result = tune(
         overrides,
         memory_gib,
@@ -248,6 +252,7 @@ def tune_command(
         max_micro_batch=max_micro_batch,
         grid=grid,
         device=device,
+        measure=True,
     )
     write_json(result, out_dir / "tune.json", overrides)
     print(format_table(result))

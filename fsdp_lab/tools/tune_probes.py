@@ -5,6 +5,7 @@ winner as one `fsdp-lab train` command.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import subprocess
 import sys
@@ -25,6 +26,7 @@ SAFETY, SLACK = 1.15, 96 * MIB
 MALLOC_OVERRIDE = "hardware.malloc_mmap_threshold=131072"  # on CPU: RSS that the plan predicts
 
 
+@functools.cache  # a fresh interpreter's: measured once per process
 def process_baseline_bytes(device: HardwareKind) -> int:
     """What a rank holds before any tensor of the model: on CPU, the RSS of a fresh
     interpreter that imported what a rank imports; on GPU 0 (the allocator's peak is the basis)."""

@@ -56,7 +56,8 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     # the run against the time model (steps 2-5 measured, on this machine's measured profile:
     # measured after the run where the cache had none, tests/unit/tools/test_calibrate.py)
     predicted = facts["predicted"]
-    assert predicted["device"] == "measured (cpu: 2 cores, 2 ranks)" and predicted["step_s"] > 0
+    assert predicted["device"].startswith("measured (cpu:") and predicted["step_s"] > 0
+    assert predicted["device"].endswith(", 2 ranks)")  # the machine's cores: any number
     steady = sorted(r["step_time_s"] for r in records[1:])
     assert predicted["measured_step_s"] == pytest.approx((steady[1] + steady[2]) / 2)
     ratio = predicted["measured_over_predicted"]

@@ -44,7 +44,9 @@ def test_calibrate_measures_every_figure_on_two_gloo_ranks(tmp_path):
     assert {p[0] for p in profile.attention["fp32 backward"]} == {16}  # one head size
     assert set(profile.collectives) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert profile.measured["ranks"] == 2 and profile.measured["interval"]
+    memory = ("memory_bytes_per_s", "memory_by_size")  # tiny decoders: maybe within the noise
     assert all(profile.sources[f].startswith("micro-benchmark: fsdp-lab calibrate")
+               or (f in memory and not profile.memory_by_size)
                for f in calibrate_fit.MEASURED_FIELDS)  # fmt: skip
     write_profile(profile, tmp_path / "p.json")
     assert read_profile(tmp_path / "p.json") == profile
@@ -144,3 +146,18 @@ def test_from_runs_refuses_what_is_not_a_run(tmp_path, capsys):
     assert cli.main(["calibrate", "--from-runs", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "no run.json there; give run directories" in line
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--device", "h100"], "--device h100 names the profile --from-runs refines"),
+        (["--base", "nosuch", "--seconds", "1"], "--base nosuch: not a known device"),
+        (["hardware.profile=nosuch"], "hardware.profile=nosuch: not a known device"),
+    ],
+)
+def test_a_bad_name_fails_in_one_line_before_anything_is_measured(capsys, args, said):
+    from fsdp_lab.tools import cli
+
+    assert cli.main(["calibrate", *args]) == 2
+    assert said in capsys.readouterr().err

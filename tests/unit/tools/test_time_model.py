@@ -113,6 +113,26 @@ def test_accumulation_gathers_every_micro_batch_and_reduces_once():
     assert two.exposed_comm_s == pytest.approx(one.exposed_comm_s + 2 * 3.03e-3)
 
 
+def test_the_gradients_copies_for_their_reduction_are_made_once_a_step():
+    # 100 MB copied around the reduce-scatter at 100 GB/s: 1 ms, in the last micro-batch only
+    copies = PassWork(op_bytes=((20, 2, 100e6),))
+    cpu = dataclasses.replace(ROUND, overlap=False)
+    plain = predict(work(unit(10e9, 40e6, 40e6), micro_batches=3), cpu)
+    copied = predict(work(unit(10e9, 40e6, 40e6, reduce_copies=copies), micro_batches=3), cpu)
+    assert copied.compute_s - plain.compute_s == pytest.approx(1e-3)
+
+
+def test_waiting_for_the_slowest_leaves_the_hidden_communication_as_it_was():
+    # overlap_slowdown 0.5 of the hidden collectives; a straggle wait must not shrink them
+    a, b = unit(10e9, 40e6, 40e6), unit(10e9, 40e6, 40e6, regather=False)
+    slowed = dataclasses.replace(ROUND, overlap_slowdown=0.5)
+    even = predict(work(a, b), slowed)
+    waiting = predict(work(a, b), dataclasses.replace(slowed, straggle=0.1))
+    assert waiting.compute_s == pytest.approx(even.compute_s)
+    hidden = even.comm_s - even.exposed_comm_s
+    assert even.compute_s == pytest.approx(60e-3 + 0.5 * hidden)
+
+
 def test_ranks_wait_for_the_slowest_at_each_collective():
     # straggle 0.1: a tenth of the compute is spent waiting, only where there is a collective
     slow = dataclasses.replace(ROUND, overlap=False, straggle=0.1)
@@ -321,3 +341,32 @@ def test_eager_experts_are_dense_matmuls_and_grouped_ones_run_at_the_grouped_rat
     grouped_s = plan.build_plan(big, "h100").chosen_plan.time.compute_s
     eager = [*big, "model.experts_implementation=eager"]
     assert plan.build_plan(eager, "h100").chosen_plan.time.compute_s < grouped_s
+
+
+def test_a_masked_lm_attends_every_key_a_causal_lm_half():
+    from fsdp_lab.config import HardwareKind, compose
+
+    layer = dataclasses.make_dataclass("Layer", ["q_dim", "sliding_window"])(
+        q_dim=64, sliding_window=None
+    )
+    flops = {
+        name: plan_time._attention_flops(
+            compose([f"model={name}", "trainer.seq_len=128", "trainer.micro_batch_size=2"]),
+            layer,
+            HardwareKind.cpu,
+        )
+        for name in ("bert_tiny", "llama_tiny")
+    }
+    assert flops["llama_tiny"] == 4 * 2 * 128 * 64 * 64  # QK^T and AV over half the keys
+    assert flops["bert_tiny"] == 2 * flops["llama_tiny"]
+
+
+def test_tp_dispatch_is_priced_for_the_linears_tp_splits():
+    from collections import Counter
+
+    from fsdp_lab.config import HardwareKind, compose
+
+    cfg = compose(["model=llama_tiny", "parallel.tensor=2", "hardware.nproc_per_node=4"])
+    shape = plan.inspect_model(cfg, HardwareKind.cpu)
+    # q, k, v, o, gate, up, down in each block; no norm, embedding or head
+    assert Counter(p.group for p in shape.params if p.tp_linear) == {0: 7, 1: 7}
