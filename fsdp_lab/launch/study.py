@@ -47,10 +47,10 @@ from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunRecord, objective_result
 
 if TYPE_CHECKING:
-    from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeperConf
+    from fsdp_lab.launch.study_settings import StudySweeperConf
 
 log = logging.getLogger(__name__)
-# (trial numbers, their overrides) -> the jobs' returns: the shim's StudySweeper.launch.
+# (trial numbers, their overrides) -> the jobs' returns: launch.study_sweeper's StudySweeper.launch.
 Launch = Callable[[Sequence[int], list[list[str]]], list[JobReturn]]
 
 RESULTS_FILE = "optimization_results.yaml"  # what hydra-optuna-sweeper wrote, for its readers

@@ -16,7 +16,7 @@ import optuna
 from fsdp_lab.config import ConfigError, Objective
 
 if TYPE_CHECKING:
-    from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeperConf
+    from fsdp_lab.launch.study_settings import StudySweeperConf
 
 
 def storage_of(setting: str, sweep_dir: Path) -> tuple[str | optuna.storages.BaseStorage, str]:

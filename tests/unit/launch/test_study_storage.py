@@ -20,7 +20,8 @@ from optuna.trial import TrialState
 
 from fsdp_lab.config import ConfigError, Objective
 from fsdp_lab.launch import search_space, study, study_storage
-from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeper, StudySweeperConf
+from fsdp_lab.launch.study_settings import StudySweeperConf
+from fsdp_lab.launch.study_sweeper import StudySweeper
 
 
 def settings(**changes) -> StudySweeperConf:
@@ -251,7 +252,7 @@ import json, os, sys, time
 from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
-from hydra_plugins.fsdp_lab_sweeper.study_sweeper import StudySweeperConf
+from fsdp_lab.launch.study_settings import StudySweeperConf
 from fsdp_lab.launch import study
 
 sweep_dir, marks = Path(sys.argv[1]), Path(sys.argv[2])
