@@ -1,7 +1,9 @@
 """The packages' layers run one way, and no module imports itself back through others.
 
 config <- engine, data <- state, observe <- train <- launch <- tools: each package may import
-only those listed for it. Every import counts, at the top of a module or inside a function, and
+only those listed for it (and internals, the door to torch's and transformers' private names,
+imports none); Hydra's plugin (``hydra_plugins/``) only registers launch's sweeper,
+and nothing imports it. Every import counts, at the top of a module or inside a function, and
 under ``TYPE_CHECKING`` too: a cycle that only a lazy import or a type hint closes is a cycle.
 """
 
@@ -14,17 +16,21 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_lab"
+PLUGINS = PACKAGE.parent / "hydra_plugins"  # where Hydra looks for the sweeper
+ROOTS = ("fsdp_lab", "hydra_plugins")
 ALLOWED = {
     "conf": set(),  # the shipped Hydra groups: YAML, no code
     "config": set(),
-    "engine": {"config"},
-    "data": {"config"},
-    "state": {"config", "engine"},
-    "observe": {"config", "engine"},
-    "train": {"config", "engine", "data", "state", "observe"},
-    "launch": {"config", "engine", "data", "state", "observe", "train"},
-    "tools": {"config", "engine", "data", "state", "observe", "train", "launch"},
+    "internals": set(),  # the door to torch's and transformers' private names
+    "engine": {"config", "internals"},
+    "data": {"config", "internals"},
+    "state": {"config", "engine", "internals"},
+    "observe": {"config", "engine", "internals"},
+    "train": {"config", "engine", "data", "state", "observe", "internals"},
+    "launch": {"config", "engine", "data", "state", "observe", "train", "internals"},
+    "tools": {"config", "engine", "data", "state", "observe", "train", "launch", "internals"},
     "__main__": {"launch"},  # python -m fsdp_lab: the training command, as train.py
+    "hydra_plugins": {"launch"},  # a shim: registers launch.study_sweeper
 }
 # Modules that import no torch (the parent checks a config and rank_main catches signals
 # before any heavy import).
@@ -34,6 +40,7 @@ TORCH_FREE = [
     "fsdp_lab.train.preempt",
     "fsdp_lab.observe.rundir",
     "fsdp_lab.launch.slurm",
+    "fsdp_lab.internals.transformers_private",
 ]
 
 
@@ -43,7 +50,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(p): p for root in (PACKAGE, PLUGINS) for p in sorted(root.rglob("*.py"))}
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
@@ -52,8 +59,8 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("fsdp_lab")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_lab"):
+            found |= {a.name for a in node.names if a.name.startswith(ROOTS)}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ROOTS):
             if node.level:
                 raise AssertionError(f"{path}: relative import; write fsdp_lab.<package>...")
             for alias in node.names:
@@ -68,6 +75,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def package_of(module: str) -> str | None:
+    if module.startswith("hydra_plugins"):
+        return "hydra_plugins"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 
@@ -127,6 +136,8 @@ def test_the_checks_catch_what_they_claim():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "launch" not in ALLOWED["train"] and "observe" not in ALLOWED["engine"]
+    assert "hydra_plugins.fsdp_lab_sweeper.study_sweeper" in graph()
+    assert not any("hydra_plugins" in ALLOWED[p] for p in ALLOWED)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -145,10 +156,11 @@ def test_only_hardware_and_the_xla_engine_name_devices():
     """The engine.hardware package is the one place for device branches (and engine.xla for
     torch_xla): the GPU path differs from the tested CPU path only there."""
     hardware, xla = "fsdp_lab.engine.hardware", "fsdp_lab.engine.xla"
+    door = "fsdp_lab.internals.torch_private"  # names torch.cuda's private memory history
     naming = [
         f"{m}: {hit.group(0).strip()}"
         for m, path in modules().items()
-        if m != xla and m != hardware and not m.startswith(hardware + ".")
+        if m not in (xla, hardware, door) and not m.startswith(hardware + ".")
         for hit in DEVICE_CODE.finditer(path.read_text())
     ]
     assert not naming, "device names outside engine.hardware:\n" + "\n".join(naming)
