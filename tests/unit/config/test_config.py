@@ -20,11 +20,12 @@ from fsdp_lab.config import (
     OptimImpl,
     ShardingStrategy,
     register_schema,
+    rules,
     to_container,
     to_typed,
 )
 from fsdp_lab.config.rules import validate
-from fsdp_lab.config.strategies import reshard_after_forward
+from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, mesh_shape
 from fsdp_lab.observe.trackers.base import flatten
 
@@ -277,7 +278,11 @@ def test_tpu_refuses_what_xla_cannot_honour(overrides, fragment):
 )
 def test_tpu_accepts_what_xla_maps(overrides):
     tpu = Topology(world_size=4, nproc_per_node=4, num_nodes=1, device=HardwareKind.tpu)
-    validate(to_typed(compose_cfg("hardware=tpu", *overrides)), tpu)
+    cfg = to_typed(compose_cfg("hardware=tpu", *overrides))
+    assert strategy_of(cfg.sharding.strategy).xla is cfg.sharding.strategy  # XLA runs it as is
+    refusals = rules._xla_layout_refusals(cfg) + rules._xla_run_refusals(cfg)
+    assert not [message for refused, message in refusals if refused]
+    validate(cfg, tpu)  # and nothing else refuses it
 
 
 def test_one_data_file_needs_no_brackets():

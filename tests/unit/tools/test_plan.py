@@ -273,28 +273,6 @@ def storage_bytes(tensors) -> int:
             ],
             1,
         ),
-    ],
-)
-def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
-    expected = plan.build_plan(overrides).chosen_plan.per_rank[rank]
-    fake_group(rank, plan.topology(compose(overrides))[0].world_size)
-    model, optimizer, batch, _, _ = sharded_rank(overrides)
-    model(**batch).loss.backward()
-    optimizer.step()
-    assert fsdp.state_bytes(model, optimizer) == {
-        k: getattr(expected, k) for k in ("params", "grads", "optimizer")
-    }
-    params = list(model.parameters())
-    # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
-    grads = [p.grad for p in params if p.grad is not None]
-    assert len(grads) == sum(p.requires_grad for p in params)  # a frozen one has none
-    assert storage_bytes(params) == expected.params + expected.padding - expected.grad_padding
-    assert storage_bytes(grads) == expected.grads + expected.grad_padding
-
-
-@pytest.mark.parametrize(
-    "overrides,rank",
-    [
         # EP 2 x FSDP 2: whole experts on both axes
         (["model=qwen3_moe_tiny", "parallel.expert=2", "hardware.nproc_per_node=4"], 3),
         # EP 2 on 16 ranks: 4 experts a rank over 8 FSDP ranks, split on dim 1 (no empty shard)
@@ -314,8 +292,21 @@ def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
         (["model=qwen3_moe_tiny", "hardware.nproc_per_node=3"], 2),
     ],
 )
-def test_expert_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
-    test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank)
+def test_state_on_a_fake_group_is_the_plan_exactly(fake_group, overrides, rank):
+    expected = plan.build_plan(overrides).chosen_plan.per_rank[rank]
+    fake_group(rank, plan.topology(compose(overrides))[0].world_size)
+    model, optimizer, batch, _, _ = sharded_rank(overrides)
+    model(**batch).loss.backward()
+    optimizer.step()
+    assert fsdp.state_bytes(model, optimizer) == {
+        k: getattr(expected, k) for k in ("params", "grads", "optimizer")
+    }
+    params = list(model.parameters())
+    # FSDP2's padding: each shard's storage is chunk 0's size, for params and grads alike.
+    grads = [p.grad for p in params if p.grad is not None]
+    assert len(grads) == sum(p.requires_grad for p in params)  # a frozen one has none
+    assert storage_bytes(params) == expected.params + expected.padding - expected.grad_padding
+    assert storage_bytes(grads) == expected.grads + expected.grad_padding
 
 
 # Live tensor bytes (the profiler's count of every allocation) over two steps of the project's
