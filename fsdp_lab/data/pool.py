@@ -108,6 +108,7 @@ class Worker:
         self.buffer, self.task, self.rss, self.peak = b"", None, 0, 0
 
     def send(self, task: Task) -> None:
+        self.sample()  # seen before each task: a process killed in it has a last size
         self.task = task
         self.proc.stdin.write((json.dumps(task.to_json()) + "\n").encode())
         self.proc.stdin.flush()

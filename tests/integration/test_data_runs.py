@@ -3,6 +3,7 @@ preparing process killed by the kernel, named by the launcher in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,7 +62,14 @@ def test_a_preparing_process_killed_by_the_kernel_is_one_line(tmp_path, run_dir,
                 worker = int(pid)
         time.sleep(0.05)
     assert worker is not None, proc.communicate()
-    time.sleep(1.5)  # the launcher has seen its memory
+    # The corpus open in the worker: it has its task, so the launcher has seen its memory
+    # (pool.Worker.send samples before sending).
+    corpus = str((tmp_path / "c.jsonl").resolve())
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):  # an fd closed while listed
+            if any(os.readlink(fd) == corpus for fd in Path(f"/proc/{worker}/fd").iterdir()):
+                break
+        time.sleep(0.05)
     os.kill(worker, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, (out, err)
