@@ -74,10 +74,9 @@ def resolve_loss(
     if cfg.kind is LossKind.auto:
         if not fits or device is HardwareKind.tpu:
             return LossKind.hf
-        # Measured on an H100 (bench_loss.py, 32k tokens x 32k vocab, fwd+bwd): liger 13.0 ms,
-        # chunked 15.4 compiled and 27.5 eager. In whole compiled steps chunked was as fast or
-        # faster (160M: 425k against 406k tokens/s; 1B: 65.4k against 64.6k): liger's many
-        # small chunks cost host time. So: compiled runs chunked, eager GPU runs liger.
+        # Compiled runs chunked, eager GPU runs liger: liger's kernel is the faster alone,
+        # compiled chunked the faster in whole steps (liger's small chunks cost host time);
+        # the H100 figures are in docs/benchmarks.md ("The loss").
         liger = loss_of(LossKind.liger).package
         if (
             device is HardwareKind.gpu
