@@ -2,6 +2,8 @@
 
 import logging as _logging
 
+from fsdp_lab.internals import PYTREE_LOGGER as _PYTREE_LOGGER
+
 
 def _quiet_torchao_import() -> None:
     """transformers imports torchao wherever it is installed (the torchao extra, which dev
@@ -17,7 +19,7 @@ def _quiet_torchao_import() -> None:
                 or "is an Enum subclass and is now natively supported" in message
             )
 
-    for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
+    for name in ("torchao", "torchao.kernel.intmm", _PYTREE_LOGGER):
         _logging.getLogger(name).addFilter(_Drop())
 
 

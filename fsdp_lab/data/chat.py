@@ -37,6 +37,7 @@ from typing import Literal
 
 from fsdp_lab.config import ConfigError, first_line
 from fsdp_lab.config.config_dirs import shipped
+from fsdp_lab.internals import transformers_private
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 Pieces = list[tuple[str, bool]]
@@ -123,10 +124,9 @@ def _tokenizer_template(tokenizer) -> tuple[str, str]:
 def _check_syntax(source: str, text: str) -> None:
     """A syntax error stops the run before any process prepares data."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        _compile_jinja_template(text)
+        transformers_private.compile_chat_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(
             f"data.chat_template: {source} is not a valid jinja template (line {e.lineno}: "

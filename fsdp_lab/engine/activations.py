@@ -14,6 +14,7 @@ import logging
 from torch import nn
 
 from fsdp_lab.config import ActivationCheckpointingConfig, ActivationCheckpointingMode
+from fsdp_lab.internals import torch_private
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Replace the chosen units in their parents by checkpoint wrappers; returns the new units
     list (wrappers where wrapped), which is what gets compiled and sharded."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-
     chosen = set(checkpointed_indices(cfg, len(units)))
     if not chosen:
         return list(units)
@@ -69,7 +65,7 @@ def apply_activation_checkpointing(
         # Non-reentrant: works with keyword arguments, FSDP2 hooks and torch.compile; the RNG
         # state is restored for the recomputation, so dropout masks match.
         extra = {"context_fn": keep_every_second_matmul} if cfg.mode is AC.op else {}
-        wrapped = checkpoint_wrapper(unit, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+        wrapped = torch_private.checkpoint_wrapper(unit, **extra)
         parent.register_module(name, wrapped)
         out.append(wrapped)
     return out
@@ -97,7 +93,7 @@ def keep_every_second_matmul():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     kept = {getattr(torch.ops.aten, n).default for n in KEPT if hasattr(torch.ops.aten, n)}
-    kept.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    kept.add(torch_private.reduce_scatter_op())
     matmuls = {getattr(torch.ops.aten, n).default for n in MATMULS}
     counts = {False: 0, True: 0}
 
@@ -112,9 +108,7 @@ def keep_every_second_matmul():
 
 
 def is_checkpointed(unit: nn.Module) -> bool:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    return isinstance(unit, CheckpointWrapper)
+    return torch_private.is_checkpoint_wrapper(unit)
 
 
 def compile_units(units: list[nn.Module]) -> None:

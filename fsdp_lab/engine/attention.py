@@ -27,12 +27,13 @@ an attention of its own (``engine.context_parallel``), which takes the place of 
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from fsdp_lab.internals import transformers_private
 
 PREFIX = "fsdp_lab_"
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -47,10 +48,10 @@ class _Attention:
         self.base = base
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
-        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        if self.base in AttentionInterface._global_mapping:
-            forward = AttentionInterface._global_mapping[self.base]
+        if self.base in ALL_ATTENTION_FUNCTIONS:
+            forward = ALL_ATTENTION_FUNCTIONS[self.base]
         else:  # eager: each model's own function, beside its attention module
             forward = sys.modules[type(module).__module__].eager_attention_forward
         return forward(module, query, key, value, attention_mask, **kwargs)
@@ -61,10 +62,11 @@ def install(model: nn.Module) -> None:
     the masks ``training_mask`` makes; a model with no eager function of its own to fall back
     on keeps transformers' path."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    base = config._attn_implementation
-    known = base in AttentionInterface._global_mapping
+    base = transformers_private.attn_implementation(config)
+    known = base in ALL_ATTENTION_FUNCTIONS
     if not known and not hasattr(sys.modules[type(model).__module__], "eager_attention_forward"):
         return
     if any(kind not in BUILDERS for kind in layer_kinds(config)):
@@ -78,8 +80,8 @@ def install(model: nn.Module) -> None:
 
 def base_of(model: nn.Module) -> str | None:
     """The implementation ``install`` stood in for, or None where it did not."""
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return _INSTALLED.get(name) if isinstance(name, str) else None
+    name = transformers_private.attn_implementation(getattr(model, "config", None))
+    return _INSTALLED.get(name) if name is not None else None
 
 
 def layer_kinds(config) -> list[str]:
@@ -107,8 +109,9 @@ def training_mask(
     from transformers import masking_utils
 
     # The builders read the implementation off the config: a copy of it under <impl>.
-    config = copy.copy(model.config)
-    config._attn_implementation_internal = _INSTALLED[config._attn_implementation]
+    config = transformers_private.with_attn_implementation(
+        model.config, _INSTALLED[transformers_private.attn_implementation(model.config)]
+    )
     if sequence_index is None and position_ids is not None:
         restarts = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1) != 1
         sequence_index = restarts.cumsum(-1).expand(input_ids.shape)
@@ -136,7 +139,7 @@ def implementation(model: nn.Module, name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    current = model.config._attn_implementation
+    current = transformers_private.attn_implementation(model.config)
     model.set_attn_implementation(name)
     try:
         yield

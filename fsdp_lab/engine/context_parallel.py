@@ -43,6 +43,7 @@ from fsdp_lab.config.profiling import CONTEXT_ALL_GATHER_REGION, CONTEXT_REDUCE_
 from fsdp_lab.config.topology import context_chunks
 from fsdp_lab.engine import attention
 from fsdp_lab.engine.hardware import devices, process_group
+from fsdp_lab.internals import transformers_private
 
 ATTENTION_PREFIX = "fsdp_lab_context"  # + the CP group's name: the registered implementation
 WHOLE_SEQUENCES = "sdpa"  # what generation and scoring run, on every rank of the group
@@ -237,8 +238,8 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def is_split(model: nn.Module) -> bool:
     """Whether ``model``'s attention is context-parallel."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return isinstance(impl, str) and impl.startswith(ATTENTION_PREFIX)
+    impl = transformers_private.attn_implementation(getattr(model, "config", None))
+    return impl is not None and impl.startswith(ATTENTION_PREFIX)
 
 
 def whole_sequences(model: nn.Module):

@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.engine.activations import clean_name
+from fsdp_lab.internals import torch_private, transformers_private
 
 _SHOWN = 3  # keys named in an error
 LORA_BASE = ".base_layer"  # PEFT's wrapped layer: q_proj.base_layer.weight is q_proj.weight
@@ -42,12 +43,8 @@ def owned_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
     out: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
-        for attr, t in list(module._parameters.items()) + [
-            (b, v)
-            for b, v in module._buffers.items()
-            if b not in module._non_persistent_buffers_set
-        ]:
-            if t is None or id(t) in seen:
+        for attr, t in torch_private.own_tensors(module):
+            if id(t) in seen:
                 continue
             seen.add(id(t))
             out[clean_name(f"{mod_name}.{attr}" if mod_name else attr)] = (module, attr, t)
@@ -103,7 +100,9 @@ def plan_loading(model: nn.Module, files, name_or_path: str) -> LoadPlan:
             f"{setting}: the checkpoint lacks {len(missing)} of the model's tensors "
             f"({_shown(missing)}); its config.json and weights come from different models"
         )
-    ignore = [re.compile(p) for p in plain._keys_to_ignore_on_load_unexpected or []]
+    ignore = [
+        re.compile(p) for p in transformers_private.keys_to_ignore(plain, "on_load_unexpected")
+    ]
     unused = sorted(k for k in unused if not any(p.search(k) for p in ignore))
     if unused:
         raise ConfigError(
@@ -249,7 +248,7 @@ def plan_saving(plain: nn.Module, keys) -> list[tuple[list[str], Callable]]:
     for alias, target in (getattr(plain, "all_tied_weights_keys", None) or {}).items():
         if alias in keys and target in keys:
             keys.discard(alias)
-    keys -= set(getattr(plain, "_keys_to_ignore_on_save", None) or [])
+    keys -= set(transformers_private.keys_to_ignore(plain, "on_save"))
     transforms = [
         t
         for t in get_model_conversion_mapping(plain, add_legacy=False)

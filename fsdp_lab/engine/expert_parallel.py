@@ -20,7 +20,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -28,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.topology import EXPERT_AXIS
 from fsdp_lab.engine import moe
+from fsdp_lab.internals import torch_private
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -98,14 +98,10 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 def _local_params(module: nn.Module):
     """The kernels index and matmul plain tensors: while one runs, the experts' parameters (FSDP
     hands them over as DTensors on ``ep``) are their local slices, which autograd links back."""
-    saved = {n: module._parameters[n] for n in EXPERT_PARAMS}
-    for name, p in saved.items():
-        if isinstance(p, DTensor):
-            module._parameters[name] = p.to_local()
-    try:
+    own = dict(module.named_parameters(recurse=False))
+    local = [(module, n, own[n].to_local()) for n in EXPERT_PARAMS if isinstance(own[n], DTensor)]
+    with torch_private.lent(local):
         yield
-    finally:
-        module._parameters.update(saved)
 
 
 class EpForward:
@@ -142,14 +138,12 @@ class EpForward:
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         send_sizes, recv_sizes = torch.stack([counts.sum(1), recv_counts.sum(1)]).tolist()
-        recv = funcol.all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group)
-        recv = funcol.wait_tensor(recv)  # the kernels read raw pointers
+        recv = torch_private.all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group)
         recv_ids = torch.arange(local, device=device).repeat(degree)
         recv_ids = recv_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes))
         with _local_params(self.module):
             out = self._experts(recv, recv_ids[:, None])
-        back = funcol.all_to_all_single_autograd(out, send_sizes, recv_sizes, self.group)
-        back = funcol.wait_tensor(back)
+        back = torch_private.all_to_all_single_autograd(out, send_sizes, recv_sizes, self.group)
         pairs = torch.empty_like(back)
         pairs[order] = back
         pairs = pairs.view(num_tokens, top_k, -1)

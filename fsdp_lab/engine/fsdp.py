@@ -52,6 +52,7 @@ from fsdp_lab.config.topology import (
 )
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.sharded import ShardedModel
+from fsdp_lab.internals import torch_private
 
 
 def build_mesh(
@@ -77,10 +78,11 @@ def data_parallel_mesh(mesh: DeviceMesh, cfg: ShardingConfig, topo: Topology) ->
         return mesh[data] if data != names else mesh
     tensor = mesh.size(names.index(TENSOR_AXIS)) if TENSOR_AXIS in names else 1
     shape = fsdp_mesh_shape(cfg, topo, tensor, context=mesh.size(names.index(CONTEXT_AXIS)))
-    flat = mesh[data]._flatten("dp_cp")
+    flat = torch_private.flatten_mesh(mesh[data], "dp_cp")
     if len(shape) == 1:
         return flat
-    return flat._unflatten(0, shape, (f"{REPLICATE_AXIS}_cp", f"{SHARD_AXIS}_cp"))
+    names = (f"{REPLICATE_AXIS}_cp", f"{SHARD_AXIS}_cp")
+    return torch_private.unflatten_mesh(flat, 0, shape, names)
 
 
 def build_expert_mesh(
@@ -91,7 +93,9 @@ def build_expert_mesh(
     groups as ``dp_mesh``'s, so the experts' FSDP unit nests inside the dense layer's."""
     efsdp, ep = expert_mesh_split(cfg, topo, expert)
     axis = len(dp_mesh.shape) - 1  # the shard axis: the last of the strategy's axes
-    return dp_mesh._unflatten(axis, (efsdp, ep), (EXPERT_SHARD_AXIS, EXPERT_AXIS))
+    return torch_private.unflatten_mesh(
+        dp_mesh, axis, (efsdp, ep), (EXPERT_SHARD_AXIS, EXPERT_AXIS)
+    )
 
 
 @dataclass(frozen=True)
@@ -228,28 +232,8 @@ class Fsdp2Model(ShardedModel):
         if not enabled or not units:
             yield
             return
-        # FSDP2 has a setter and no getter: each unit's setting is saved from its state, once
-        # the root's first-forward set-up (which sets the root's own) has run.
-        self.model._get_fsdp_state()._lazy_init()
-        saved = []
-        for unit in units:
-            state = unit._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                groups = [g for g in [state._fsdp_param_group] if g is not None]
-            infos = [(g, g.post_forward_mesh_info) for g in groups]
-            saved.append((state, getattr(state, "_auto_reshard_after_forward", None), infos))
-            unit.set_reshard_after_forward(False, recurse=False)
-        try:
+        with torch_private.kept_gathered(self.model, units):
             yield
-        finally:
-            for unit in units:
-                unit.reshard()
-            for state, auto, infos in saved:
-                if auto is not None:
-                    state._auto_reshard_after_forward = auto
-                for group, info in infos:
-                    group.post_forward_mesh_info = info
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (

@@ -38,6 +38,7 @@ from fsdp_lab.config import ConfigError
 from fsdp_lab.engine import finite, nf4
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.conversion import LORA_BASE, NotPerRank, checkpoint_key, owned_tensors
+from fsdp_lab.internals import torch_private, transformers_private
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,7 @@ def local_region(t: torch.Tensor) -> tuple[slice, ...]:
 
     if not isinstance(t, DTensor):
         return tuple(slice(0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = torch_private.local_shape_and_offset(t.shape, t.device_mesh, t.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
@@ -132,18 +131,15 @@ def recompute_buffers(model: nn.Module) -> None:
     owner = _init_owner(model)
     with torch.no_grad(), initialization.guard_torch_init_functions():
         for module in model.modules():
-            if not module._non_persistent_buffers_set or not hasattr(
-                owner[id(module)], "_init_weights"
-            ):
+            init = transformers_private.init_weights(owner[id(module)])
+            if not torch_private.non_persistent_buffers(module) or init is None:
                 continue
-            saved = dict(module._parameters)
-            for attr, p in saved.items():
-                if p is not None:
-                    module._parameters[attr] = torch.empty(p.shape, dtype=p.dtype)
-            try:
-                owner[id(module)]._init_weights(module)
-            finally:
-                module._parameters.update(saved)
+            scratch = [
+                (module, attr, torch.empty(p.shape, dtype=p.dtype))
+                for attr, p in module.named_parameters(recurse=False)
+            ]
+            with torch_private.lent(scratch):
+                init(module)
 
 
 # -- random init, one group at a time ------------------------------------------------------------
@@ -177,30 +173,23 @@ def init_groups(
     by_id = {id(t): name for name, (_, _, t) in owned.items()}
     for group, root, skip in groups:
         order = _children_first(root, skip)
-        lent: dict[int, torch.Tensor] = {}  # id(real tensor) -> its scratch
+        scratch: dict[int, torch.Tensor] = {}  # id(real tensor) -> its scratch
+        real: dict[int, torch.Tensor] = {}
         swaps: list[tuple[nn.Module, str, torch.Tensor]] = []
         for module in order:
-            for store in (module._parameters, module._buffers):
-                for attr, t in store.items():
-                    name = by_id.get(id(t)) if t is not None else None
-                    if name is None or not wanted(name):
-                        continue
-                    if id(t) not in lent:
-                        lent[id(t)] = torch.empty(t.shape, dtype=t.dtype)
-                    swaps.append((module, attr, t))
-                    store[attr] = lent[id(t)]
-        if not lent:
+            for attr, t in torch_private.own_tensors(module, persistent=False):
+                name = by_id.get(id(t))
+                if name is None or not wanted(name):
+                    continue
+                if id(t) not in scratch:
+                    scratch[id(t)], real[id(t)] = torch.empty(t.shape, dtype=t.dtype), t
+                swaps.append((module, attr, scratch[id(t)]))
+        if not swaps:
             continue
-        try:
+        with torch_private.lent(swaps):
             _draw(order, owner, seed, group, hf_init=hf_init, adapter=ADAPTER)
-            done: set[int] = set()
-            for _, _, t in swaps:
-                if id(t) not in done:
-                    done.add(id(t))
-                    _store(t, lent[id(t)][local_region(t)])
-        finally:
-            for module, attr, t in swaps:
-                (module._parameters if attr in module._parameters else module._buffers)[attr] = t
+        for key, t in real.items():
+            _store(t, scratch[key][local_region(t)])
 
 
 def _children_first(root: nn.Module, skip: frozenset[int]) -> list[nn.Module]:
@@ -236,7 +225,7 @@ def _draw(order, owner, seed: int, group: str, *, hf_init: bool, adapter: str) -
         torch.manual_seed(_group_seed(seed, group))
         if hf_init:  # the base as transformers draws it; the adapters take no draws here
             for module in order:
-                init = getattr(owner[id(module)], "_init_weights", None)
+                init = transformers_private.init_weights(owner[id(module)])
                 if init is not None and id(module) not in adapters:
                     init(module)
         torch.manual_seed(_group_seed(seed, group + "/lora"))  # the same on any base

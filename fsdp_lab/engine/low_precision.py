@@ -32,6 +32,7 @@ from fsdp_lab.config.families import family_of
 from fsdp_lab.config.low_precision import NF4_SCALE_SPAN, nf4_splits
 from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.engine.nf4 import is_nf4, local_bytes, nf4_api
+from fsdp_lab.internals import torch_private
 
 FLOAT8_DIM = 16  # float8 matmuls need both dimensions to be multiples of this
 
@@ -212,9 +213,7 @@ def after_sharding(model: nn.Module, cfg: Config, device: torch.device) -> None:
 
 
 def _byte_all_gather():
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-
-    class ByteAllGather(DefaultAllGather):
+    class ByteAllGather(torch_private.all_gather_base()):
         """FSDP2's all-gather of one flat buffer, viewed as bytes (gloo gathers no float8)."""
 
         def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):

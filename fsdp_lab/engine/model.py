@@ -31,6 +31,7 @@ from fsdp_lab.config import (
 from fsdp_lab.engine import moe
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.hardware import process_group
+from fsdp_lab.internals import torch_private
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +250,8 @@ def load_pretrained(name_or_path: str, task: ModelTask) -> nn.Module:
 def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for mod_name, mod in model.named_modules():
-        for buf_name in mod._non_persistent_buffers_set:
-            buf = mod._buffers.get(buf_name)
+        for buf_name in torch_private.non_persistent_buffers(mod):
+            buf = mod.get_buffer(buf_name)
             if buf is not None:
                 out[clean_name(f"{mod_name}.{buf_name}" if mod_name else buf_name)] = buf
     return out
@@ -296,9 +297,8 @@ def materialize(
     model.to_empty(device=torch.device("cpu") if offload else device)
     if offload and device.type != "cpu":
         for module in model.modules():
-            for key, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[key] = buffer.to(device)
+            for key, buffer in module.named_buffers(recurse=False):
+                setattr(module, key, buffer.to(device))
     if not isinstance(source, loading.InitialWeights):
         return _from_rank0(model, source)
     if source.per_rank:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fsdp_lab.internals import transformers_private
+
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The sparse MoE blocks, in layer order: modules with a router ``gate`` (a ``weight [E,
@@ -76,7 +78,7 @@ class MoeStep:
 
 
 def set_experts_implementation(hf_config, implementation: str | None) -> None:
-    """``config._experts_implementation`` (read by the experts' forward on every call); None
-    leaves transformers' own choice. A dense model's config ignores it."""
+    """The experts' kernel ``hf_config`` names (read by the experts' forward on every call);
+    None leaves transformers' own choice. A dense model's config ignores it."""
     if implementation is not None:
-        hf_config._experts_implementation = implementation
+        transformers_private.set_experts_implementation(hf_config, implementation)

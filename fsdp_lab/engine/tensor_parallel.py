@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_lab.config import ConfigError, ParallelConfig
+from fsdp_lab.internals import torch_private
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": lambda: ColwiseParallel(),
@@ -131,7 +132,7 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     plan = check(model, cfg)
     # DTensor warns, once per rank, that reducing the (dp, tp) norm takes two all-reduces:
     # one scalar per step, not worth a flattened mesh.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger(torch_private.REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     styles = {k: STYLES[v]() for k, v in plan.items()}
     if cfg.sequence_parallel:
         styles = sequence_parallel_plan(model, plan)

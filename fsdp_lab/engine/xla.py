@@ -26,7 +26,6 @@ import torch.distributed.checkpoint as dcp
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.experimental.distributed_checkpoint import (
     SPMDLoadPlanner,
@@ -45,6 +44,7 @@ from fsdp_lab.engine import activations, wrap
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.hardware import devices
 from fsdp_lab.engine.sharded import ShardedModel, ShardedStateIO
+from fsdp_lab.internals import torch_private
 
 FSDP_AXIS = "fsdp"  # the axis name FSDPv2 shards parameters along
 WRAPPER_PREFIX = "_orig_module."  # FSDPv2 keeps the wrapped module under this name
@@ -333,7 +333,9 @@ class _PlainBytesLoadPlanner(SPMDLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         value = torch.load(value, weights_only=True)
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+        torch_private.set_element(
+            self.original_state_dict, self.mappings[read_item.dest_index.fqn], value
+        )
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -78,7 +78,9 @@ def start(rank: int) -> Heartbeat | None:
     global _current
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    from fsdp_lab.internals import torch_private
+
+    store = torch_private.default_store()
     while isinstance(store, dist.PrefixStore):  # the group's prefixes: the keys stay plain
         store = store.underlying_store
     if not isinstance(store, dist.TCPStore):

@@ -33,6 +33,7 @@ from fsdp_lab.engine.model import (
     align_special_tokens,
     build_meta_model,
 )
+from fsdp_lab.internals import torch_private
 
 # A collective where the weights are sharded: every rank calls it with the same keys, in the same
 # order; the writer gets the full tensors on the host, every other rank None.
@@ -304,17 +305,16 @@ def _merge_layer(layer, weight: torch.Tensor, adapters: dict[str, torch.Tensor])
         part = module_path.split(".lora_", 1)[1]  # "A.default"
         kind, adapter = part.split(".", 1)
         lent.append((getattr(layer, f"lora_{kind}")[adapter], attr, value))
-    saved = [(m, a, m._parameters[a]) for m, a, _ in lent]
+    copies = [
+        (module, attr, torch.nn.Parameter(value.clone(), requires_grad=False))
+        for module, attr, value in lent
+    ]
     try:
-        for module, attr, value in lent:
-            module._parameters[attr] = torch.nn.Parameter(value.clone(), requires_grad=False)
-        with torch.no_grad():
+        with torch_private.lent(copies), torch.no_grad():
             layer.merge(adapter_names=[finetune.ADAPTER])
-        return layer.base_layer.weight.detach()
+            return layer.base_layer.weight.detach()
     finally:
         layer.merged_adapters.clear()
-        for module, attr, value in saved:
-            module._parameters[attr] = value
 
 
 def _peft_model(adapters: dict[str, torch.Tensor], hf_config, cfg: Config):

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from fsdp_lab.internals import torch_private
 from fsdp_lab.state.integrity import CheckpointError
 
 _METADATA_GLOBALS = {
@@ -137,7 +137,7 @@ class LoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         loaded = load_bytes(value, f"the item {fqn}", self.checkpoint)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            torch_private.set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 

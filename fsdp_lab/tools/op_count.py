@@ -165,11 +165,11 @@ class _Counter:
     active: _Counter | None = None
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from fsdp_lab.internals import torch_private
 
         outer = self
 
-        class Mode(TorchDispatchMode):
+        class Mode(torch_private.dispatch_mode_base()):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 outer.record_op(func.overloadpacket.__name__, args, kwargs or {}, out)
@@ -202,7 +202,8 @@ class _Counter:
 
     def record_op(self, name: str, args, kwargs, out) -> None:
         import torch
-        from torch.utils._pytree import tree_leaves
+
+        from fsdp_lab.internals.torch_private import tree_leaves
 
         p = self.current()
         name = name.removesuffix("_")  # an in-place variant (addmm_) is its operator's kind
@@ -268,8 +269,9 @@ class _Regions:
         self.open = False
 
     def _storage(self, t):
-        s = t.untyped_storage()
-        return s._cdata, s
+        from fsdp_lab.internals import torch_private
+
+        return torch_private.storage_key(t)
 
     def alias(self, out, args) -> None:
         """A view: nothing moves."""

@@ -23,6 +23,7 @@ from fsdp_lab.config import TrainerConfig
 from fsdp_lab.engine import attention, context_parallel, tensor_parallel
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.moe import MoeStep
+from fsdp_lab.internals import torch_private
 from fsdp_lab.observe.heartbeat import Heartbeat
 from fsdp_lab.observe.metrics import StepMetrics, StepWindow
 from fsdp_lab.observe.profile.recorder import WindowProfiler
@@ -119,10 +120,10 @@ def train_step(
     skipped = None
     if scaler is not None:
         # The scale backs off exactly when a step is skipped; compared on the device.
-        before = scaler._get_scale_async().clone()
+        before = torch_private.scale_on_device(scaler).clone()
         scaler.step(optimizer)
         scaler.update()
-        skipped = scaler._get_scale_async() < before
+        skipped = torch_private.scale_on_device(scaler) < before
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

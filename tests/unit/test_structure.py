@@ -4,6 +4,7 @@ need a ``# Long:`` reason (each split along its seams instead where it has them)
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_lab"
@@ -101,5 +102,90 @@ def test_transformers_is_extended_never_patched():
         str(path.relative_to(PACKAGE)): hits
         for path in sorted(PACKAGE.rglob("*.py"))
         if (hits := patches_of_transformers(path.read_text()))
+    }
+    assert not found, found
+
+
+# The one door to torch's and transformers' private names (fsdp_lab.internals).
+DOORS = {
+    "internals/__init__.py",
+    "internals/torch_private.py",
+    "internals/transformers_private.py",
+}
+LIBRARIES = ("torch", "transformers")
+# Underscore names of other libraries' objects, each with its owner: not torch's or
+# transformers'.
+OTHERS = {
+    "_exit": "os",
+    "_value2member_map_": "enum",
+    "_return_value": "hydra's JobReturn",
+    "_trial_id": "optuna's FrozenTrial",
+    "_XLAC": "torch_xla (engine/xla.py)",
+    "_get_xla_sharding_spec": "torch_xla (engine/xla.py)",
+    "_get_local_shard_replica_and_indices": "torch_xla (engine/xla.py)",
+}
+PRIVATE_PATH = re.compile(r"^(torch|transformers)(\.\w+)*\._[a-zA-Z]\w*")
+
+
+def own_names() -> set[str]:
+    """Every name fsdp_lab defines outside the doors: functions, classes, attributes of its
+    own objects (``self.x = ...``), variables, arguments."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        if str(path.relative_to(PACKAGE)) in DOORS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+def private_uses(source: str, own: set[str]) -> list[str]:
+    """Where ``source`` names a private part of torch or transformers: a private module or
+    name imported (``from torch.utils._pytree import ...``), a dotted path or a string through
+    one (``torch._C``, ``"torch.distributed.tensor._redistribute"``), or an underscore attribute
+    that neither fsdp_lab defines nor another library (``OTHERS``) owns (``module._parameters``,
+    ``mesh._flatten``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        where = f"line {getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            found |= {f"{where}: import {a.name}" for a in node.names if PRIVATE_PATH.match(a.name)}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(LIBRARIES):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found |= {f"{where}: from {n}" for n in names if PRIVATE_PATH.match(n)}
+        elif isinstance(node, ast.Attribute):
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if private and node.attr not in own and node.attr not in OTHERS:
+                found.add(f"{where}: .{node.attr}")
+            elif PRIVATE_PATH.match(ast.unparse(node)):
+                found.add(f"{where}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and PRIVATE_PATH.fullmatch(str(node.value)):
+            found.add(f"{where}: {node.value!r}")
+    return sorted(found)
+
+
+def test_private_names_of_torch_and_transformers_pass_through_one_door():
+    own = own_names()
+    seeded = (
+        "import torch.distributed._functional_collectives as funcol\n"
+        "from torch.utils._pytree import tree_leaves\n"
+        "mesh._flatten('x'); torch._C._dump()\n"
+        "logging.getLogger('torch.distributed.tensor._redistribute')\n"
+        "os._exit(0); self.seen = 1; self.seen\n"
+    )
+    assert len(private_uses(seeded, own - {"_flatten"})) == 6, private_uses(seeded, own)
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(PACKAGE)) not in DOORS
+        if (hits := private_uses(path.read_text(), own))
     }
     assert not found, found

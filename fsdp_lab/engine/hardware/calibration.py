@@ -22,6 +22,7 @@ import torch.distributed as dist
 from fsdp_lab.engine import attention as attention_impl
 from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.engine.hardware.timing import Budget, Timing, mean_interval, time_it, time_together
+from fsdp_lab.internals import torch_private, transformers_private
 
 
 # ---- what is measured -------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def decoder(hidden: int, tokens: int, dtype: torch.dtype, device: torch.device |
         max_position_embeddings=max(64, tokens),
         use_cache=False,
     )
-    config._attn_implementation = "sdpa"
+    transformers_private.set_attn_implementation(config, "sdpa")
     with torch.device(device):
         model = LlamaModel(config).to(dtype)
     attention_impl.install(model)
@@ -288,7 +289,7 @@ def grouped(
     """A mixture of experts' grouped GEMMs at (experts, rows an expert, K, N), forward and
     backward: torch's grouped_mm over rows sorted by expert, what transformers' grouped_mm
     experts run."""
-    fn_of = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    fn_of = torch_private.grouped_mm()
     out = {}
     for e, r, k, n in shapes:
         x = torch.randn(e * r, k, dtype=dtype, device=device, requires_grad=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import HardwareConfig, HardwareKind
+from fsdp_lab.internals import torch_private
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
@@ -127,23 +128,21 @@ def profiler_activities(device: torch.device) -> list:
 
 def start_memory_history(max_entries: int) -> None:
     """GPU: record every allocation and free, with its stack, from now (profile=memory)."""
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch_private.record_memory_history(max_entries)
 
 
 def dump_memory_history(pickle_path: Path, html_path: Path | None = None) -> None:
     """GPU: the recorded history as a snapshot (pytorch.org/memory_viz reads it) and, with
     ``html_path``, torch's own HTML view of it (no tool to learn)."""
-    torch.cuda.memory._dump_snapshot(str(pickle_path))
+    torch_private.dump_memory_snapshot(str(pickle_path))
     if html_path is not None:
-        from torch.cuda import _memory_viz
-
-        html_path.write_text(_memory_viz.trace_plot(torch.cuda.memory._snapshot()))
+        html_path.write_text(torch_private.memory_history_html())
 
 
 def stop_memory_history() -> None:
-    torch.cuda.memory._record_memory_history(enabled=None)
+    torch_private.record_memory_history(None)
 
 
 def on_out_of_memory(callback) -> None:
     """GPU: ``callback()`` when an allocation fails, before the OutOfMemoryError is raised."""
-    torch._C._cuda_attach_out_of_memory_observer(lambda *args: callback())
+    torch_private.on_out_of_memory(callback)

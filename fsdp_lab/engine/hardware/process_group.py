@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab.config import Backend, ConfigError, HardwareKind
+from fsdp_lab.internals import torch_private
 
 
 def backend(kind: HardwareKind, chosen: Backend = Backend.auto) -> str:
@@ -78,7 +79,7 @@ def after_rank0(name: str) -> None:
     """Rank 0 calls this when its solo work ``name`` is done; the others block here until then
     (a failed rank 0 ends them anyway: the launcher or torchrun stops the group)."""
     key = f"fsdp_lab/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_private.default_store()
     if dist.get_rank() == 0:
         store.set(key, "done")
     else:
@@ -111,6 +112,4 @@ def flight_records() -> list[bytes]:
     """This process's flight recorders now, each collective with its Python stack: pickles of
     plain containers. NCCL keeps a recorder of its own (where CUDA is up), listed first; gloo's
     holds the CPU collectives (all of them on cpu; on gpu those of offloading)."""
-    c10d = torch._C._distributed_c10d
-    nccl = torch.cuda.is_initialized() and hasattr(c10d, "_dump_nccl_trace")
-    return ([c10d._dump_nccl_trace()] if nccl else []) + [c10d._dump_fr_trace()]
+    return torch_private.flight_records(nccl=torch.cuda.is_initialized())
