@@ -73,8 +73,9 @@ def test_own_tensors_are_what_the_state_dict_holds_of_a_module():
 def test_a_storage_key_is_shared_by_views_on_meta():
     a = torch.empty(4, device="meta")
     assert torch_private.storage_key(a[1:])[0] == torch_private.storage_key(a)[0]
-    assert torch_private.storage_key(torch.empty(4, device="meta"))[0] != (
-        torch_private.storage_key(a)[0]
+    assert (
+        torch_private.storage_key(torch.empty(4, device="meta"))[0]
+        != (torch_private.storage_key(a)[0])
     )
 
 
