@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from fsdp_lab.config import HardwareKind  # noqa: E402
 from fsdp_lab.observe.run_logs import read_metrics  # noqa: E402
-from fsdp_lab.tools import plan, tune_probes  # noqa: E402
+from fsdp_lab.planning import plan, tune_probes  # noqa: E402
 
 MIB = 2**20
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_time_model import COMMON, LLAMA, MOE, QWEN2, calibrate  # noqa: E402
 
 from fsdp_lab.config.device_rows import device_profile  # noqa: E402
-from fsdp_lab.tools import learn  # noqa: E402
+from fsdp_lab.planning import learn  # noqa: E402
 
 SETUPS = {
     "a-full": [*LLAMA],

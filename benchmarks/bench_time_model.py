@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.tools import plan  # noqa: E402
+from fsdp_lab.planning import plan  # noqa: E402
 
 LLAMA = ["model.hidden_size=192", "model.intermediate_size=512", "model.num_layers=6",
          "model.num_heads=6", "model.num_kv_heads=2", "trainer.seq_len=256",

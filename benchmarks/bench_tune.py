@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_lab.tools import tune, tune_probes  # noqa: E402
+from fsdp_lab.planning import tune, tune_probes  # noqa: E402
 
 MODEL = [
     "hardware=cpu",

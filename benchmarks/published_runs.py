@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from fsdp_lab.config.device_rows import device_profile  # noqa: E402
 from fsdp_lab.config.hardware_profiles import Link, write_profile  # noqa: E402
-from fsdp_lab.tools import plan  # noqa: E402
+from fsdp_lab.planning import plan  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "published_runs.json"
 DOC = ROOT / "docs" / "benchmarks.md"

@@ -43,7 +43,7 @@ PRELOAD = (
     "fsdp_lab.train.worker",
     "fsdp_lab.engine.model",
     "fsdp_lab.data.corpus",
-    "fsdp_lab.tools.run_check",  # the Hydra callback that checks each run against the plan
+    "fsdp_lab.planning.run_check",  # the Hydra callback that checks each run against the plan
 )
 
 

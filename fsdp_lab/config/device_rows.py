@@ -214,7 +214,7 @@ DEVICES: tuple[DeviceProfile, ...] = (
         },
     ),
     # CPU ranks with nothing measured: a rank of this project's 2-core CI VM as fsdp-lab
-    # calibrate measured it. A run on another machine measures its own (tools.machine).
+    # calibrate measured it. A run on another machine measures its own (planning.machine).
     DeviceProfile(
         name="cpu",
         kind="cpu",

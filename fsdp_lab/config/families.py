@@ -8,7 +8,7 @@ tokens to experts; whether transformers converts its checkpoint's keys at load; 
 its linear layers a low-precision path (float8 training, a quantised frozen base) may convert;
 and whether context parallelism's attention reproduces its own (CP).
 The engine (``engine.model``), the rules, the losses (``train.loss``) and the plan
-(``tools.activation_memory``) read this table; nothing else names a family. A model type
+(``planning.activation_memory``) read this table; nothing else names a family. A model type
 without a row still trains (loss=hf, the llama layer model with a warning in the plan).
 
 | model_type | preset    | fused loss | activations | q/k norm | experts | converts keys | CP  |
@@ -40,7 +40,7 @@ from fsdp_lab.config.model import ModelArch, ModelConfig, ModelTask
 
 
 class Activations(enum.Enum):
-    """The layer model ``tools.activation_memory`` counts a family's saved activations with
+    """The layer model ``planning.activation_memory`` counts a family's saved activations with
     (read off each family's eager code)."""
 
     llama = "llama"  # pre-norm, rotary, gated MLP (Llama, Mistral, Qwen, the MoE decoders)

@@ -1,7 +1,7 @@
 """Hardware profiles: what a device computes and moves per second (``DeviceProfile``), the
 named rows' table being ``config.device_rows``, and the file ``fsdp-lab calibrate`` writes of
 the machine it measured. The time model
-(``tools.time_model``) reads them; so does MFU (``PEAK_TFLOPS``). Imports no torch.
+(``planning.time_model``) reads them; so does MFU (``PEAK_TFLOPS``). Imports no torch.
 
 Every figure of a named row is the vendor's or a public measurement's; docs/benchmarks.md ("The
 time model") cites each. Bandwidths are *bus* bandwidths per rank in one direction, as

@@ -244,7 +244,7 @@ def post_optimizer_step(model: nn.Module) -> None:
 
 
 def storage(p: torch.Tensor) -> str:
-    """How a parameter is stored and gathered (``tools.memory.ParamShape.storage``): nf4, float8
+    """How a parameter is stored and gathered (``planning.memory.ParamShape.storage``): nf4, float8
     (its weight subclass with float8 all-gathers) or fp32."""
     if is_nf4(p):
         return "nf4"

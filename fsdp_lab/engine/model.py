@@ -175,7 +175,7 @@ def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Mod
 @dataclasses.dataclass(frozen=True)
 class ModelCounts:
     """What a model is, counted on meta before sharding renames and splits it: what a run
-    (``train.build.ModelFacts``) and a plan (``tools.plan_model.ModelShape``) both say of it."""
+    (``train.build.ModelFacts``) and a plan (``planning.plan_model.ModelShape``) both say of it."""
 
     model_class: str  # before fully_shard renames it FSDP<name>
     total_params: int  # a tied parameter once

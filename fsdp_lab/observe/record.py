@@ -161,7 +161,7 @@ class RunResults:
     harness: dict[str, float] | None = field(default=None, metadata=OMIT_NONE)
     harness_step: int | None = field(default=None, metadata=OMIT_NONE)
     harness_source: str | None = field(default=None, metadata=OMIT_NONE)
-    # The time model's step for this run beside the measured median (tools.run_check): the
+    # The time model's step for this run beside the measured median (planning.run_check): the
     # device priced on, both steps and their splits, the ratio, and where the run departs
     predicted: dict | None = field(default=None, metadata=OMIT_NONE)
     # Measured on the way, each once, written as it is known (train.worker): memory before

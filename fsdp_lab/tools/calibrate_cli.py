@@ -1,6 +1,6 @@
 """``fsdp-lab calibrate``'s command line (stdlib only at import: the CLI starts fast): measure
-this machine (``tools.calibrate``), or refine a profile from runs already made
-(``tools.learn``)."""
+this machine (``planning.calibrate``), or refine a profile from runs already made
+(``planning.learn``)."""
 
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ def command(args) -> int:
             "machine starts from --base (or drop --device)"
         )
     if args.from_runs:
-        from fsdp_lab.tools.learn import learn_command
+        from fsdp_lab.planning.learn import learn_command
 
         return learn_command(args.from_runs, args.out, device=args.device)
-    from fsdp_lab.tools.calibrate import calibrate_command
+    from fsdp_lab.planning.calibrate import calibrate_command
 
     return calibrate_command(args.overrides, args.out, seconds=args.seconds, base=args.base)

@@ -181,8 +181,8 @@ def _add_plan(sub, name: str) -> None:
 
 
 def _plan(args) -> int:
-    from fsdp_lab.tools import plan_compare
-    from fsdp_lab.tools.plan import print_plan
+    from fsdp_lab.planning import plan_compare
+    from fsdp_lab.planning.plan import print_plan
 
     overrides = plan_compare.with_device(args.overrides, args.device, args.nodes)
     if args.compare:
@@ -234,8 +234,8 @@ def _add_tune(sub, name: str) -> None:
 
 
 def _tune(args) -> int:
-    from fsdp_lab.tools.tune import tune_command
-    from fsdp_lab.tools.tune_grid import Grid
+    from fsdp_lab.planning.tune import tune_command
+    from fsdp_lab.planning.tune_grid import Grid
 
     return tune_command(
         args.overrides,

@@ -16,7 +16,7 @@ from fsdp_lab.config import ConfigError, compose
 from fsdp_lab.config.data_kinds import kind_row, kinds_where
 from fsdp_lab.config.rules import validate
 from fsdp_lab.launch.prepare import check_model_and_data
-from fsdp_lab.tools.plan import topology
+from fsdp_lab.planning.plan import topology
 
 
 def prepare_command(overrides: list[str]) -> int:

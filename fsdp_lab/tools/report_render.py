@@ -55,7 +55,7 @@ class Figures:
     profile: StepBreakdown | None = None
     harness: dict[str, float] = field(default_factory=dict)  # the last lm-eval scores
     sample: str | None = None  # the last evaluation's first generation (eval.prompts)
-    predicted: dict | None = None  # run.json's predicted step (tools.run_check)
+    predicted: dict | None = None  # run.json's predicted step (planning.run_check)
 
 
 # Long: report.md's sections in the order a reader meets them.

@@ -64,7 +64,7 @@ NOT_RUN = {
     "verify": "needs a run's checkpoint, which the docs name by path",
     "report": "needs a sweep's directory, which the docs name by path",
     "tune": "probes several real runs (minutes)",
-    "calibrate": "measures this machine for 30 s (tests/unit/tools/test_calibrate.py)",
+    "calibrate": "measures this machine for 30 s (tests/unit/planning/test_calibrate.py)",
     "from-accelerate": "needs accelerate's YAML, which the docs name by path",
     "data": "tokenises a corpus the docs name by path",
     "profile": "needs a profiled run's traces, which the docs name by path",

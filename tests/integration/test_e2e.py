@@ -54,7 +54,7 @@ def test_run_dir_holds_config_logs_and_metrics(run_dir):
     assert "done: step 5/5" in proc.stderr
     assert "rank 1" not in proc.stderr  # only rank 0 talks to the console
     # the run against the time model (steps 2-5 measured, on this machine's measured profile:
-    # measured after the run where the cache had none, tests/unit/tools/test_calibrate.py)
+    # measured after the run where the cache had none, tests/unit/planning/test_calibrate.py)
     predicted = facts["predicted"]
     assert predicted["device"].startswith("measured (cpu:") and predicted["step_s"] > 0
     assert predicted["device"].endswith(", 2 ranks)")  # the machine's cores: any number

@@ -19,9 +19,9 @@ from test_parity import compare
 
 from fsdp_lab.engine import finetune
 from fsdp_lab.observe.run_logs import read_metrics
+from fsdp_lab.planning import plan
 from fsdp_lab.state.checkpoint import saved_shapes
 from fsdp_lab.state.export_source import load_checkpoint_weights
-from fsdp_lab.tools import plan
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from fsdp_lab.config import HardwareKind, compose
 from fsdp_lab.data.loader import IGNORE_INDEX
 from fsdp_lab.engine import fsdp
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.tools import plan
+from fsdp_lab.planning import plan
 from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 

@@ -21,7 +21,7 @@ from test_models import save_tiny
 
 from fsdp_lab.config.low_precision import NF4_BYTES_PER_PARAM
 from fsdp_lab.observe.run_logs import read_metrics
-from fsdp_lab.tools import plan
+from fsdp_lab.planning import plan
 
 pytestmark = pytest.mark.slow
 

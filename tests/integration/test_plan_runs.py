@@ -8,7 +8,7 @@ import pytest
 from conftest import check_ok, train
 from plan_cases import BIG_VOCAB, LOCAL, LOCAL_CONFIGS, MEDIUM
 
-from fsdp_lab.tools import plan
+from fsdp_lab.planning import plan
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 # Measured peak RSS - RSS before the first step, over the estimate: 1.01-1.14 over Llama,
 # Mistral, Qwen2, GPT-2 and BERT, full, grad_op, no_shard and hybrid, fp32 and bf16, always
 # 8-25 MiB over. Live tensor bytes are within 0-4% (the fake-group test in
-# tests/unit/tools/test_plan.py): the rest is the process's, not tensors (what the first steps
+# tests/unit/planning/test_plan.py): the rest is the process's, not tensors (what the first steps
 # page in: libraries, oneDNN's workspaces, malloc arenas), listed as not counted.
 # So: tensors within 5%, plus up to 48 MiB of the process's own.
 RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20

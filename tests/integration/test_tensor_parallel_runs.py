@@ -16,8 +16,8 @@ from reference import reference_run
 
 from fsdp_lab.config import to_typed
 from fsdp_lab.observe.run_logs import read_metrics
+from fsdp_lab.planning import plan
 from fsdp_lab.state import checkpoint as ckpt
-from fsdp_lab.tools import plan
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT, check_ok
 
-from fsdp_lab.tools import tune, tune_probes
+from fsdp_lab.planning import tune, tune_probes
 
 pytestmark = pytest.mark.slow
 

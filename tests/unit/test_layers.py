@@ -1,10 +1,11 @@
 """The packages' layers run one way, and no module imports itself back through others.
 
-config <- engine, data <- state, observe <- train <- launch <- tools: each package may import
-only those listed for it (and internals, the door to torch's and transformers' private names,
-imports none); Hydra's plugin (``hydra_plugins/``) only registers launch's sweeper,
-and nothing imports it. Every import counts, at the top of a module or inside a function, and
-under ``TYPE_CHECKING`` too: a cycle that only a lazy import or a type hint closes is a cycle.
+config <- engine, data <- state, observe <- train <- launch <- planning <- tools: each package
+may import only those listed for it (and internals, the door to torch's and transformers'
+private names, imports none); Hydra's plugin (``hydra_plugins/``) only registers launch's
+sweeper, and nothing imports it. Every import counts, at the top of a module or inside a
+function, and under ``TYPE_CHECKING`` too: a cycle that only a lazy import or a type hint closes
+is a cycle.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ ALLOWED = {
     "observe": {"config", "engine", "internals"},
     "train": {"config", "engine", "data", "state", "observe", "internals"},
     "launch": {"config", "engine", "data", "state", "observe", "train", "internals"},
-    "tools": {"config", "engine", "data", "state", "observe", "train", "launch", "internals"},
+    "planning": {"config", "engine", "data", "state", "observe", "train", "launch", "internals"},
+    "tools": {
+        "config",
+        "engine",
+        "data",
+        "state",
+        "observe",
+        "train",
+        "launch",
+        "planning",
+        "internals",
+    },
     "__main__": {"launch"},  # python -m fsdp_lab: the training command, as train.py
     "hydra_plugins": {"launch"},  # a shim: registers launch.study_sweeper
 }

@@ -50,7 +50,7 @@ def test_no_other_module_compares_kinds():
 def test_what_reads_the_rows_follows_them(monkeypatch):
     """A throwaway change to rows moves what reads them: the rules, the formats read, the
     plan's masks."""
-    from fsdp_lab.tools import plan
+    from fsdp_lab.planning import plan
 
     cp = ["data.files=[c.jsonl]", "parallel.context=2"]
     packed = plan.build_plan(["data=chat", *cp], "cpu").chosen_plan

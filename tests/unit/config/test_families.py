@@ -13,7 +13,7 @@ from torch import nn
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelArch, ModelConfig
 from fsdp_lab.config import families as fam
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
-from fsdp_lab.tools import activation_memory
+from fsdp_lab.planning import activation_memory
 from fsdp_lab.train import loss as loss_lib
 
 

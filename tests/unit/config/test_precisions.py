@@ -36,7 +36,7 @@ def test_no_other_module_dispatches_on_a_dtype_or_recipe_name():
 
 def test_what_reads_the_rows_follows_them(monkeypatch):
     """A throwaway change to a row moves what reads it: the rules, the plan's bytes."""
-    from fsdp_lab.tools import plan
+    from fsdp_lab.planning import plan
 
     fp32 = PrecisionConfig()
     check_precision(fp32)

@@ -17,7 +17,7 @@ from fsdp_lab.engine import fsdp
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.hardware import devices
 from fsdp_lab.observe import metrics
-from fsdp_lab.tools import plan
+from fsdp_lab.planning import plan
 from fsdp_lab.train import loop
 from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation

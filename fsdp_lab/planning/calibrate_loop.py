@@ -42,7 +42,7 @@ def step(cfg, topo, device, budget):
     from fsdp_lab.engine import model as model_lib
     from fsdp_lab.engine.hardware import devices
     from fsdp_lab.engine.hardware.timing import median_interval, time_together
-    from fsdp_lab.tools.plan_model import trace_hf_config
+    from fsdp_lab.planning.plan_model import trace_hf_config
     from fsdp_lab.train import loss as loss_lib
     from fsdp_lab.train.loop import train_step
     from fsdp_lab.train.optim import build_optimizer, resolve_implementation

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.device_rows import device_profile
-from fsdp_lab.tools.plan import build_plan
-from fsdp_lab.tools.time_model import TIME_HEADER, StepTime
-from fsdp_lab.tools.tune_grid import override_key
+from fsdp_lab.planning.plan import build_plan
+from fsdp_lab.planning.time_model import TIME_HEADER, StepTime
+from fsdp_lab.planning.tune_grid import override_key
 
 GIB = 2**30
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from fsdp_lab.config import Config
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.tools import memory
-from fsdp_lab.tools.plan_model import ModelShape
-from fsdp_lab.tools.plan_result import StrategyPlan
-from fsdp_lab.tools.time_model import Collective
+from fsdp_lab.planning import memory
+from fsdp_lab.planning.plan_model import ModelShape
+from fsdp_lab.planning.plan_result import StrategyPlan
+from fsdp_lab.planning.time_model import Collective
 
 
 @dataclass(frozen=True)

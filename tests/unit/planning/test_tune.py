@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_lab.config import ActivationCheckpointingMode, ConfigError, ShardingStrategy
-from fsdp_lab.tools import cli, tune, tune_probes
+from fsdp_lab.planning import tune, tune_probes
+from fsdp_lab.tools import cli
 
 AC = ActivationCheckpointingMode
 

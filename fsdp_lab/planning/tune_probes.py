@@ -14,7 +14,7 @@ from pathlib import Path
 from fsdp_lab.config import ConfigError, HardwareKind
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunResults
-from fsdp_lab.tools.tune_grid import Candidate, override_key
+from fsdp_lab.planning.tune_grid import Candidate, override_key
 
 GIB, MIB = 2**30, 2**20
 # The plan's known error on real ranks (tests/integration/test_plan_runs.py, every preset

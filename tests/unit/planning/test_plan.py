@@ -26,7 +26,8 @@ from fsdp_lab.config.families import preset_family
 from fsdp_lab.data import corpus
 from fsdp_lab.engine import activations, finetune, fsdp, precision, wrap
 from fsdp_lab.engine import model as model_lib
-from fsdp_lab.tools import activation_memory, cli, memory, plan, plan_result
+from fsdp_lab.planning import activation_memory, memory, plan, plan_result
+from fsdp_lab.tools import cli
 from fsdp_lab.train import loss as loss_lib
 from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 

@@ -61,7 +61,7 @@ def layer_bytes_per_token(
             # TP splits attention (by heads) and the MLP (by width); the norms stay whole, or
             # with sequence parallelism run on 1/tensor of the rows, and the linear layers after
             # them save the all-gathered input instead of the norm's scaled output. Measured
-            # exactly on a fake group (tests/unit/tools/test_plan.py).
+            # exactly on a fake group (tests/unit/planning/test_plan.py).
             mlp = b * 4 * i if not s.experts else _experts_bytes_per_token(s, b)
             split = _split(b * (2 * s.q_dim + 2 * s.kv_dim) + mlp + lse, tensor) + _qk_norm(s, b)
             if sequence_parallel and tensor > 1:
@@ -78,7 +78,7 @@ def layer_bytes_per_token(
             # else the attention's sum too), two means, rstds and outputs; the fused qkv, the
             # rotated q and k (partial rotary rebuilds them whole), attention's output and
             # dense's input; MLP: dense_h_to_4h's output (exact GELU's input) and GELU's output.
-            # Measured with saved_tensors_hooks (tests/unit/tools/test_plan.py).
+            # Measured with saved_tensors_hooks (tests/unit/planning/test_plan.py).
             serial = 0 if s.parallel_residual else b * h
             return b * (10 * h + 2 * i + 4) + lse + serial
         case "bert":
@@ -346,7 +346,7 @@ def _loss_bytes(s: LayerShape, b: int, *, tokens: int, loss_chunk: int | None) -
 class ContextLayout:
     """One rank of a CP group as the plan counts it (``engine.context_parallel``): what its
     attention saves beyond the same layer over seq_len/N whole-sequence tokens, measured with
-    saved_tensors_hooks on a fake group (tests/unit/tools/test_plan.py)."""
+    saved_tensors_hooks on a fake group (tests/unit/planning/test_plan.py)."""
 
     size: int  # parallel.context
     dense_masks: bool

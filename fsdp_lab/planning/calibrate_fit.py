@@ -17,7 +17,7 @@ from fsdp_lab.config import HardwareKind
 from fsdp_lab.config.device_rows import device_profile, row_for
 from fsdp_lab.config.hardware_profiles import COLLECTIVES, DeviceProfile, Link, Rate
 from fsdp_lab.config.precisions import peak_key
-from fsdp_lab.tools import op_count
+from fsdp_lab.planning import op_count
 
 MIB = 2**20
 
@@ -247,7 +247,7 @@ def _unit_overhead(first: dict, collectives: dict[str, Link], job) -> float:
     """FSDP2's host cost per unit and pass: the tiny sharded model's step less the plain
     one's and less its collectives' fitted times, over its units' passes (4 layers and the
     root, forward and backward)."""
-    from fsdp_lab.tools.time_model import Collective, collective_s
+    from fsdp_lab.planning.time_model import Collective, collective_s
 
     plain, sharded = (_median(v) for v in first["fsdp"])
     if job.nproc > 1 and collectives:
@@ -277,7 +277,7 @@ def _step_host(everyone: list[dict], job, profile: DeviceProfile) -> float:
     from pathlib import Path
 
     from fsdp_lab.config.hardware_profiles import write_profile
-    from fsdp_lab.tools import calibrate_loop, plan
+    from fsdp_lab.planning import calibrate_loop, plan
 
     measured = _median(_slowest(everyone, "loop"))
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fsdp_lab.config.low_precision import nf4_bytes, nf4_splits
 from fsdp_lab.config.topology import expert_shard_dim
-from fsdp_lab.tools.activation_memory import FP32, LayerShape
+from fsdp_lab.planning.activation_memory import FP32, LayerShape
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a 0-dim fp32 tensor (not fused/capturable)
 ZERO_K = 12  # the paper's optimizer bytes per parameter: fp32 master copy + momentum + variance

@@ -13,7 +13,7 @@ from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.engine.model import ModelCounts
 from fsdp_lab.observe import metrics
-from fsdp_lab.tools import activation_memory, memory
+from fsdp_lab.planning import activation_memory, memory
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from fsdp_lab.config.hardware_profiles import (
     read_profile,
     write_profile,
 )
-from fsdp_lab.tools import calibrate_fit, cli, plan, plan_compare, plan_time, run_check, time_model
-from fsdp_lab.tools.time_model import (
+from fsdp_lab.planning import calibrate_fit, plan, plan_compare, plan_time, run_check, time_model
+from fsdp_lab.planning.time_model import (
     Collective,
     PassWork,
     StepWork,
@@ -32,6 +32,7 @@ from fsdp_lab.tools.time_model import (
     compute_s,
     predict,
 )
+from fsdp_lab.tools import cli
 
 # A device of round numbers: 1 TFLOP/s, 100 GB/s memory, links of 10 GB/s and 10 us a step.
 ROUND = DeviceProfile(

@@ -17,7 +17,7 @@ dispatch, all-gather / reduce-scatter / all-reduce at several sizes (latency and
 fitted), and host<->device copies. Each figure is a median taken until its 95% interval is
 tight or its share of ``--seconds`` is spent; the interval is recorded beside it.
 
-Without ``--out`` the profile goes to this machine's cache (``tools.machine``), which a run
+Without ``--out`` the profile goes to this machine's cache (``planning.machine``), which a run
 on this machine, plan and tune then read. What one node cannot measure (the network between
 nodes) is ``--base``'s (default: the named GPU this machine is, or cpu).
 """
@@ -40,7 +40,7 @@ from fsdp_lab.config.hardware_profiles import (
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.tools import calibrate_fit, calibrate_loop, plan
+from fsdp_lab.planning import calibrate_fit, calibrate_loop, plan
 
 KIB, MIB = 2**10, 2**20
 
@@ -318,7 +318,7 @@ def quick(cfg, topo, seconds: float = QUICK_SECONDS) -> DeviceProfile:
 def calibrate_command(
     overrides: list[str], out: Path | None, *, seconds: float, base: str | None
 ) -> int:
-    from fsdp_lab.tools import machine
+    from fsdp_lab.planning import machine
 
     if seconds < 1:
         raise ConfigError(f"--seconds {seconds:g}: give calibrate at least 1 s (default 30)")

@@ -27,8 +27,8 @@ from pathlib import Path
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.hardware_profiles import DeviceProfile, write_profile
 from fsdp_lab.observe import rundir
-from fsdp_lab.tools import run_check
-from fsdp_lab.tools.calibrate_fit import fit_rate
+from fsdp_lab.planning import run_check
+from fsdp_lab.planning.calibrate_fit import fit_rate
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def predicted_step(o: Observed, device: DeviceProfile) -> float:
 
 def learn_command(runs: list[Path], out: Path | None, *, device: str | None) -> int:
     from fsdp_lab.config.device_rows import device_profile
-    from fsdp_lab.tools import machine
+    from fsdp_lab.planning import machine
 
     missing = [r for r in runs if not (r / rundir.RUN_FILE).is_file()]
     if missing:

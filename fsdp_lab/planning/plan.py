@@ -8,7 +8,7 @@
 The config is composed and validated as train.py does it, the model is built on the meta device
 (no weights, no device, no process group), and the mesh, the FSDP units and the per-rank memory
 of the chosen strategy and of all five side by side are computed from its shapes by
-``fsdp_lab.tools.memory``, next to the ZeRO paper's figures.
+``fsdp_lab.planning.memory``, next to the ZeRO paper's figures.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
-from fsdp_lab.tools import activation_memory, memory, plan_time
-from fsdp_lab.tools.plan_model import ModelShape, inspect_model
-from fsdp_lab.tools.plan_result import (
+from fsdp_lab.planning import activation_memory, memory, plan_time
+from fsdp_lab.planning.plan_model import ModelShape, inspect_model
+from fsdp_lab.planning.plan_result import (
     Batch,
     Checkpointing,
     Dtypes,
@@ -266,7 +266,7 @@ def time_device(
     else this machine's measured profile for these ranks where one is cached (``cfg``'s
     ``hardware.profile_cache``), else the cpu row on CPU ranks and an H100 on GPU ones, said
     to be unmeasured; and what that assumes."""
-    from fsdp_lab.tools import machine
+    from fsdp_lab.planning import machine
 
     notes = []
     device = device_profile(name, flag) if name else None

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from fsdp_lab.config import HardwareKind
 from fsdp_lab.observe import rundir
-from fsdp_lab.tools.tune_grid import Candidate
-from fsdp_lab.tools.tune_probes import GIB, MIB, SAFETY, SLACK
+from fsdp_lab.planning.tune_grid import Candidate
+from fsdp_lab.planning.tune_probes import GIB, MIB, SAFETY, SLACK
 
 
 @dataclass

@@ -7,7 +7,7 @@ Hydra calls ``RunCheck`` after each job (conf/config.yaml's callbacks): it write
 here can fail a run: a prediction that cannot be made is a warning.
 
 The run is priced on ``hardware.profile`` where set, else on this machine's own measured
-profile (``tools.machine``): a local run on a machine not yet measured measures it now, in a
+profile (``planning.machine``): a local run on a machine not yet measured measures it now, in a
 few seconds, once; a run under torchrun or srun reads the cached one, and without one says
 the machine is unmeasured instead of comparing the run with another machine's figures.
 
@@ -31,7 +31,7 @@ from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunRecord
 from fsdp_lab.observe.run_logs import read_rows
-from fsdp_lab.tools import plan, plan_time
+from fsdp_lab.planning import plan, plan_time
 
 log = logging.getLogger("fsdp_lab")
 MIN_STEPS = 3  # steady steps (after the first) a median needs to say anything
@@ -42,7 +42,7 @@ def profile_for(cfg, topo: Topology, *, measure: bool, log=print):
     """The profile a run is priced on: ``hardware.profile``, else this machine's (measured
     now where ``measure`` and none is cached); None where the machine is unmeasured, or its
     GPU has no row and is unmeasured too."""
-    from fsdp_lab.tools import calibrate, machine
+    from fsdp_lab.planning import calibrate, machine
 
     if cfg.hardware.profile:
         return plan.time_device(cfg.hardware.profile, topo, flag="hardware.profile=")[0]

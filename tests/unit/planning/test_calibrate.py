@@ -18,7 +18,7 @@ from fsdp_lab.config.device_rows import device_profile
 from fsdp_lab.config.hardware_profiles import read_profile, write_profile
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine.hardware.timing import mean_interval, median_interval
-from fsdp_lab.tools import calibrate, calibrate_fit, learn, machine, run_check
+from fsdp_lab.planning import calibrate, calibrate_fit, learn, machine, run_check
 
 TINY = calibrate.Grid(
     matmuls=((16, 16, 16), (64, 32, 64)),

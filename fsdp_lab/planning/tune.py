@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareKind
-from fsdp_lab.tools.tune_grid import Candidate, Grid, enumerate_candidates, probe_order
-from fsdp_lab.tools.tune_output import (
+from fsdp_lab.planning.tune_grid import Candidate, Grid, enumerate_candidates, probe_order
+from fsdp_lab.planning.tune_output import (
     TuneResult,
     format_table,
     mib,
@@ -49,7 +49,7 @@ from fsdp_lab.tools.tune_output import (
     tokens_per_s,
     write_json,
 )
-from fsdp_lab.tools.tune_probes import (
+from fsdp_lab.planning.tune_probes import (
     GIB,
     MIB,
     SAFETY,
@@ -215,7 +215,7 @@ def _measure_this_machine(overrides: list[str], log) -> bool:
     """Whether this machine's profile for the overrides' ranks was measured now (none was
     cached: a few seconds), so that the probes are ordered on it, not on a named row's."""
     from fsdp_lab.config import compose
-    from fsdp_lab.tools import calibrate, machine, plan
+    from fsdp_lab.planning import calibrate, machine, plan
 
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)

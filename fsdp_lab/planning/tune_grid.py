@@ -24,8 +24,8 @@ from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import dp_size
-from fsdp_lab.tools import plan, plan_time
-from fsdp_lab.tools.plan_result import StrategyPlan
+from fsdp_lab.planning import plan, plan_time
+from fsdp_lab.planning.plan_result import StrategyPlan
 
 AC = ActivationCheckpointingMode
 # The grid's checkpointing modes, least recomputation first.

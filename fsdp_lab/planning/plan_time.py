@@ -30,10 +30,10 @@ from fsdp_lab.config import (
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.tools import memory, op_count, plan_comm, plan_trace
-from fsdp_lab.tools.plan_model import ModelShape
-from fsdp_lab.tools.plan_result import StrategyPlan
-from fsdp_lab.tools.time_model import (
+from fsdp_lab.planning import memory, op_count, plan_comm, plan_trace
+from fsdp_lab.planning.plan_model import ModelShape
+from fsdp_lab.planning.plan_result import StrategyPlan
+from fsdp_lab.planning.time_model import (
     BACKWARD,
     FORWARD,
     PassWork,

@@ -8,8 +8,8 @@ import dataclasses
 import textwrap
 from dataclasses import dataclass
 
-from fsdp_lab.tools import memory
-from fsdp_lab.tools.time_model import TIME_HEADER, StepTime
+from fsdp_lab.planning import memory
+from fsdp_lab.planning.time_model import TIME_HEADER, StepTime
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def time_lines(plan: Plan) -> list[str]:
     """The predicted step of each strategy on the plan's device, split into compute, exposed
     communication, optimizer and other (shares of the step)."""
     lines = [
-        f"step time on {plan.time_device} (predicted: fsdp_lab.tools.time_model)",
+        f"step time on {plan.time_device} (predicted: fsdp_lab.planning.time_model)",
         f"  {'strategy':<13} {TIME_HEADER}",
     ]
     for name, s in plan.strategies.items():

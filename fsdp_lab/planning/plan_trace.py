@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 from fsdp_lab.config import Config, ConfigError
-from fsdp_lab.tools.op_count import BACKWARD, FORWARD, ROOT, PassTrace, _Counter, _Stubs
+from fsdp_lab.planning.op_count import BACKWARD, FORWARD, ROOT, PassTrace, _Counter, _Stubs
 
 
 @dataclass
@@ -97,7 +97,7 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp
     from fsdp_lab.engine import model as model_lib
     from fsdp_lab.engine import moe, wrap
     from fsdp_lab.engine.hardware import devices
-    from fsdp_lab.tools.plan_model import trace_hf_config
+    from fsdp_lab.planning.plan_model import trace_hf_config
     from fsdp_lab.train import loss as loss_lib
 
     hf_config = trace_hf_config(cfg, vocab)
