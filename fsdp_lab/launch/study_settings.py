@@ -16,7 +16,7 @@ class StudySweeperConf:
     """``hydra.sweeper``'s fields under hydra/sweeper=study: the types (a typo or a wrong type
     fails at compose); the values are study.yaml's."""
 
-    _target_: str = "fsdp_lab.launch.study_sweeper.StudySweeper"
+    _target_: str = "hydra_plugins.fsdp_lab_sweeper.study_sweeper.StudySweeper"
     direction: str = MISSING
     """minimize or maximize: the way objective= goes (val_loss: minimize, tokens_per_s: maximize)"""
     sampler: str = MISSING

@@ -1,8 +1,8 @@
 """fsdp_lab's Optuna study as a Hydra sweeper (``hydra/sweeper=study``): the Hydra side
 (settings, launcher, job numbers). The study itself is ``fsdp_lab.launch.study``, imported when
 a study starts so that every other run skips Optuna; the settings' schema is
-``fsdp_lab.launch.study_settings``. Hydra finds sweepers only under ``hydra_plugins``:
-``hydra_plugins/fsdp_lab_sweeper`` only registers this one."""
+``fsdp_lab.launch.study_settings``. Hydra finds and instantiates sweepers only under
+``hydra_plugins``: ``hydra_plugins/fsdp_lab_sweeper`` registers this one there, by name."""
 
 from __future__ import annotations
 

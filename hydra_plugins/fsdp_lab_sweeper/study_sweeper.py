@@ -1,10 +1,11 @@
-"""Hydra finds sweepers only under ``hydra_plugins``: this registers fsdp_lab's
-(``fsdp_lab.launch.study_sweeper``) and holds no code of its own. Hydra's scan takes every
-Sweeper class among this module's names."""
+"""Hydra finds sweepers only under ``hydra_plugins`` and instantiates only classes defined
+there: this registers fsdp_lab's study sweeper (``hydra/sweeper=study``) under that name. The
+code and the settings' schema are ``fsdp_lab.launch.study_sweeper`` and ``study_settings``."""
 
-from fsdp_lab.launch.study_settings import register
-from fsdp_lab.launch.study_sweeper import StudySweeper
+from fsdp_lab.launch import study_settings, study_sweeper
 
-register()
+study_settings.register()
 
-__all__ = ["StudySweeper"]
+
+class StudySweeper(study_sweeper.StudySweeper):
+    """``fsdp_lab.launch.study_sweeper.StudySweeper``, where Hydra looks for it."""

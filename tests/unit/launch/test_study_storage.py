@@ -297,3 +297,14 @@ def test_two_sweep_processes_share_one_journal_study(tmp_path):
     assert [t.state for t in shared.trials] == [TrialState.COMPLETE] * 5
     owners = {t.number: int(t.user_attrs["worker"].split(":")[1]) for t in shared.trials}
     assert {n: pid for pid, ns in ran.items() for n in ns} == owners
+
+
+def test_hydra_instantiates_the_sweeper_its_settings_name():
+    # Hydra instantiates plugins defined under hydra_plugins only, by their own module's name:
+    # the shim there subclasses launch.study_sweeper's, and the settings' _target_ names it.
+    from hydra.core.plugins import Plugins
+
+    target = StudySweeperConf.__dataclass_fields__["_target_"].default
+    plugins = Plugins.instance()
+    assert plugins.is_in_toplevel_plugins_module(target)
+    assert issubclass(plugins.class_name_to_class[target], StudySweeper)
