@@ -5,8 +5,10 @@ transformers 5 keeps a layer's experts as two fused 3-D parameters, ``gate_up_pr
 and ``down_proj [E, H, I]``, in one module whose ``forward(hidden [T, H], top_k_index [T, K],
 top_k_weights [T, K])`` runs the kernel that ``config._experts_implementation`` names. Here each
 becomes a DTensor ``Shard(0)`` on the ``ep`` axis of the expert mesh (E/ep whole experts per
-rank), ``num_experts`` the local count, and ``forward`` the exchange of ``EpForward`` around the
-model's own kernel. The router stays dense (every rank routes its own tokens): routing, and with
+rank), ``num_experts`` the local count, and the model's experts implementation
+``fsdp_lab_ep`` (registered in transformers' ``ExpertsInterface``, its extension point): the
+exchange of ``EpForward`` around the kernel the model named before. The router stays dense
+(every rank routes its own tokens): routing, and with
 it the aux loss, is what it is without EP.
 
 The expert mesh is a view of the same ranks as the data-parallel mesh, ``(efsdp, ep)`` with ep
@@ -17,6 +19,9 @@ all-to-all group is contiguous ranks); ``engine.fsdp`` shards the experts furthe
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from fsdp_lab.config import ConfigError
 from fsdp_lab.config.topology import EXPERT_AXIS
 from fsdp_lab.engine import moe
-from fsdp_lab.internals import torch_private
+from fsdp_lab.internals import torch_private, transformers_private
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -77,8 +82,10 @@ def check(model: nn.Module, degree: int) -> None:
 
 def apply(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     """Split every MoE layer's experts over ``mesh[ep]`` (on meta: no data moves; materialising
-    fills each rank's slice) and route their forward through the all-to-all. Returns the
-    experts modules, which ``engine.fsdp`` makes FSDP units of their own on ``efsdp``."""
+    fills each rank's slice) and route their forward through the all-to-all: the model's
+    experts implementation becomes ``fsdp_lab_ep`` (registered in transformers'
+    ``ExpertsInterface``), which runs the kernel it named before on the local experts. Returns
+    the experts modules, which ``engine.fsdp`` makes FSDP units of their own on ``efsdp``."""
     ep_mesh = mesh[EXPERT_AXIS]
     degree = ep_mesh.size()
     experts = expert_modules(model)
@@ -90,8 +97,46 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
             module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
         # The kernels size their expert loop / histogram by the module's own count.
         module.num_experts = total // degree
-        module.forward = EpForward(module, ep_mesh)
+        inner = transformers_private.experts_implementation(module.config)
+        _EXCHANGES[module] = EpForward(module, ep_mesh, _kernel(inner, module))
+        # The experts read their own config: a copy names the exchange, the model's (and any
+        # other module's sharing it) keeps its kernel.
+        module.config = transformers_private.with_experts_implementation(
+            module.config, EP_IMPLEMENTATION
+        )
+    if experts:
+        _register()
     return experts
+
+
+EP_IMPLEMENTATION = "fsdp_lab_ep"
+_EXCHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts -> EpForward
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EP_IMPLEMENTATION, _ep_forward)
+
+
+def _ep_forward(module: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """transformers' experts signature: the exchange ``apply`` set up for ``module``."""
+    exchange = _EXCHANGES.get(module)
+    if exchange is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs experts_implementation={EP_IMPLEMENTATION} but was "
+            "not split by expert_parallel.apply (a copy of an EP model?)"
+        )
+    return exchange(hidden_states, top_k_index, top_k_weights)
+
+
+def _kernel(inner: str | None, module: nn.Module) -> Callable:
+    """The experts' kernel the model named before EP (its forward for eager or none)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if inner not in (None, "eager", EP_IMPLEMENTATION) and inner in ALL_EXPERTS_FUNCTIONS:
+        return ALL_EXPERTS_FUNCTIONS[inner]
+    return inspect.unwrap(type(module).forward)  # the class's own, under transformers' dispatch
 
 
 @contextlib.contextmanager
@@ -105,7 +150,7 @@ def _local_params(module: nn.Module):
 
 
 class EpForward:
-    """The experts' forward under EP, installed as the module's ``forward``.
+    """The experts' forward under EP (``fsdp_lab_ep``: transformers' experts interface).
 
     1. sort this rank's (token, slot) pairs by expert: experts are contiguous per rank, so this
        groups the rows by the rank they go to;
@@ -122,8 +167,8 @@ class EpForward:
     FSDP reduce-scatter runs on every rank (transformers' trick).
     """
 
-    def __init__(self, module: nn.Module, ep_mesh: DeviceMesh) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, ep_mesh: DeviceMesh, kernel: Callable) -> None:
+        self.module, self.kernel = module, kernel
         self.group = ep_mesh.get_group()
         self.degree = ep_mesh.size()
 
@@ -150,7 +195,7 @@ class EpForward:
         return (pairs * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
 
     def _experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        kernel = type(self.module).forward
+        kernel = self.kernel
         if rows.shape[0] == 0:
             dummy = rows.sum(dim=0, keepdim=True)  # zeros, linked to the (empty) receive
             return kernel(self.module, dummy, ids.new_zeros((1, 1)), rows.new_ones((1, 1)))[:0]

@@ -106,6 +106,19 @@ def with_attn_implementation(config, name: str):
     return other
 
 
+def with_experts_implementation(config, name: str):
+    """A shallow copy of ``config`` whose experts run ``name`` (the original untouched)."""
+    other = copy.copy(config)
+    other._experts_implementation_internal = name  # the copy only: no sub-config is shared
+    return other
+
+
+def experts_implementation(config) -> str | None:
+    """The experts' kernel ``config`` names (None where none is set)."""
+    value = getattr(config, "_experts_implementation", None)
+    return value if isinstance(value, str) else None
+
+
 def set_experts_implementation(config, name: str) -> None:
     """``config``'s experts (and its sub-configs') run ``name``'s kernel; read by the experts'
     forward on every call. Public for building: ``from_config(..., experts_implementation=)``."""
