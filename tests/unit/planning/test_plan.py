@@ -693,3 +693,10 @@ def test_host_ram_to_load_and_export_per_rank_and_node(tmp_path):
     text = plan.format_plan(got)
     assert "host RAM per rank" in text and "per node (8 ranks)" in text
     assert got.to_json()["host"]["load_peak"] == h.load
+
+
+def test_the_planning_entry_is_the_plan(tmp_path):
+    from fsdp_lab import planning
+
+    overrides = ["sharding=grad_op", f"hardware.profile_cache={tmp_path}"]
+    assert planning.plan_config(overrides).to_json() == plan.build_plan(overrides).to_json()
