@@ -65,7 +65,7 @@ def install(model: nn.Module) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    base = transformers_private.attn_implementation(config)
+    base = transformers_private.implementation(config, "attn")
     known = base in ALL_ATTENTION_FUNCTIONS
     if not known and not hasattr(sys.modules[type(model).__module__], "eager_attention_forward"):
         return
@@ -80,7 +80,7 @@ def install(model: nn.Module) -> None:
 
 def base_of(model: nn.Module) -> str | None:
     """The implementation ``install`` stood in for, or None where it did not."""
-    name = transformers_private.attn_implementation(getattr(model, "config", None))
+    name = transformers_private.implementation(getattr(model, "config", None), "attn")
     return _INSTALLED.get(name) if name is not None else None
 
 
@@ -109,9 +109,8 @@ def training_mask(
     from transformers import masking_utils
 
     # The builders read the implementation off the config: a copy of it under <impl>.
-    config = transformers_private.with_attn_implementation(
-        model.config, _INSTALLED[transformers_private.attn_implementation(model.config)]
-    )
+    base = _INSTALLED[transformers_private.implementation(model.config, "attn")]
+    config = transformers_private.with_implementation(model.config, "attn", base)
     if sequence_index is None and position_ids is not None:
         restarts = torch.diff(position_ids, dim=-1, prepend=position_ids[..., :1] - 1) != 1
         sequence_index = restarts.cumsum(-1).expand(input_ids.shape)
@@ -139,7 +138,7 @@ def implementation(model: nn.Module, name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    current = transformers_private.attn_implementation(model.config)
+    current = transformers_private.implementation(model.config, "attn")
     model.set_attn_implementation(name)
     try:
         yield

@@ -238,7 +238,7 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def is_split(model: nn.Module) -> bool:
     """Whether ``model``'s attention is context-parallel."""
-    impl = transformers_private.attn_implementation(getattr(model, "config", None))
+    impl = transformers_private.implementation(getattr(model, "config", None), "attn")
     return impl is not None and impl.startswith(ATTENTION_PREFIX)
 
 

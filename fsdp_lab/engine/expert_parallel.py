@@ -97,12 +97,12 @@ def apply(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
             module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
         # The kernels size their expert loop / histogram by the module's own count.
         module.num_experts = total // degree
-        inner = transformers_private.experts_implementation(module.config)
+        inner = transformers_private.implementation(module.config, "experts")
         _EXCHANGES[module] = EpForward(module, ep_mesh, _kernel(inner, module))
         # The experts read their own config: a copy names the exchange, the model's (and any
         # other module's sharing it) keeps its kernel.
-        module.config = transformers_private.with_experts_implementation(
-            module.config, EP_IMPLEMENTATION
+        module.config = transformers_private.with_implementation(
+            module.config, "experts", EP_IMPLEMENTATION
         )
     if experts:
         _register()

@@ -81,4 +81,4 @@ def set_experts_implementation(hf_config, implementation: str | None) -> None:
     """The experts' kernel ``hf_config`` names (read by the experts' forward on every call);
     None leaves transformers' own choice. A dense model's config ignores it."""
     if implementation is not None:
-        transformers_private.set_experts_implementation(hf_config, implementation)
+        transformers_private.set_implementation(hf_config, "experts", implementation)

@@ -8,43 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_lab.internals import lookup
 
-@dataclass(frozen=True)
-class Private:
-    """``module``'s ``name`` (dotted: attributes within it), and what would replace it."""
-
-    module: str
-    name: str
-    waits_for: str
-    cuda: bool = False  # only in CUDA builds of torch
-
-    def get(self) -> Any:
-        return _resolve(self)
-
-
-@functools.cache
-def _resolve(private: Private) -> Any:
-    """``private``'s object (looked up once); a line naming it and the fix where it moved."""
-    try:
-        value = importlib.import_module(private.module)
-        for part in private.name.split("."):
-            value = getattr(value, part)
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(
-            f"torch {torch.__version__} has no {private.module}.{private.name}, which fsdp_lab "
-            f"uses until {private.waits_for} ({e}): pin the torch of pyproject.toml's range"
-        ) from None
-    return value
-
+Private = functools.partial(lookup.Private, "torch")
 
 NAMES = {
     "flatten": Private(
@@ -152,17 +125,13 @@ REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
 def check() -> list[str]:
     """Each name this torch lacks, as a line (empty: every one is where fsdp_lab looks)."""
-    missing = []
-    for key, private in NAMES.items():
-        if key == "grouped_mm" and hasattr(torch.nn.functional, "grouped_mm"):
-            continue  # the public one is used
-        if private.cuda and not torch.backends.cuda.is_built():
-            continue
-        try:
-            private.get()
-        except RuntimeError as e:
-            missing.append(str(e))
-    return missing
+    public_grouped_mm = hasattr(torch.nn.functional, "grouped_mm")  # then that one is used
+    return lookup.missing(
+        private
+        for key, private in NAMES.items()
+        if not (key == "grouped_mm" and public_grouped_mm)
+        and not (private.cuda and not torch.backends.cuda.is_built())
+    )
 
 
 # -- DeviceMesh ---------------------------------------------------------------------------------

@@ -6,31 +6,11 @@ module imports no transformers: each function takes objects of it, or imports it
 from __future__ import annotations
 
 import copy
-import importlib
-from dataclasses import dataclass
-from typing import Any
+import functools
 
+from fsdp_lab.internals import lookup
 
-@dataclass(frozen=True)
-class Private:
-    """``module``'s ``name``, and what would replace it."""
-
-    module: str
-    name: str
-    waits_for: str
-
-    def get(self) -> Any:
-        try:
-            return getattr(importlib.import_module(self.module), self.name)
-        except (ImportError, AttributeError) as e:
-            from transformers import __version__
-
-            raise RuntimeError(
-                f"transformers {__version__} has no {self.module}.{self.name}, "
-                f"which fsdp_lab uses until {self.waits_for} ({e}): pin the transformers of "
-                "pyproject.toml's range"
-            ) from None
-
+Private = functools.partial(lookup.Private, "transformers")
 
 NAMES = {
     "compile_jinja": Private(
@@ -50,7 +30,8 @@ MODEL_ATTRIBUTES = (
 # A config's attention and experts implementations: attributes every model's code reads, set
 # through their properties (which recurse into sub-configs). Public on models
 # (set_attn_implementation, set_experts_implementation), private on configs.
-CONFIG_ATTRIBUTES = ("_attn_implementation", "_experts_implementation")
+KINDS = ("attn", "experts")
+CONFIG_ATTRIBUTES = tuple(f"_{kind}_implementation" for kind in KINDS)
 
 
 def check() -> list[str]:
@@ -58,12 +39,7 @@ def check() -> list[str]:
     for)."""
     import transformers
 
-    missing = []
-    for private in NAMES.values():
-        try:
-            private.get()
-        except RuntimeError as e:
-            missing.append(str(e))
+    missing = lookup.missing(NAMES.values())
     missing += [
         f"transformers {transformers.__version__}: PreTrainedModel has no {attr}, which "
         "fsdp_lab reads"
@@ -86,43 +62,26 @@ def compile_chat_template(text: str):
     return NAMES["compile_jinja"].get()(text)
 
 
-def attn_implementation(config) -> str | None:
-    """The attention implementation ``config`` names (None where it is not a transformers
-    config)."""
-    value = getattr(config, "_attn_implementation", None)
+def implementation(config, kind: str) -> str | None:
+    """The ``kind`` (``attn`` or ``experts``) implementation ``config`` names (None where it
+    names none, or is not a transformers config)."""
+    value = getattr(config, f"_{kind}_implementation", None)
     return value if isinstance(value, str) else None
 
 
-def set_attn_implementation(config, name: str) -> None:
-    """``config`` (and its sub-configs) attend through ``name``; a model built from it does.
-    On a built model use its public ``set_attn_implementation``."""
-    config._attn_implementation = name
+def set_implementation(config, kind: str, name: str) -> None:
+    """``config`` (and its sub-configs) run ``name`` as their ``kind`` implementation; so
+    does a model built from it, whose modules read it on every call. On a built model use its
+    public ``set_attn_implementation`` / ``set_experts_implementation``."""
+    setattr(config, f"_{kind}_implementation", name)
 
 
-def with_attn_implementation(config, name: str):
-    """A shallow copy of ``config`` that names ``name`` (the model's own config untouched)."""
+def with_implementation(config, kind: str, name: str):
+    """A shallow copy of ``config`` whose ``kind`` implementation is ``name`` (the original
+    untouched: the copy's own attribute is set, never its sub-configs, which it shares)."""
     other = copy.copy(config)
-    other._attn_implementation_internal = name  # the copy only: no sub-config is shared
+    setattr(other, f"_{kind}_implementation_internal", name)
     return other
-
-
-def with_experts_implementation(config, name: str):
-    """A shallow copy of ``config`` whose experts run ``name`` (the original untouched)."""
-    other = copy.copy(config)
-    other._experts_implementation_internal = name  # the copy only: no sub-config is shared
-    return other
-
-
-def experts_implementation(config) -> str | None:
-    """The experts' kernel ``config`` names (None where none is set)."""
-    value = getattr(config, "_experts_implementation", None)
-    return value if isinstance(value, str) else None
-
-
-def set_experts_implementation(config, name: str) -> None:
-    """``config``'s experts (and its sub-configs') run ``name``'s kernel; read by the experts'
-    forward on every call. Public for building: ``from_config(..., experts_implementation=)``."""
-    config._experts_implementation = name
 
 
 def init_weights(model):

@@ -108,7 +108,7 @@ def decoder(hidden: int, tokens: int, dtype: torch.dtype, device: torch.device |
         max_position_embeddings=max(64, tokens),
         use_cache=False,
     )
-    transformers_private.set_attn_implementation(config, "sdpa")
+    transformers_private.set_implementation(config, "attn", "sdpa")
     with torch.device(device):
         model = LlamaModel(config).to(dtype)
     attention_impl.install(model)

@@ -83,8 +83,8 @@ def test_a_config_copy_attends_its_own_way():
     from transformers import LlamaConfig
 
     config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2)
-    transformers_private.set_attn_implementation(config, "sdpa")
-    other = transformers_private.with_attn_implementation(config, "eager")
-    assert transformers_private.attn_implementation(other) == "eager"
-    assert transformers_private.attn_implementation(config) == "sdpa"
-    assert transformers_private.attn_implementation(copy.copy(object())) is None
+    transformers_private.set_implementation(config, "attn", "sdpa")
+    other = transformers_private.with_implementation(config, "attn", "eager")
+    assert transformers_private.implementation(other, "attn") == "eager"
+    assert transformers_private.implementation(config, "attn") == "sdpa"
+    assert transformers_private.implementation(copy.copy(object()), "attn") is None
