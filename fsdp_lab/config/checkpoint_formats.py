@@ -5,10 +5,10 @@ says, without torch, what the checks before launch need to know of a format. A n
 ``CheckpointFormat``, a row here, its ``StateFormat`` in ``state.formats.STATE_FORMATS`` and a
 ``conf/checkpoint/`` file.
 
-| checkpoint.format | saves | async saves | hardware=tpu |
-| sharded           | yes   | yes         | yes          |
-| full              | yes   | no          | no           |
-| none              | no    | no          | yes          |
+| checkpoint.format | saves | async saves | whole files |
+| sharded           | yes   | yes         | no          |
+| full              | yes   | no          | yes         |
+| none              | no    | no          | no          |
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ class FormatRow:
     """Writes checkpoints at all (none: the run keeps nothing to resume from)."""
     async_saves: bool
     """checkpoint.async_enabled can write it in the background (DCP's async_save)."""
-    on_xla: bool
-    """hardware=tpu writes and reads it (torch_xla's DCP planners read only DCP's files)."""
+    whole_files: bool
+    """Whole tensors in torch.save files, not DCP's shards (a hardware row refusing
+    ``Feature.whole_file_checkpoints`` neither writes nor resumes it: torch_xla's planners
+    read only DCP's files)."""
 
 
 CHECKPOINT_FORMATS: dict[CheckpointFormat, FormatRow] = {
-    CheckpointFormat.sharded: FormatRow(saves=True, async_saves=True, on_xla=True),
-    CheckpointFormat.full: FormatRow(saves=True, async_saves=False, on_xla=False),
-    CheckpointFormat.none: FormatRow(saves=False, async_saves=False, on_xla=True),
+    CheckpointFormat.sharded: FormatRow(saves=True, async_saves=True, whole_files=False),
+    CheckpointFormat.full: FormatRow(saves=True, async_saves=False, whole_files=True),
+    CheckpointFormat.none: FormatRow(saves=False, async_saves=False, whole_files=False),
 }
 
 

@@ -19,6 +19,7 @@ from fsdp_lab.config.config_dirs import (
 )
 from fsdp_lab.config.errors import ConfigError
 from fsdp_lab.config.hardware import HardwareKind
+from fsdp_lab.config.hardware_kinds import HARDWARE, hardware_row
 from fsdp_lab.config.rules import check_fields
 from fsdp_lab.config.schema import Config
 
@@ -96,7 +97,8 @@ def slurm_tasks_per_node(nproc_per_node: int | None) -> int:
 
 
 def slurm_gpus_per_node(kind, nproc_per_node: int | None) -> int | None:
-    """One GPU per rank with hardware=gpu; none on CPU nodes."""
-    if HardwareKind(getattr(kind, "value", kind)) is not HardwareKind.gpu:
+    """One GPU per rank where the kind's row asks SLURM for GPUs; none on CPU nodes."""
+    kind = HardwareKind(getattr(kind, "value", kind))
+    if kind not in HARDWARE or not hardware_row(kind).slurm_gpus:
         return None
     return slurm_tasks_per_node(nproc_per_node)

@@ -43,11 +43,12 @@ class LossRow:
     take one (``config.families``, fused_loss), and not with LoRA on the head."""
     package: Package | None = None
     """The package it needs, or None (torch alone)."""
-    gpu_only: bool = False
-    """It runs Triton kernels: refused on CPU and TPU."""
-    on_xla: bool = False
-    """hardware=tpu runs it. XLA compiles the model's own loss into the step; a fused loss's
-    autograd function would be traced and compiled as it is, which nobody has measured."""
+    triton: bool = False
+    """It runs Triton kernels (the hardware rows that refuse ``Feature.triton`` refuse it)."""
+    own: bool = False
+    """The model's own loss (its forward computes it), which every engine runs; XLA compiles
+    only that one into its step (a fused loss's autograd function would be traced and compiled
+    as it is, which nobody has measured: ``Feature.custom_loss``)."""
     memory_as: LossKind | None = None
     """The loss whose working memory ``fsdp-lab plan`` counts for this one (and says so in a
     note), and whose operators its time model traces for a GPU-only one (Triton kernels do
@@ -57,19 +58,19 @@ class LossRow:
 
 L = LossKind
 LOSSES: dict[LossKind, LossRow] = {
-    L.hf: LossRow(fused=False, on_xla=True),
+    L.hf: LossRow(fused=False, own=True),
     L.z_loss: LossRow(fused=False, memory_as=L.hf),
     L.chunked: LossRow(fused=True),
     L.liger: LossRow(
         fused=True,
         package=Package("liger_kernel", "liger-kernel"),
-        gpu_only=True,
+        triton=True,
         memory_as=L.chunked,
     ),
     L.cce: LossRow(
         fused=True,
         package=Package("cut_cross_entropy", "cut-cross-entropy"),
-        gpu_only=True,
+        triton=True,
         memory_as=L.chunked,
     ),
 }
@@ -86,7 +87,10 @@ def loss_of(kind: LossKind) -> LossRow:
         ) from None
 
 
-def runs_on_xla(kind: LossKind) -> bool:
-    """loss.kind is allowed with hardware=tpu: auto (which resolves to a loss that is) or a row
-    with ``on_xla``."""
-    return kind is LossKind.auto or loss_of(kind).on_xla
+def loss_runs_anywhere(kind: LossKind) -> bool:
+    """auto (which resolves to a loss the device runs) or the model's own loss."""
+    return kind is LossKind.auto or loss_of(kind).own
+
+
+def loss_needs_triton(kind: LossKind) -> bool:
+    return kind is not LossKind.auto and loss_of(kind).triton

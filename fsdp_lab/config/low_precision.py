@@ -7,11 +7,9 @@ from __future__ import annotations
 from importlib.util import find_spec
 
 from fsdp_lab.config.errors import ConfigError
-from fsdp_lab.config.hardware import HardwareKind
 from fsdp_lab.config.model import QuantizeBase, WeightLoading
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import OffloadDevice
-from fsdp_lab.config.topology import Topology
 
 NF4_BLOCK = 64  # values per absmax scale
 NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
@@ -49,7 +47,7 @@ def setting(cfg: Config) -> str | None:
     return None
 
 
-def check_low_precision(cfg: Config, topo: Topology) -> None:
+def check_low_precision(cfg: Config) -> None:
     name = setting(cfg)
     if name is None:
         return
@@ -71,11 +69,6 @@ def check_low_precision(cfg: Config, topo: Topology) -> None:
             cfg.offload.device is not OffloadDevice.none,
             "offload=cpu: the host copy would need torchao's subclasses on the host optimizer "
             "path; set offload=none",
-        ),
-        (
-            topo.device is HardwareKind.tpu,
-            "hardware=tpu: torchao's float8 and NF4 kernels are CUDA/CPU only; use "
-            "hardware=gpu or hardware=cpu",
         ),
     )
     for bad, what in refused:

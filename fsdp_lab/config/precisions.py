@@ -36,8 +36,6 @@ class DtypeRow:
     """16 bits: MFU counts the device's low-precision peak; a CPU may lack native kernels."""
     needs_scaler: bool = False
     """Gradients underflow without loss scaling (precision.grad_scaler_enabled)."""
-    on_xla: bool = True
-    """TPUs compute and reduce in it."""
     cpu_probe: str | None = None
     """``torch.ops.mkldnn``'s check that this CPU has native matmuls in it."""
     gpu_probe: str | None = None
@@ -60,7 +58,6 @@ DTYPES: dict[Dtype, DtypeRow] = {
         peak="bf16",
         half=True,
         needs_scaler=True,
-        on_xla=False,
         cpu_probe="_is_mkldnn_fp16_supported",
     ),
 }

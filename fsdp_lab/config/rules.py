@@ -15,9 +15,17 @@ from fsdp_lab.config.errors import ConfigError, positive
 from fsdp_lab.config.evaluation import check_eval
 from fsdp_lab.config.families import check_preset
 from fsdp_lab.config.hardware import HardwareKind, check_hardware
-from fsdp_lab.config.losses import runs_on_xla
+from fsdp_lab.config.hardware_kinds import Feature, hardware_row
+from fsdp_lab.config.losses import loss_needs_triton, loss_runs_anywhere
 from fsdp_lab.config.low_precision import check_low_precision
-from fsdp_lab.config.model import FinetuneMethod, ModelTask, check_finetune, check_model
+from fsdp_lab.config.low_precision import setting as low_precision
+from fsdp_lab.config.model import (
+    ExpertsImplementation,
+    FinetuneMethod,
+    ModelTask,
+    check_finetune,
+    check_model,
+)
 from fsdp_lab.config.precisions import check_precision, dtype_row
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
@@ -78,108 +86,104 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         )
 
 
-def refuse_for_xla(cfg: Config) -> None:
-    """hardware=tpu: the settings torch_xla's SPMD FSDP has no equivalent for, refused."""
-    s = cfg.sharding
-    instead = strategy_of(s.strategy).xla
-    if instead is not s.strategy:
-        raise ConfigError(
-            f"sharding={s.strategy.name} on hardware=tpu: keeping gathered parameters from "
-            "forward to backward is the XLA compiler's scheduling, not a setting; use "
-            f"sharding={instead.name} (the same math and the same sharded state)"
-        )
-    for refused, message in _xla_layout_refusals(cfg) + _xla_run_refusals(cfg):
-        if refused:
-            raise ConfigError(f"hardware=tpu cannot run {message}")
+def refuse_for_hardware(cfg: Config, kind: HardwareKind) -> None:
+    """What the config asks for that the kind's row refuses: the first, in one line naming the
+    setting, why and the fix."""
+    row = hardware_row(kind)
+    for feature, setting in asked(cfg):
+        if not row.runs(feature):
+            raise ConfigError(f"hardware={kind.name} cannot run {setting}: {row.refuses[feature]}")
 
 
-def _xla_layout_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
-    """(refused, message) rows: how the model is split and computed."""
-    s, p = cfg.sharding, cfg.precision
-    off_xla = [d.name for d in (p.param_dtype, p.reduce_dtype) if not dtype_row(d).on_xla]
+def asked(cfg: Config) -> list[tuple[Feature, str]]:
+    """The features the config asks for that some kind refuses, each with the setting that
+    asks for it (``config.hardware_kinds.Feature``)."""
+    return [(f, setting) for f, on, setting in _layout_asks(cfg) + _run_asks(cfg) if on]
+
+
+def _layout_asks(cfg: Config) -> tuple[tuple[Feature, bool, str], ...]:
+    """(feature, asked, setting): how the model is split and computed."""
+    s, p, r = cfg.sharding, cfg.precision, cfg.parallel
+    scaled = [d.name for d in (p.param_dtype, p.reduce_dtype) if dtype_row(d).needs_scaler]
     return (
         (
+            Feature.strategy_regathers,
+            strategy_of(s.strategy).xla is not s.strategy,
+            f"sharding={s.strategy.name}",
+        ),
+        (
+            Feature.reshard_after_forward,
             s.reshard_after_forward is not None,
-            f"sharding.reshard_after_forward="
-            f"{s.reshard_after_forward}: the XLA compiler schedules re-gathering; remove it",
+            f"sharding.reshard_after_forward={s.reshard_after_forward}",
         ),
         (
+            Feature.prefetch,
+            s.prefetch.forward != 0 or s.prefetch.backward != 1,
+            "sharding.prefetch",
+        ),
+        (
+            Feature.offload,
             cfg.offload.device is not OffloadDevice.none,
-            "offload=cpu: torch_xla SPMD keeps parameters on the TPU; use offload=none",
+            f"offload={cfg.offload.device.name}",
         ),
         (
+            Feature.op_checkpointing,
             cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
-            "activation_checkpointing=op: torch_xla's checkpoint takes no operator policy; use "
-            "activation_checkpointing=full or selective",
+            "activation_checkpointing=op",
         ),
+        (Feature.scaled_dtype, bool(scaled), f"precision={scaled[0] if scaled else ''}"),
+        (Feature.grad_scaler, p.grad_scaler_enabled, "precision.grad_scaler_enabled=true"),
         (
-            bool(off_xla),
-            f"precision={off_xla[0] if off_xla else ''}: TPUs compute in bf16, without loss "
-            "scaling; use precision=bf16",
-        ),
-        (
-            p.grad_scaler_enabled,
-            "precision.grad_scaler_enabled=true: bf16 needs no loss "
-            "scaling on XLA; set precision.grad_scaler_enabled=false",
-        ),
-        (
+            Feature.half_reduce,
             dtype_row(p.reduce_dtype).half,
-            "precision.reduce_dtype=bf16 (precision=bf16_pure): XLA "
-            "reduces gradients in their own dtype (fp32 master weights); use precision=bf16",
+            f"precision.reduce_dtype={p.reduce_dtype.name}",
         ),
-        (
-            p.output_dtype is not None,
-            "precision.output_dtype: autocast decides the output "
-            "dtypes on XLA; set precision.output_dtype=null",
-        ),
-        (cfg.compile, "compile=true: XLA already compiles every step; set compile=false"),
+        (Feature.output_dtype, p.output_dtype is not None, "precision.output_dtype"),
+        (Feature.compile, cfg.compile, "compile=true"),
+        (Feature.tensor_parallel, r.tensor > 1, f"parallel.tensor={r.tensor}"),
+        (Feature.context_parallel, r.context > 1, f"parallel.context={r.context}"),
+        (Feature.expert_parallel, r.expert > 1, f"parallel.expert={r.expert}"),
     )
 
 
-def _xla_run_refusals(cfg: Config) -> tuple[tuple[bool, str], ...]:
-    """(refused, message) rows: the rest of the run (prefetching, optimizer, loss,
-    checkpoints, fine-tuning, hosts)."""
-    s = cfg.sharding
+def _run_asks(cfg: Config) -> tuple[tuple[Feature, bool, str], ...]:
+    """(feature, asked, setting): the rest of the run (optimizer, loss, checkpoints,
+    fine-tuning, kernels, hosts)."""
+    loss = cfg.loss.kind
     return (
         (
+            Feature.generation,
             cfg.eval.prompts is not None or bool(cfg.eval.harness_tasks),
-            "eval.prompts or eval.harness_tasks: generation recompiles at every new length "
-            "on XLA; remove them and score the export with `fsdp-lab eval RUN_DIR` instead",
+            "eval.prompts or eval.harness_tasks",
         ),
         (
-            s.prefetch.forward != 0 or s.prefetch.backward != 1,
-            "sharding.prefetch: the XLA "
-            "compiler schedules the all-gathers; remove sharding.prefetch.forward/backward",
-        ),
-        (
+            Feature.fused_optimizer,
             cfg.optim.implementation is OptimImpl.fused,
-            "optim.implementation=fused: XLA has no "
-            "fused AdamW; use optim.implementation=foreach (or auto)",
+            "optim.implementation=fused",
         ),
+        (Feature.custom_loss, not loss_runs_anywhere(loss), f"loss={loss.name}"),
+        (Feature.triton, loss_needs_triton(loss), f"loss={loss.name}"),
         (
-            not runs_on_xla(cfg.loss.kind),
-            f"loss={cfg.loss.kind.name}: XLA "
-            "compiles the model's own loss into the step; use loss=hf (or loss=auto)",
+            Feature.whole_file_checkpoints,
+            format_row(cfg.checkpoint.format).whole_files,
+            f"checkpoint={cfg.checkpoint.format.name}",
         ),
+        (Feature.async_checkpoints, cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true"),
         (
-            not format_row(cfg.checkpoint.format).on_xla,
-            f"checkpoint={cfg.checkpoint.format.name}: use checkpoint="
-            "sharded (torch_xla's distributed checkpoint; checkpoint.export_hf for whole weights)",
-        ),
-        (
-            cfg.checkpoint.async_enabled,
-            "checkpoint.async_enabled=true: XLA checkpoints are "
-            "written synchronously; set checkpoint.async_enabled=false",
-        ),
-        (
+            Feature.frozen_parameters,
             cfg.finetune.method is not FinetuneMethod.full,
-            f"finetune={cfg.finetune.method.name}: frozen parameters and adapters are not "
-            "verified on torch_xla; use finetune=full",
+            f"finetune={cfg.finetune.method.name}",
         ),
         (
+            Feature.multi_host,
             cfg.hardware.num_nodes != 1,
-            f"hardware.num_nodes={cfg.hardware.num_nodes}: "
-            "multi-host TPU slices are not supported yet; run on one TPU VM host",
+            f"hardware.num_nodes={cfg.hardware.num_nodes}",
+        ),
+        (Feature.torchao, low_precision(cfg) is not None, low_precision(cfg) or ""),
+        (
+            Feature.grouped_mm,
+            cfg.model.experts_implementation is ExpertsImplementation.grouped_mm,
+            "model.experts_implementation=grouped_mm",
         ),
     )
 
@@ -200,7 +204,6 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
             "hardware.nproc_per_node to a multiple of it"
         )
     refusals = (
-        (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
         (
             cfg.finetune.method is FinetuneMethod.lora,
             "finetune=lora (PEFT wraps q_proj as q_proj.base_layer: the TP plan no longer "
@@ -221,7 +224,6 @@ def _check_context(cfg: Config, topo: Topology) -> None:
     if context == 1:
         return
     refusals = (
-        (topo.device is HardwareKind.tpu, "hardware=tpu (torch_xla shards by annotation)"),
         (cfg.parallel.expert > 1, f"parallel.expert={cfg.parallel.expert}"),
         (
             cfg.model.task is not ModelTask.causal_lm,
@@ -260,7 +262,6 @@ def _check_expert(cfg: Config, topo: Topology) -> None:
         return
     refusals = (
         (cfg.parallel.tensor > 1, f"parallel.tensor={cfg.parallel.tensor}"),
-        (topo.device is HardwareKind.tpu, "hardware=tpu"),
         (
             not strategy_of(s.strategy).expert_parallel,
             f"sharding={s.strategy.name} (verified: {', '.join(with_expert_parallel())})",
@@ -311,9 +312,8 @@ def _check_token_data(cfg: Config) -> None:
 def validate(cfg: Config, topo: Topology) -> None:
     """Cross-field rules that need the topology; raises ConfigError naming the setting and fix."""
     s = cfg.sharding
-    check_low_precision(cfg, topo)
-    if topo.device is HardwareKind.tpu:
-        refuse_for_xla(cfg)
+    check_low_precision(cfg)
+    refuse_for_hardware(cfg, topo.device)
     problem = profile_problem(
         cfg.profile,
         max_steps=cfg.trainer.max_steps,
@@ -343,9 +343,9 @@ def validate(cfg: Config, topo: Topology) -> None:
             )
         if dp // replicate * context < 2:  # the ranks of a CP group shard the model too
             more = (
-                "4+ XLA devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, or a larger TPU)"
-                if topo.device is HardwareKind.tpu
-                else "4+ ranks (hardware.nproc_per_node=4)"
+                "4+ ranks (hardware.nproc_per_node=4)"
+                if hardware_row(topo.device).default_ranks
+                else f"4+ {topo.device.name} devices on a node"
             )
             raise ConfigError(
                 f"sharding={s.strategy.name} on {ranks} with replicate_size="

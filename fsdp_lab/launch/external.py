@@ -12,11 +12,10 @@ from pathlib import Path
 from fsdp_lab.config import (
     Config,
     ConfigError,
-    HardwareKind,
     to_container,
     to_typed,
-    typed_command,
 )
+from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import slurm
 from fsdp_lab.observe import rundir
@@ -55,12 +54,10 @@ def join_existing_group(
     from fsdp_lab.launch.prepare import prepare_run
     from fsdp_lab.train import worker
 
-    if cfg.hardware.kind is HardwareKind.tpu:
-        raise ConfigError(
-            f"hardware=tpu runs one SPMD process per host, which `{typed_command()} "
-            "hardware=tpu` starts itself; run it without torchrun or srun"
-        )
     kind = devices.resolve_kind(cfg.hardware)
+    refused = hardware_row(kind).refuses.get(Feature.external_launch)
+    if refused:
+        raise ConfigError(f"hardware={kind.name} cannot run under torchrun or srun: {refused}")
     topo = worker.topology_from_env(kind)
     _check_launcher_topology(cfg, topo)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.data.pool import die_with_parent
 from fsdp_lab.launch import rank_main
@@ -39,10 +40,10 @@ GRACE_S = 5.0
 
 def resolve_start_method(method: StartMethod, device: HardwareKind) -> StartMethod:
     """fork or spawn for ``hardware.start_method`` on ``device`` (auto: fork on cpu)."""
-    can_fork = hasattr(os, "fork")
+    can_fork, row = hasattr(os, "fork"), hardware_row(device)
     if method is StartMethod.auto:
-        return StartMethod.fork if device is HardwareKind.cpu and can_fork else StartMethod.spawn
-    if method is StartMethod.fork and device is not HardwareKind.cpu:
+        return row.start_method if can_fork else StartMethod.spawn
+    if method is StartMethod.fork and not row.forks:
         raise ConfigError(
             f"hardware.start_method=fork with hardware={device.name}: CUDA and XLA cannot be "
             "used in a forked child; use hardware.start_method=spawn (or auto)"

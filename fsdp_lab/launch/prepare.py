@@ -11,11 +11,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_lab.config import Config, ConfigError, HardwareKind, StartMethod, typed_command
+from fsdp_lab.config import Config, ConfigError, StartMethod, typed_command
 from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.data_kinds import kind_row
+from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
-from fsdp_lab.config.rules import refuse_for_xla, validate
+from fsdp_lab.config.rules import refuse_for_hardware, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
 from fsdp_lab.observe import run_logs, rundir, trackers
@@ -49,7 +50,7 @@ def _check_hardware(cfg: Config, topo: Topology) -> None:
             devices.check_dtype(topo.device, getattr(p, name), f"precision.{name}")
     if cfg.compile:
         devices.check_compile(topo.device)
-    devices.check_experts_implementation(topo.device, cfg.model.experts_implementation)
+    devices.check_experts_implementation(cfg.model.experts_implementation)
     slow = devices.slow_cpu_dtype(topo.device, cfg.precision.param_dtype)
     if slow is not None:
         log.warning(
@@ -211,11 +212,12 @@ def _resume_point(
     if resume_path is not None:
         marker = json.loads((resume_path / ckpt.MARKER).read_text())
         step = marker["step"]
-        if topo.device is HardwareKind.tpu and not format_row(marker["format"]).on_xla:
+        row = hardware_row(topo.device)
+        whole = Feature.whole_file_checkpoints
+        if format_row(marker["format"]).whole_files and not row.runs(whole):
             raise ConfigError(
                 f"resume={resume_path}: a checkpoint={marker['format']} checkpoint cannot be "
-                "loaded on hardware=tpu; resume it on cpu/gpu, or convert it with `fsdp-lab "
-                "export` and start from that (model=local model.name_or_path=<export>)"
+                f"loaded on hardware={topo.device.name}: {row.refuses[whole]}"
             )
         base = ckpt.check_compatible(resume_path, meta_model)
         if not base["saved"] and not cfg.model.pretrained:
@@ -255,21 +257,15 @@ def local_topology(cfg: Config) -> Topology:
     from fsdp_lab.engine.hardware import devices
 
     kind = devices.resolve_kind(cfg.hardware)
-    if kind is HardwareKind.tpu:
-        refuse_for_xla(cfg)  # before the num_nodes line below, whose advice does not fit tpu
+    refuse_for_hardware(cfg, kind)  # before the num_nodes line below, whose advice may not fit
     if cfg.hardware.num_nodes > 1:
         raise ConfigError(
             f"hardware.num_nodes={cfg.hardware.num_nodes}: a bare `{typed_command()}` starts ranks "
             "on this node only; launch multi-node runs with torchrun or srun on every node"
         )
     nproc = cfg.hardware.nproc_per_node or devices.default_nproc_per_node(kind)
-    if nproc < 1 and kind is HardwareKind.tpu:
-        raise ConfigError(
-            "hardware=tpu found no XLA device; on a TPU VM check its chips, or "
-            "set PJRT_DEVICE=CPU CPU_NUM_DEVICES=N to run on XLA's CPU devices"
-        )
     if nproc < 1:
-        raise ConfigError("hardware=gpu found no GPU; use hardware=cpu")
+        raise ConfigError(devices.none_found(kind))
     method = local.resolve_start_method(cfg.hardware.start_method, kind)
     log.info(
         "hardware=%s (%s): %d local ranks (%s)",

@@ -15,7 +15,8 @@ import re
 import signal
 import subprocess
 
-from fsdp_lab.config import ConfigError, HardwareKind, typed_command
+from fsdp_lab.config import ConfigError, HardwareKind
+from fsdp_lab.config.hardware_kinds import HARDWARE, Feature, hardware_row
 
 BATCH_STEP_IDS = {"batch", "4294967294"}  # the batch script's own step (SLURM_BATCH_SCRIPT)
 
@@ -132,18 +133,19 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
             f"(sinfo lists {', '.join(names) or 'none'}); pick one of those"
         )
     kind = HardwareKind(getattr(kind, "value", kind))
-    if kind is HardwareKind.tpu:
+    if kind not in HARDWARE:
         raise ConfigError(
-            "hydra/launcher=slurm with hardware=tpu: TPU VMs are not SLURM nodes "
-            f"here; run `{typed_command()} -m hardware=tpu ...` on the TPU VM"
-        )
-    if kind is HardwareKind.auto:
-        raise ConfigError(
-            "hydra/launcher=slurm: set hardware=gpu or hardware=cpu (the "
+            f"hydra/launcher=slurm: set hardware={' or '.join(k.name for k in HARDWARE)} (the "
             "submitting machine cannot tell what the compute nodes have)"
         )
-    if kind is HardwareKind.gpu and nproc_per_node is None:
+    row = hardware_row(kind)
+    if not row.runs(Feature.external_launch):
         raise ConfigError(
-            "hydra/launcher=slurm with hardware=gpu: set hardware.nproc_per_node "
-            "to the GPUs per node"
+            f"hydra/launcher=slurm cannot run hardware={kind.name}: "
+            f"{row.refuses[Feature.external_launch]}"
+        )
+    if row.default_ranks is None and nproc_per_node is None:
+        raise ConfigError(
+            f"hydra/launcher=slurm with hardware={kind.name}: set hardware.nproc_per_node "
+            "to the devices per node"
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareKind
+from fsdp_lab.config.hardware_kinds import HardwareRow, hardware_row
 from fsdp_lab.config.hardware_profiles import (
     DeviceProfile,
     write_profile,
@@ -59,8 +60,8 @@ class Grid:
     grouped: tuple[tuple[int, int, int, int], ...]
 
 
-GRIDS = {
-    HardwareKind.cpu: Grid(
+GRIDS = {  # by whether the device is the host's CPU (HardwareRow.host)
+    True: Grid(
         matmuls=(
             (64, 64, 64),
             (256, 64, 256),
@@ -81,7 +82,7 @@ GRIDS = {
         collectives=(4 * KIB, 256 * KIB, 4 * MIB, 16 * MIB),
         grouped=((8, 64, 64, 128), (16, 128, 256, 256)),
     ),
-    HardwareKind.gpu: Grid(
+    False: Grid(
         matmuls=(
             (1024, 1024, 1024),
             (4096, 2048, 2048),
@@ -103,14 +104,14 @@ GRIDS = {
 # A run's first prediction on a new machine: fewer sizes (each head size at one length, the
 # decoder at three), each figure from fewer, shorter samples.
 QUICK_GRIDS = {
-    HardwareKind.cpu: Grid(
+    True: Grid(
         matmuls=((64, 64, 64), (512, 256, 512), (1024, 256, 1024), (512, 512, 1024)),
         attention=((1, 4, 256, 64), (1, 4, 1024, 64), (1, 4, 512, 32), (1, 4, 512, 128)),
         decoders=((16, 8), (128, 256), (384, 256)),
         collectives=(4 * KIB, 256 * KIB, 4 * MIB),
         grouped=((8, 64, 64, 128),),
     ),
-    HardwareKind.gpu: Grid(
+    False: Grid(
         matmuls=((1024, 1024, 1024), (8192, 4096, 4096), (8192, 14336, 4096)),
         attention=((1, 16, 2048, 128), (1, 16, 8192, 128), (1, 16, 4096, 64)),
         decoders=((16, 8), (2048, 2048), (4096, 2048)),
@@ -133,6 +134,10 @@ class Job:
     seconds: float  # the whole measurement's budget
     store: str
     quick: bool = False  # fewer, shorter samples (QUICK_GRIDS)
+
+    @property
+    def row(self) -> HardwareRow:
+        return hardware_row(self.kind)
 
     def timeout_s(self) -> float:
         """How long the ranks may take in all: the budget, plus starting them and building
@@ -200,7 +205,7 @@ def _measure_rank(rank: int, job: Job) -> list[dict] | None:
     mine["decoders"] = cal.decoders(
         list(g.decoders), dtype, device, each("decoders", len(g.decoders))
     )
-    mine["host"] = cal.host_copies(device, job.kind is HardwareKind.gpu, each("host", 1))
+    mine["host"] = cal.host_copies(device, not job.row.host, each("host", 1))
     if g.grouped and _has_grouped_mm():
         mine["grouped"] = cal.grouped(
             list(g.grouped), dtype, device, each("grouped", len(g.grouped))
@@ -246,7 +251,7 @@ def measure(job: Job) -> list[dict]:
     or the timeout stop them all (the living would wait in a collective for the dead)."""
     import transformers.models.llama.modeling_llama  # noqa: F401 - forked ranks inherit it
 
-    method = "fork" if job.kind is HardwareKind.cpu else "spawn"
+    method = job.row.start_method.value
     ctx = multiprocessing.get_context(method)
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, job, results)) for r in range(job.nproc)]
@@ -294,7 +299,7 @@ def run_calibration(
     if base:
         calibrate_fit.base_profile(base, kind, "")  # a bad --base fails before measuring
     with tempfile.TemporaryDirectory() as tmp:
-        grid = (QUICK_GRIDS if quick else GRIDS)[kind]
+        grid = (QUICK_GRIDS if quick else GRIDS)[hardware_row(kind).host]
         job = Job(kind=kind, nproc=nproc, threads=threads, dtype=dtype, grid=grid,
                   seconds=seconds, store=str(Path(tmp) / "store"), quick=quick)  # fmt: skip
         everyone = measure(job)

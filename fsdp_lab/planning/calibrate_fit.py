@@ -15,6 +15,7 @@ import time
 
 from fsdp_lab.config import HardwareKind
 from fsdp_lab.config.device_rows import device_profile, row_for
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import COLLECTIVES, DeviceProfile, Link, Rate
 from fsdp_lab.config.precisions import peak_key
 from fsdp_lab.planning import op_count
@@ -133,7 +134,7 @@ def _host_and_memory(
     op_s = max(rest, 0.0) / max(ops, 1)
     # A GPU issues operators while earlier ones run (time_model takes the larger of the
     # two): its larger decoders' rest is their bytes alone. A CPU runs them one by one.
-    gpu = job.kind is HardwareKind.gpu
+    gpu = not job.row.host
     memory = {}
     for ops, nbytes, rest in rests[1:]:
         moving = rest if gpu else rest - ops * op_s
@@ -189,9 +190,7 @@ def profile_from(everyone: list[dict], job, base: DeviceProfile) -> DeviceProfil
         grouped_fraction=_grouped_fraction(everyone, peak) if "grouped" in first else None,
         host_link=Link(host, base.host_link.latency_s),
         host_memory_bytes_per_s=(
-            memory[max(memory)]
-            if memory and job.kind is HardwareKind.cpu
-            else base.host_memory_bytes_per_s
+            memory[max(memory)] if memory and job.row.host else base.host_memory_bytes_per_s
         ),
         intra_node=collectives.get("all_gather", base.intra_node),
         collectives=collectives,
@@ -367,11 +366,10 @@ def base_profile(name: str | None, kind: HardwareKind, summary: str) -> DevicePr
     row's network, and says so in its sources."""
     if name:
         return device_profile(name, "--base")
-    if kind is not HardwareKind.gpu:
-        return device_profile("cpu")
-    row = row_for(summary)
-    if row is not None:
-        return device_profile(row)
-    h100 = device_profile("h100")
-    note = f"not measured: {summary} has no row; the h100 row's (name one with --base)"
-    return dataclasses.replace(h100, sources={**h100.sources, "inter_node": note})
+    fallback = hardware_row(kind).plan_device
+    named = None if hardware_row(kind).host else row_for(summary)
+    if named is not None or hardware_row(kind).host:
+        return device_profile(named or fallback)
+    base = device_profile(fallback)
+    note = f"not measured: {summary} has no row; the {fallback} row's (name one with --base)"
+    return dataclasses.replace(base, sources={**base.sources, "inter_node": note})

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareKind
 from fsdp_lab.config.hardware import profile_dir
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import (
     PROFILE_VERSION,
     DeviceProfile,
@@ -42,7 +43,7 @@ def _cpu_model() -> str:
 
 def device_name(kind: HardwareKind) -> str:
     """The device as the cache names it: the GPU's model, or the CPU's with its cores."""
-    if kind is HardwareKind.gpu:
+    if not hardware_row(kind).host:
         from fsdp_lab.engine.hardware import devices
 
         return devices.device_summary(kind).split(" x ", 1)[-1]

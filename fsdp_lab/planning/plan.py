@@ -20,13 +20,13 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
     ConfigError,
-    HardwareKind,
     OffloadDevice,
     Packing,
     ShardingStrategy,
 )
 from fsdp_lab.config.data_kinds import Rows, kind_row
 from fsdp_lab.config.device_rows import device_profile, named_devices, setting
+from fsdp_lab.config.hardware_kinds import HARDWARE, hardware_row, plannable
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.precisions import dtype_row
@@ -73,23 +73,24 @@ def topology(cfg: Config) -> tuple[Topology, list[str]]:
     from fsdp_lab.engine.hardware import devices
 
     h, notes = cfg.hardware, []
-    if h.kind is HardwareKind.tpu:
+    kind = h.kind if h.kind in HARDWARE else devices.resolve_kind(h)  # auto: this machine's
+    row = hardware_row(kind)
+    if row.plan_device is None:
         raise ConfigError(
-            "fsdp-lab plan models FSDP2 on cpu/gpu; on hardware=tpu the XLA "
-            "compiler lays out buffers: plan the same run with hardware=gpu"
+            f"fsdp-lab plan models FSDP2 on {'/'.join(plannable())}; on hardware={kind.name} "
+            f"the {row.engine.name} engine's compiler lays out buffers: plan the same run with "
+            f"{' or '.join(f'hardware={k}' for k in plannable())}"
         )
-    kind = HardwareKind.cpu if h.kind is HardwareKind.cpu else HardwareKind.gpu
-    if h.kind is HardwareKind.auto:
-        kind = devices.resolve_kind(h)
+    if kind is not h.kind:  # auto
         notes.append(
-            f"hardware=auto is {kind.name} on this machine (CUDA "
-            f"{'available' if kind is HardwareKind.gpu else 'not available'}); "
-            "plan another with hardware=gpu or hardware=cpu"
+            f"hardware={h.kind.name} is {kind.name} on this machine (CUDA "
+            f"{'not available' if row.host else 'available'}); "
+            f"plan another with hardware={' or hardware='.join(plannable())}"
         )
     nproc = h.nproc_per_node
     if nproc is None:
         nproc = devices.default_nproc_per_node(kind)
-        if kind is HardwareKind.gpu and nproc == 0:  # no GPU visible here
+        if nproc == 0:  # no device of the kind visible here
             nproc = ASSUMED_GPUS_PER_NODE
             notes.append(
                 f"hardware.nproc_per_node=null: no GPU visible here, assumed "
@@ -102,7 +103,8 @@ def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPl
     """Host RAM per rank to load, export and hold the state (``HostPlan``), of the chosen
     strategy's rank 0 (never smaller than another's)."""
     fp32 = 4
-    on_host = topo.device is HardwareKind.cpu or cfg.offload.device is OffloadDevice.cpu
+    host = hardware_row(topo.device).host
+    on_host = host or cfg.offload.device is OffloadDevice.cpu
     r = chosen.rank0
     shards = r.params + r.padding // 2 if on_host else 0
     shard_ways = max(1, chosen.fsdp_mesh[-1])
@@ -115,7 +117,7 @@ def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPl
             units[q.group] = units.get(q.group, 0) + q.numel
         read = fp32 * max(units.values(), default=0)
     whole = facts.total_params * fp32
-    gathered_on_host = topo.device is HardwareKind.cpu  # on a GPU the gather lands on it
+    gathered_on_host = host  # on a device the gather lands on it
     return HostPlan(
         loading=cfg.model.loading.name,
         load=shards + read,
@@ -155,7 +157,7 @@ def strategy_plan(
     reshard = reshard_after_forward(variant)
     act, trans = _working_set(cfg, topo, facts, dp_mesh[-1], reshard)
     offload = cfg.offload.device is OffloadDevice.cpu
-    cpu = topo.device is HardwareKind.cpu
+    host = hardware_row(topo.device).host
     paper = memory.zero_paper(
         sum(q.numel for q in facts.params),
         stage=row.zero_stage,
@@ -167,7 +169,7 @@ def strategy_plan(
         mesh_axes=tuple(mesh_axes(variant, tp, context=cp)),
         fsdp_mesh=tuple(dp_mesh),
         reshard_after_forward=reshard,
-        state_location="host (offload=cpu)" if offload else "host" if cpu else "device",
+        state_location="host (offload=cpu)" if offload else "host" if host else "device",
         per_rank=per_rank,
         activations=act.saved,
         transient=trans,
@@ -177,7 +179,7 @@ def strategy_plan(
             transient_bytes=trans.total,
             end_of_backward=trans.end_of_backward,
             reduced_grads=trans.reduced_grads,
-            state_on_device=not (offload and topo.device is HardwareKind.gpu),
+            state_on_device=not (offload and not host),
         ),
         zero_paper=ZeroPaper(stage=row.zero_stage, dp_size=dp_mesh[-1], state=paper),
     )
@@ -199,7 +201,7 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         loss_chunk=facts.loss_chunk,
         tensor=cfg.parallel.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        cpu_kernels=topo.device is HardwareKind.cpu,
+        cpu_kernels=hardware_row(topo.device).host,
         context=_context_layout(cfg, topo, facts.layer),
         op=cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
     )
@@ -214,7 +216,7 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         shard_size=shard,
         tied_grads=memory.tied_grad_bytes(facts.layer, b, fused_loss=facts.loss_chunk is not None),
         held_grads=memory.last_grad_numel(facts.params, -1),
-        gloo=topo.device is HardwareKind.cpu,
+        gloo=not hardware_row(topo.device).nccl,
     )
     return act, trans
 
@@ -230,7 +232,8 @@ def _context_layout(
     rows = kind_row(cfg.data.kind).rows
     packed = rows is Rows.conversations and cfg.data.packing is Packing.documents
     window = layer.sliding_window is not None and layer.sliding_window < cfg.trainer.seq_len
-    materialised = topo.device is HardwareKind.cpu or not dtype_row(cfg.precision.param_dtype).half
+    flash = hardware_row(topo.device).flash_attention
+    materialised = not flash or not dtype_row(cfg.precision.param_dtype).half
     return activation_memory.ContextLayout(
         size=cfg.parallel.context,
         dense_masks=packed or window or materialised,
@@ -252,7 +255,7 @@ def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape
             loss_chunk=facts.loss_chunk,
             tensor=cfg.parallel.tensor,
             sequence_parallel=cfg.parallel.sequence_parallel,
-            cpu_kernels=topo.device is HardwareKind.cpu,
+            cpu_kernels=hardware_row(topo.device).host,
             context=_context_layout(cfg, topo, facts.layer),
         ).saved
         for name, n in (("none", 0), ("full", facts.layer.num_layers))
@@ -273,14 +276,14 @@ def time_device(
     if device is None and cfg is not None and on_this_machine(topo):
         device = machine.cached(cfg, topo)
     if device is None:
-        device = device_profile("cpu" if topo.device is HardwareKind.cpu else "h100")
+        device = device_profile(hardware_row(topo.device).plan_device)
         notes.append(
             f"unmeasured: step times are priced on the hardware table's {device.name} row, "
             f"not this machine: name the device with {flag.rstrip('=')} "
             f"({', '.join(named_devices())}), or measure this machine with fsdp-lab calibrate "
             "(a run measures it too, after its first run)"
         )
-    if (device.kind == "cpu") != (topo.device is HardwareKind.cpu):
+    if device.kind != topo.device.value:
         notes.append(
             f"{setting(flag, device.name)} is a {device.kind}; the run is hardware="
             f"{topo.device.name} (plan it with hardware={device.kind})"
@@ -298,12 +301,12 @@ def time_device(
 def on_this_machine(topo: Topology) -> bool:
     """Whether the plan is of this machine's own kind of device (a CPU plan here; a GPU plan
     where CUDA is): only then can this machine's profile price it."""
-    if topo.device is HardwareKind.cpu:
+    if hardware_row(topo.device).host:
         return True
     from fsdp_lab.config import HardwareConfig
     from fsdp_lab.engine.hardware import devices
 
-    return topo.device is devices.resolve_kind(HardwareConfig()) is HardwareKind.gpu
+    return topo.device is devices.resolve_kind(HardwareConfig())
 
 
 def build_plan(overrides: list[str], device: str | None = None) -> Plan:

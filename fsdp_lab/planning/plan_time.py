@@ -27,8 +27,10 @@ from fsdp_lab.config import (
     OffloadDevice,
     ShardingStrategy,
 )
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.low_precision import NF4_BITS
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.planning import memory, op_count, plan_comm, plan_trace
 from fsdp_lab.planning.plan_model import ModelShape
@@ -83,7 +85,7 @@ def _attention_flops(cfg: Config, layer, device: HardwareKind) -> float:
         keys = seq / 2 if window is None else min(seq / 2, window)
         return 4 * b * seq * keys * q_dim
     chunk = seq / (2 * cp)
-    in_place = device is HardwareKind.gpu and cfg.precision.param_dtype.name in ("bf16", "fp16")
+    in_place = hardware_row(device).flash_attention and dtype_row(cfg.precision.param_dtype).half
 
     def pairs(rank: int) -> float:
         total = 0.0
@@ -297,7 +299,7 @@ def step_work(
     t, tp, cp = cfg.trainer, cfg.parallel.tensor, cfg.parallel.context
     trainable = s.rank0.grads // memory.FP32
     tensors = sum(1 for q in facts.params if q.trainable)
-    offload = cfg.offload.device is OffloadDevice.cpu and topo.device is HardwareKind.gpu
+    offload = cfg.offload.device is OffloadDevice.cpu and not hardware_row(topo.device).host
     shards = s.rank0.params  # fp32 shards: copied to the device for each gather
     gathers_per_step = t.grad_accum_steps * (1 + (s.reshard_after_forward is not False))
     return StepWork(

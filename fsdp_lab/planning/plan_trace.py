@@ -116,7 +116,7 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp
     model.to(dtype)
     units = wrap.select_units(model, cfg.wrap)
     kind = LossKind[loss_name]
-    if loss_of(kind).gpu_only:  # its kernels need a GPU: the loss the plan counts it as
+    if loss_of(kind).triton:  # its kernels need a GPU: the loss the plan counts it as
         kind = loss_of(kind).memory_as or kind
     loss = loss_lib.build_loss(
         cfg.loss, model, kind=kind, task=cfg.model.task, compiled=cfg.compile, compute_dtype=dtype

@@ -20,6 +20,7 @@ from fsdp_lab.config import (
     ShardingStrategy,
     compose,
 )
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
@@ -158,7 +159,7 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     if _held(overrides, "activation_checkpointing"):
         acs = [cfg.activation_checkpointing.mode]
     offloads = [cfg.offload.device is OffloadDevice.cpu]
-    if not _held(overrides, "offload") and topo.device is not HardwareKind.cpu:
+    if not _held(overrides, "offload") and not hardware_row(topo.device).host:
         offloads = [False, True]
     batches = grid.micro_batches or [
         2**i for i in range(max_micro_batch.bit_length()) if 2**i <= max_micro_batch
@@ -185,7 +186,7 @@ def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
     refuse with it (no torchao, an NF4 base, TP, offload) ``_model_axes`` and the plan drop."""
     p = cfg.precision
     if (
-        topo.device is HardwareKind.gpu
+        not hardware_row(topo.device).host
         and not _held(overrides, "precision.float8_recipe", "precision.float8_all_gather")
         and p.param_dtype is FLOAT8_RECIPES[TUNED_RECIPE].compute
         and p.float8_recipe is None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_lab.config import HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.observe import rundir
 from fsdp_lab.planning.tune_grid import Candidate
 from fsdp_lab.planning.tune_probes import GIB, MIB, SAFETY, SLACK
@@ -41,7 +42,7 @@ def nothing_fits(
 
     smallest = min(candidates, key=lambda c: peak(c) or float("inf"))
     ways = ["more ranks (hardware.nproc_per_node / num_nodes: the state shards further)"]
-    if device is not HardwareKind.cpu:
+    if not hardware_row(device).host:
         ways.append("offload=cpu")
     ways += ["a shorter trainer.seq_len", "a smaller model, or a larger --memory-gib"]
     return (

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunResults
 from fsdp_lab.planning.tune_grid import Candidate, override_key
@@ -30,7 +31,7 @@ MALLOC_OVERRIDE = "hardware.malloc_mmap_threshold=131072"  # on CPU: RSS that th
 def process_baseline_bytes(device: HardwareKind) -> int:
     """What a rank holds before any tensor of the model: on CPU, the RSS of a fresh
     interpreter that imported what a rank imports; on GPU 0 (the allocator's peak is the basis)."""
-    if device is not HardwareKind.cpu:
+    if not hardware_row(device).host:
         return 0
     code = (
         "import fsdp_lab.train.worker, torch.distributed\n"
@@ -61,7 +62,7 @@ def host_overrides(overrides: list[str], device: HardwareKind) -> list[str]:
     """The host allocator's setting the probes and the command run with: on CPU, RSS that the
     plan predicts (unless the overrides set it themselves)."""
     asked = any(override_key(o) == override_key(MALLOC_OVERRIDE) for o in overrides)
-    return [MALLOC_OVERRIDE] if device is HardwareKind.cpu and not asked else []
+    return [MALLOC_OVERRIDE] if hardware_row(device).host and not asked else []
 
 
 def probe(

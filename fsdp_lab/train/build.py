@@ -22,6 +22,7 @@ from fsdp_lab.config import (
     to_container,
 )
 from fsdp_lab.config.data_kinds import kind_row
+from fsdp_lab.config.hardware_kinds import Engine, hardware_row
 from fsdp_lab.config.topology import Topology, dp_size
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.context import ContextShare
@@ -217,7 +218,7 @@ def _shard_and_fill(
         loading.init_groups(full, cfg.seed, wanted=conversion.is_adapter, hf_init=False)
         return full
 
-    if ctx.kind is HardwareKind.tpu:
+    if hardware_row(ctx.kind).engine is Engine.xla:
         from fsdp_lab.engine import xla
 
         return xla.build_model(cfg, ctx.topo, ctx.device, meta_model=meta_model, source=whole)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
+from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.data.context import CONTEXT_DOCUMENTS
 from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
@@ -67,19 +68,20 @@ def resolve_loss(
 ) -> LossKind:
     """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
     A loss the model or device cannot take (its row in ``config.losses``) is a ConfigError
-    naming the fix (on hardware=tpu the rules, ``config.rules.refuse_for_xla``, refused every
-    loss without ``on_xla`` first)."""
+    naming the fix (the rules, ``config.rules.refuse_for_hardware``, refused first what the
+    device's row refuses: a loss other than the model's own, Triton kernels)."""
     row = families.family_of(hf_config.model_type)
     fits = task is ModelTask.causal_lm and row is not None and row.fused_loss
     if cfg.kind is LossKind.auto:
-        if not fits or device is HardwareKind.tpu:
+        hardware = hardware_row(device)
+        if not fits or not hardware.runs(Feature.custom_loss):
             return LossKind.hf
         # Compiled runs chunked, eager GPU runs liger: liger's kernel is the faster alone,
         # compiled chunked the faster in whole steps (liger's small chunks cost host time);
         # the H100 figures are in docs/benchmarks.md ("The loss").
         liger = loss_of(LossKind.liger).package
         if (
-            device is HardwareKind.gpu
+            hardware.runs(Feature.triton)
             and not compiled
             and importlib.util.find_spec(liger.module) is not None
         ):
@@ -97,11 +99,9 @@ def resolve_loss(
             f"loss={cfg.kind.name} takes a causal LM's hidden states and head; "
             f"this is {what}; use loss=hf (or loss=auto)"
         )
-    if row.gpu_only and device is not HardwareKind.gpu:
-        raise ConfigError(
-            f"loss={cfg.kind.name} runs Triton kernels on a GPU (this run is "
-            f"hardware={device.name}); use loss=chunked, which runs anywhere"
-        )
+    refused = hardware_row(device).refuses.get(Feature.triton)
+    if row.triton and refused:
+        raise ConfigError(f"hardware={device.name} cannot run loss={cfg.kind.name}: {refused}")
     if row.package is not None and importlib.util.find_spec(row.package.module) is None:
         pip = row.package.pip
         raise ConfigError(

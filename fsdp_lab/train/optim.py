@@ -8,18 +8,19 @@ import torch
 from torch import nn
 
 from fsdp_lab.config import ConfigError, HardwareKind, OptimConfig, OptimImpl
+from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 
 
 def resolve_implementation(
     cfg: OptimConfig, device: HardwareKind, *, grad_scaler: bool
 ) -> OptimImpl:
-    """auto: fused where torch has the kernel (cpu and gpu; measured 3-4x faster than foreach
-    for a 13M model's AdamW step on one CPU thread); foreach on tpu (XLA has none) and with the
-    fp16 grad scaler (FSDP2's ShardedGradScaler hands the optimizer a found-inf flag of shape
-    [1], which torch's fused AdamW rejects). fused on tpu was refused by the rules
-    (``config.rules.refuse_for_xla``) before any rank started."""
+    """auto: fused where the device's row runs it (``Feature.fused_optimizer``; measured 3-4x
+    faster than foreach for a 13M model's AdamW step on one CPU thread), else foreach, as with
+    the fp16 grad scaler (FSDP2's ShardedGradScaler hands the optimizer a found-inf flag of
+    shape [1], which torch's fused AdamW rejects). fused where the row refuses it was refused
+    by the rules (``config.rules.refuse_for_hardware``) before any rank started."""
     if cfg.implementation is OptimImpl.auto:
-        fused = device is not HardwareKind.tpu and not grad_scaler
+        fused = hardware_row(device).runs(Feature.fused_optimizer) and not grad_scaler
         return OptimImpl.fused if fused else OptimImpl.foreach
     if cfg.implementation is OptimImpl.fused and grad_scaler:
         raise ConfigError(

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from fsdp_lab.config import Config, HardwareKind, LossKind, ProfileMode, to_container
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.low_precision import NF4_BITS
 from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.engine.moe import ExpertCounts
@@ -382,7 +383,7 @@ def _log_start(cfg: Config, facts: RunFacts, kind: HardwareKind) -> None:
         facts.optimizer,
         cfg.trainer.log_every,
     )
-    if facts.world_size == 1 and kind is not HardwareKind.tpu:
+    if facts.world_size == 1 and not hardware_row(kind).one_process_per_host:
         log.info(
             "world size 1: FSDP2 on a 1-rank mesh, nothing sharded; its all-gathers and "
             "reduce-scatters are local copies, kept so that precision (param_dtype "

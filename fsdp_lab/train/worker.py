@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab.config import Config, ConfigError, FinetuneMethod, HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
@@ -107,7 +108,7 @@ def run_rank(
 
 def topology_from_env(kind: HardwareKind) -> Topology:
     """The data-parallel ranks: the processes, or on tpu the XLA devices of the one process."""
-    if kind is HardwareKind.tpu:
+    if hardware_row(kind).one_process_per_host:
         return Topology.nodes(devices.xla_runtime_devices(), 1, kind)
     return Topology.from_launcher(os.environ, kind)
 
@@ -168,7 +169,7 @@ def fit(r: RankRun) -> FitResult:
         reporter=r.reporter,
         stop_requested=r.stop,
         heartbeat=heartbeat.current(),
-        trim_host_heap=cfg.hardware.malloc_trim and ctx.kind is HardwareKind.cpu,
+        trim_host_heap=cfg.hardware.malloc_trim and hardware_row(ctx.kind).host,
         profiler=WindowProfiler.start(
             cfg.profile,
             rank=ctx.rank,
@@ -183,7 +184,8 @@ def fit(r: RankRun) -> FitResult:
     except NonFiniteLoss as e:
         # The weights were checked as they were read: a resumed checkpoint's, and pretrained
         # ones on the engines that read them (torch_xla's loader is its own).
-        read = cfg.resume != "never" or (cfg.model.pretrained and ctx.kind is not HardwareKind.tpu)
+        checks = hardware_row(ctx.kind).engine_checks_weights
+        read = cfg.resume != "never" or (cfg.model.pretrained and checks)
         raise FloatingPointError(_nonfinite_advice(cfg, state.start_step, e, read)) from None
     if r.reporter is not None:
         r.reporter.end_of_training()

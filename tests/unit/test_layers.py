@@ -169,10 +169,11 @@ def test_only_hardware_and_the_xla_engine_name_devices():
     torch_xla): the GPU path differs from the tested CPU path only there."""
     hardware, xla = "fsdp_lab.engine.hardware", "fsdp_lab.engine.xla"
     door = "fsdp_lab.internals.torch_private"  # names torch.cuda's private memory history
+    table = "fsdp_lab.config.hardware_kinds"  # each kind's torch device type
     naming = [
         f"{m}: {hit.group(0).strip()}"
         for m, path in modules().items()
-        if m not in (xla, hardware, door) and not m.startswith(hardware + ".")
+        if m not in (xla, hardware, door, table) and not m.startswith(hardware + ".")
         for hit in DEVICE_CODE.finditer(path.read_text())
     ]
     assert not naming, "device names outside engine.hardware:\n" + "\n".join(naming)

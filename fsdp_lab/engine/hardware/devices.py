@@ -22,6 +22,7 @@ from fsdp_lab.config import (
     HardwareConfig,
     HardwareKind,
 )
+from fsdp_lab.config.hardware_kinds import hardware_row, kind_of, resolved
 from fsdp_lab.config.precisions import DTYPES, dtype_row
 
 TORCH_DTYPES = {dtype: getattr(torch, row.torch_name) for dtype, row in DTYPES.items()}
@@ -37,24 +38,18 @@ XLA_INSTALL = (
 
 # ---- before launch: the device and what it can run ------------------------------------------
 def resolve_kind(cfg: HardwareConfig) -> HardwareKind:
-    """auto becomes gpu when CUDA is usable, else cpu; an explicit gpu without CUDA is an error."""
-    match cfg.kind:
-        case HardwareKind.auto:
-            return HardwareKind.gpu if torch.cuda.is_available() else HardwareKind.cpu
-        case HardwareKind.cpu:
-            return HardwareKind.cpu
-        case HardwareKind.gpu:
-            if not torch.cuda.is_available():
-                raise ConfigError(
-                    "hardware=gpu but CUDA is not available on this machine; use hardware=cpu "
-                    "(or hardware=auto)"
-                )
-            return HardwareKind.gpu
-        case HardwareKind.tpu:
+    """auto becomes the GPU kind when CUDA is usable, else the host's; a kind whose device this
+    machine lacks is an error naming the fix."""
+    kind = resolved(cfg.kind, cuda=torch.cuda.is_available())
+    match hardware_row(kind).device_type:
+        case "cuda" if not torch.cuda.is_available():
+            raise ConfigError(
+                f"hardware={kind.name} but CUDA is not available on this machine; use "
+                f"hardware={kind_of('cpu').name} (or hardware=auto)"
+            )
+        case "xla":
             check_xla_env()
-            return HardwareKind.tpu
-        case _:
-            raise ValueError(f"unknown hardware.kind {cfg.kind}")
+    return kind
 
 
 def check_xla_env() -> None:
@@ -87,34 +82,55 @@ def xla_local_devices() -> int:
     return tpu.num_available_devices()
 
 
-def default_nproc_per_node(kind: HardwareKind) -> int:
-    match kind:
-        case HardwareKind.gpu:
+def local_devices(kind: HardwareKind) -> int:
+    """The kind's devices on this host (CPU ranks are processes: the cores)."""
+    match hardware_row(kind).device_type:
+        case "cuda":
             return torch.cuda.device_count()
-        case HardwareKind.tpu:
+        case "xla":
             return xla_local_devices()
         case _:
-            return 2
+            return os.cpu_count() or 1
+
+
+# Why a host has no device of a type, and the fix (``local_devices`` found none).
+NONE_FOUND = {
+    "cuda": "found no GPU; use hardware=cpu",
+    "xla": "found no XLA device; on a TPU VM check its chips, or set PJRT_DEVICE=CPU "
+    "CPU_NUM_DEVICES=N to run on XLA's CPU devices",
+}
+
+
+def none_found(kind: HardwareKind) -> str:
+    return f"hardware={kind.name} {NONE_FOUND[hardware_row(kind).device_type]}"
+
+
+def default_nproc_per_node(kind: HardwareKind) -> int:
+    """The row's default ranks, or one per device of this host."""
+    ranks = hardware_row(kind).default_ranks
+    return local_devices(kind) if ranks is None else ranks
 
 
 def processes_per_node(kind: HardwareKind, nproc_per_node: int) -> int:
-    """Processes to start per node: one per rank, except on tpu, where one SPMD process drives
-    every device of its host (each device is one data-parallel rank)."""
-    return 1 if kind is HardwareKind.tpu else nproc_per_node
+    """Processes to start per node: one per rank, except where one SPMD process drives every
+    device of its host (each device is one data-parallel rank)."""
+    return 1 if hardware_row(kind).one_process_per_host else nproc_per_node
 
 
 def check_nproc(kind: HardwareKind, nproc_per_node: int, chosen: Backend = Backend.auto) -> None:
-    """One rank per GPU under NCCL (it refuses two on one device); gloo lets ranks share."""
-    gpus = torch.cuda.device_count() if kind is HardwareKind.gpu else 0
-    if kind is HardwareKind.gpu and nproc_per_node > gpus and chosen is not Backend.gloo:
+    """One rank per GPU under NCCL (it refuses two on one device; gloo lets ranks share); an
+    SPMD process uses every device of its host."""
+    row = hardware_row(kind)
+    if row.nccl and chosen is not Backend.gloo and nproc_per_node > local_devices(kind):
         raise ConfigError(
-            f"hardware.nproc_per_node={nproc_per_node} but only {gpus} GPUs are visible; lower "
-            "hardware.nproc_per_node (one rank per GPU), or set hardware.backend=gloo to share "
-            "the GPUs among ranks (slow: for checking a sharded layout)"
+            f"hardware.nproc_per_node={nproc_per_node} but only {local_devices(kind)} GPUs are "
+            "visible; lower hardware.nproc_per_node (one rank per GPU), or set "
+            "hardware.backend=gloo to share the GPUs among ranks (slow: for checking a sharded "
+            "layout)"
         )
-    if kind is HardwareKind.tpu and nproc_per_node != xla_local_devices():
+    if row.one_process_per_host and nproc_per_node != local_devices(kind):
         raise ConfigError(
-            f"hardware.nproc_per_node={nproc_per_node} but this host has {xla_local_devices()} "
+            f"hardware.nproc_per_node={nproc_per_node} but this host has {local_devices(kind)} "
             "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (with "
             "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)"
         )
@@ -127,7 +143,8 @@ def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
     bf16 needs an Ampere-or-newer device (NCCL and the matmuls both rely on it).
     """
     probe = dtype_row(dtype).gpu_probe
-    if kind is HardwareKind.gpu and probe is not None and not getattr(torch.cuda, probe)():
+    cuda = hardware_row(kind).device_type == "cuda"
+    if cuda and probe is not None and not getattr(torch.cuda, probe)():
         others = [d.name for d, row in DTYPES.items() if row.gpu_probe is None]
         raise ConfigError(
             f"{setting}={dtype.name} but this GPU has no {dtype.name} support; use "
@@ -135,17 +152,16 @@ def check_dtype(kind: HardwareKind, dtype: Dtype, setting: str) -> None:
         )
 
 
-def check_experts_implementation(kind: HardwareKind, implementation: ExpertsImplementation) -> None:
-    """Fail before launch on an experts kernel this device cannot run: ``grouped_mm`` calls
-    ``torch.nn.functional.grouped_mm`` (torch >= 2.9; a CPU kernel too), which XLA does not
-    lower."""
+def check_experts_implementation(implementation: ExpertsImplementation) -> None:
+    """Fail before launch on an experts kernel this torch lacks: ``grouped_mm`` calls
+    ``torch.nn.functional.grouped_mm`` (torch >= 2.9; a CPU kernel too). A device that cannot
+    run it refuses it in its row (``Feature.grouped_mm``)."""
     if implementation is not ExpertsImplementation.grouped_mm:
         return
-    if kind is HardwareKind.tpu or not hasattr(torch.nn.functional, "grouped_mm"):
-        where = "hardware=tpu" if kind is HardwareKind.tpu else f"torch {torch.__version__}"
+    if not hasattr(torch.nn.functional, "grouped_mm"):
         raise ConfigError(
             f"model.experts_implementation=grouped_mm needs torch.nn.functional.grouped_mm "
-            f"(torch >= 2.9, not XLA), which {where} lacks; use eager or batched_mm"
+            f"(torch >= 2.9), which torch {torch.__version__} lacks; use eager or batched_mm"
         )
 
 
@@ -155,7 +171,7 @@ def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
     measured on a 2-core AVX2 EPYC, a bf16 matmul of 256x49152 by 49152x576 took 40 s, the
     same in fp32 0.5 s, and a SmolLM2-135M step at 2x128 tokens 100 s in bf16."""
     probe = dtype_row(dtype).cpu_probe
-    if kind is not HardwareKind.cpu or probe is None:
+    if not hardware_row(kind).host or probe is None:
         return None
     supported = getattr(torch.ops.mkldnn, probe, None)
     if supported is None or supported():
@@ -170,24 +186,27 @@ def check_compile(kind: HardwareKind) -> None:
     """torch.compile's CPU backend (inductor) builds C++; without a compiler it fails late."""
     import shutil
 
-    if kind is HardwareKind.cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    needs = hardware_row(kind).compile_needs_compiler
+    if needs and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ConfigError(
-            "compile=true on CPU needs a C++ compiler (g++ or clang++) on PATH; "
-            "install one or set compile=false"
+            f"compile=true on hardware={kind.name} needs a C++ compiler (g++ or clang++) on "
+            "PATH; install one or set compile=false"
         )
 
 
 def device_summary(kind: HardwareKind) -> str:
     """The device in one line (the launch log and the report); never starts the XLA runtime
     (the launcher calls it too)."""
-    if kind is HardwareKind.gpu:
-        return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    if kind is HardwareKind.tpu:
-        return (
-            f"tpu: {xla_local_devices()} XLA devices (PJRT_DEVICE="
-            f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD"
-        )
-    return f"cpu: {os.cpu_count()} cores"
+    match hardware_row(kind).device_type:
+        case "cuda":
+            return f"{kind.name}: {local_devices(kind)} x {torch.cuda.get_device_name(0)}"
+        case "xla":
+            return (
+                f"{kind.name}: {xla_local_devices()} XLA devices (PJRT_DEVICE="
+                f"{os.environ.get('PJRT_DEVICE')}), torch_xla SPMD"
+            )
+        case _:
+            return f"{kind.name}: {os.cpu_count()} cores"
 
 
 # ---- in a rank: its device, and work on it --------------------------------------------------
@@ -202,17 +221,19 @@ def rank_device(kind: HardwareKind, local_rank: int) -> torch.device:
     """One GPU per rank: the local rank's among the visible ones (under srun --gpus-per-task
     each task sees only its own, device 0). On tpu the SPMD device, which stands for all of the
     host's XLA devices: SPMD mode is switched on here, before any XLA tensor exists."""
-    if kind is HardwareKind.gpu:
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if kind is HardwareKind.tpu:
-        import torch_xla
-        import torch_xla.runtime as xr
+    match hardware_row(kind).device_type:
+        case "cuda":
+            index = local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        case "xla":
+            import torch_xla
+            import torch_xla.runtime as xr
 
-        xr.use_spmd()
-        return torch_xla.device()
-    return torch.device("cpu")
+            xr.use_spmd()
+            return torch_xla.device()
+        case other:
+            return torch.device(other)
 
 
 def xla_runtime_devices() -> int:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from fsdp_lab.config import Dtype, HardwareConfig, HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import peak_tflops
 from fsdp_lab.config.precisions import dtype_row
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def set_tf32(kind: HardwareKind, enabled: bool) -> None:
     """precision.tf32: fp32 matmuls and convolutions on TF32 tensor cores (GPU only)."""
-    if kind is HardwareKind.gpu:
+    if hardware_row(kind).device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
 
@@ -30,10 +31,17 @@ def peak_flops(
     compute with ``tf32``); None (MFU not reported) for CPUs and unknown GPUs."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
-    if kind is HardwareKind.tpu:
-        return _tpu_peak_flops(compute)
-    if kind is not HardwareKind.gpu:
-        return None
+    match hardware_row(kind).device_type:
+        case "xla":
+            return _tpu_peak_flops(compute)
+        case "cuda":
+            return _gpu_peak_flops(compute, tf32=tf32)
+        case _:
+            return None
+
+
+def _gpu_peak_flops(compute: Dtype, *, tf32: bool) -> float | None:
+    """The known GPU's peak at ``compute`` (``config.hardware_profiles.PEAK_TFLOPS``)."""
     name = torch.cuda.get_device_name(0)
     peaks = peak_tflops(name)  # config.hardware_profiles' table: (bf16, tf32, fp32)
     if peaks is not None:

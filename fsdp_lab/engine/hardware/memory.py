@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import HardwareConfig, HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.internals import torch_private
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
@@ -54,7 +55,7 @@ def _glibc():
 
 def pin_memory(kind: HardwareKind) -> bool:
     """CPUOffloadPolicy pins host memory for fast H2D copies; pinning needs a GPU."""
-    return kind is HardwareKind.gpu
+    return hardware_row(kind).device_type == "cuda"
 
 
 # ---- readings -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab.config import Backend, ConfigError, HardwareKind
+from fsdp_lab.config.hardware_kinds import hardware_row, kind_of
 from fsdp_lab.internals import torch_private
 
 
@@ -19,12 +20,13 @@ def backend(kind: HardwareKind, chosen: Backend = Backend.auto) -> str:
     offload=cpu the gradient shards (and so clip_grad_norm_'s all-reduce) live on the CPU, which
     NCCL cannot reduce. ``hardware.backend=gloo`` puts CUDA tensors on gloo too (ranks sharing
     a GPU); nccl anywhere but gpu is refused."""
-    if chosen is Backend.nccl and kind is not HardwareKind.gpu:
+    nccl = hardware_row(kind).nccl
+    if chosen is Backend.nccl and not nccl:
         raise ConfigError(
-            f"hardware.backend=nccl needs hardware=gpu (this run is hardware={kind.value}); "
-            "remove hardware.backend (auto: gloo here)"
+            f"hardware.backend=nccl needs hardware={kind_of('cuda').name} (this run is "
+            f"hardware={kind.value}); remove hardware.backend (auto: gloo here)"
         )
-    if kind is HardwareKind.gpu and chosen is not Backend.gloo:
+    if nccl and chosen is not Backend.gloo:
         return "cuda:nccl,cpu:gloo"
     return "gloo"
 
@@ -36,7 +38,7 @@ def init_process_group(
     dist.init_process_group(
         backend=backend(kind, chosen),
         timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if kind is HardwareKind.gpu else None,
+        device_id=device if hardware_row(kind).nccl else None,
     )
 
 

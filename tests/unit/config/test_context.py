@@ -84,7 +84,7 @@ def test_cp_composes_with_the_strategies_and_tp():
             "of 4 equal chunks of a sequence); set trainer.seq_len=64",
         ),
         (["parallel.context=0"], 2, "cpu", "parallel.context=0 must be > 0"),
-        (["parallel.context=2"], 4, "tpu", "parallel.context=2 cannot combine with hardware=tpu"),
+        (["parallel.context=2"], 4, "tpu", "hardware=tpu cannot run parallel.context=2"),
         (
             ["parallel.context=2", "model=qwen3_moe_tiny", "parallel.expert=2"],
             4,

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_only_named_in
 
 from fsdp_lab.config import LossKind
-from fsdp_lab.config.losses import LOSSES, loss_of, runs_on_xla
+from fsdp_lab.config.losses import LOSSES, loss_needs_triton, loss_of, loss_runs_anywhere
 
 L = LossKind
 
@@ -28,7 +28,7 @@ def test_every_row_has_its_code_once():
 
 
 @pytest.mark.parametrize(
-    "kind,fused,package,gpu_only,xla",
+    "kind,fused,package,triton,own",
     [
         (L.hf, False, None, False, True),
         (L.z_loss, False, None, False, False),
@@ -37,15 +37,16 @@ def test_every_row_has_its_code_once():
         (L.cce, True, "cut-cross-entropy", True, False),
     ],
 )
-def test_each_row_says_what_the_loss_needs(kind, fused, package, gpu_only, xla):
+def test_each_row_says_what_the_loss_needs(kind, fused, package, triton, own):
     row = loss_of(kind)
-    assert (row.fused, row.package and row.package.pip, row.gpu_only, runs_on_xla(kind)) == (
+    assert (row.fused, row.package and row.package.pip, row.triton, row.own) == (
         fused,
         package,
-        gpu_only,
-        xla,
+        triton,
+        own,
     )
-    assert runs_on_xla(L.auto)
+    assert (loss_needs_triton(kind), loss_runs_anywhere(kind)) == (triton, own)
+    assert loss_runs_anywhere(L.auto) and not loss_needs_triton(L.auto)
 
 
 NAMED = re.compile(r"\bLossKind\.(hf|z_loss|chunked|liger|cce)\b")

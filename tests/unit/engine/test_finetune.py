@@ -9,12 +9,13 @@ from fsdp_lab.config import (
     ConfigError,
     FinetuneConfig,
     FinetuneMethod,
+    HardwareKind,
     ModelArch,
     ModelConfig,
     ModelTask,
     to_typed,
 )
-from fsdp_lab.config.rules import refuse_for_xla
+from fsdp_lab.config.rules import refuse_for_hardware
 from fsdp_lab.engine import finetune
 from fsdp_lab.engine import model as model_lib
 
@@ -102,7 +103,7 @@ def test_bad_finetune_settings_are_one_line(overrides, fragment):
 def test_lora_is_refused_on_tpu():
     cfg = to_typed({"model": {"arch": "llama"}, "finetune": {"method": "lora"}})
     with pytest.raises(ConfigError, match="finetune=lora: frozen parameters"):
-        refuse_for_xla(cfg)  # the rules of hardware=tpu
+        refuse_for_hardware(cfg, HardwareKind.tpu)
 
 
 def test_adapters_are_seeded_and_the_fingerprint_is_of_the_frozen_base():

@@ -39,7 +39,7 @@ FLOAT8 = ("precision=float8",)
         ((*FLOAT8, "parallel.tensor=2"), None, "not verified with parallel.tensor=2"),
         ((*FLOAT8, "offload=cpu"), None, "not verified with offload=cpu"),
         ((*FLOAT8, *QLORA), None, "not verified with float8 training"),
-        ((*FLOAT8,), HardwareKind.tpu, "not verified with hardware=tpu"),
+        ((*FLOAT8,), HardwareKind.tpu, "hardware=tpu cannot run precision.float8_recipe="),
         ((*QLORA, "parallel.tensor=2"), None, "finetune.quantize_base=nf4 is not verified"),
         ((*QLORA, "offload=cpu"), None, "offload=cpu"),
         ((*QLORA, "model.loading=rank0"), None, "each rank quantises its own shards"),

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from fsdp_lab.config import ConfigError
+from fsdp_lab.config import ConfigError, HardwareKind
 from fsdp_lab.config.device_rows import DEVICES, device_profile, row_for
 from fsdp_lab.config.hardware_profiles import (
     PROFILE_VERSION,
@@ -239,7 +239,7 @@ def test_an_unknown_gpu_has_no_row_and_is_not_priced_as_another():
     assert row_for("gpu: 1 x NVIDIA A100-SXM4-80GB") == "a100-80gb"
     assert row_for("gpu: 1 x NVIDIA RTX 6000 Ada Generation") is None
     assert row_for("cpu: 2 cores") == "cpu"
-    base = calibrate_fit.base_profile(None, plan.HardwareKind.gpu, "gpu: 1 x NVIDIA RTX 6000 Ada")
+    base = calibrate_fit.base_profile(None, HardwareKind.gpu, "gpu: 1 x NVIDIA RTX 6000 Ada")
     assert "RTX 6000 Ada has no row" in base.sources["inter_node"]
 
 
