@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdp_lab.config.errors import ConfigError, positive
-from fsdp_lab.config.model import ModelArch, ModelConfig, ModelTask
+from fsdp_lab.config.model import DEFAULT_TASK, ModelArch, ModelConfig, ModelTask
 
 
 class Activations(enum.Enum):
@@ -71,7 +71,7 @@ class Family:
     """model.* sizes -> the preset config's own fields (beside the vocabulary, ties and
     special tokens every preset shares, which they may override); dropout and router noise
     off, so runs are the same across world sizes and strategies."""
-    task: ModelTask = ModelTask.causal_lm
+    task: ModelTask = DEFAULT_TASK
     """What its preset trains (encoders: masked_lm)."""
     rotary_gqa: bool = True
     """Rotary positions and grouped-query attention (num_kv_heads; head_dim must be even)."""

@@ -9,7 +9,7 @@ from importlib.util import find_spec
 from fsdp_lab.config.errors import ConfigError
 from fsdp_lab.config.model import QuantizeBase, WeightLoading
 from fsdp_lab.config.schema import Config
-from fsdp_lab.config.sharding import OffloadDevice
+from fsdp_lab.config.sharding import offloaded
 
 NF4_BLOCK = 64  # values per absmax scale
 NF4_SCALER_BLOCK = 256  # scales per int8 quantisation block of the scales
@@ -66,7 +66,7 @@ def check_low_precision(cfg: Config) -> None:
             "layers; set parallel.expert=1",
         ),
         (
-            cfg.offload.device is not OffloadDevice.none,
+            offloaded(cfg.offload),
             "offload=cpu: the host copy would need torchao's subclasses on the host optimizer "
             "path; set offload=none",
         ),

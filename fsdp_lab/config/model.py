@@ -48,6 +48,64 @@ class FinetuneMethod(enum.Enum):
     lora = "lora"  # PEFT's LoRA adapters train; the whole base model is frozen
 
 
+@dataclass(frozen=True)
+class TaskRow:
+    causal: bool
+    """Predicts each next token from those before it: attention runs one way, so context
+    parallelism can split a sequence, replies can be trained on and generated, and a fused loss
+    can take the hidden states."""
+    masks_tokens: bool
+    """Predicts masked tokens: needs the tokenizer's mask token, and the loader masks them."""
+    upcasts_logits: bool
+    """transformers' loss for the task upcasts the logits to fp32 (the plan counts the copy)."""
+    auto_class: str
+    """transformers' ``AutoModelFor...`` class that builds the model for it."""
+    peft_task_type: str | None
+    """PEFT's task type for an exported adapter, so that the Auto class loads its directory."""
+
+
+TASKS: dict[ModelTask, TaskRow] = {
+    ModelTask.causal_lm: TaskRow(
+        causal=True,
+        masks_tokens=False,
+        upcasts_logits=True,
+        auto_class="AutoModelForCausalLM",
+        peft_task_type="CAUSAL_LM",
+    ),
+    ModelTask.masked_lm: TaskRow(
+        causal=False,
+        masks_tokens=True,
+        upcasts_logits=False,
+        auto_class="AutoModelForMaskedLM",
+        peft_task_type=None,
+    ),
+}
+DEFAULT_TASK = ModelTask.causal_lm
+
+
+def task_row(task: ModelTask) -> TaskRow:
+    return TASKS[task]
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    freezes: bool
+    """Some parameters do not train (a frozen base: no gradients, no optimizer state)."""
+    adapters: bool
+    """Trains adapters added to a frozen base (PEFT's LoRA): what an export saves alone."""
+
+
+FINETUNE_METHODS: dict[FinetuneMethod, MethodRow] = {
+    FinetuneMethod.full: MethodRow(freezes=False, adapters=False),
+    FinetuneMethod.freeze: MethodRow(freezes=True, adapters=False),
+    FinetuneMethod.lora: MethodRow(freezes=True, adapters=True),
+}
+
+
+def method_row(method: FinetuneMethod) -> MethodRow:
+    return FINETUNE_METHODS[method]
+
+
 class QuantizeBase(enum.Enum):
     none = "none"
     nf4 = "nf4"  # QLoRA: the frozen base's linear layers in torchao's 4-bit NormalFloat
@@ -69,7 +127,7 @@ class ModelConfig:
     in fp32 (transformers' from_pretrained, or the seeded init) and broadcasts it: the same
     weights, at the whole model's host RAM on rank 0. A checkpoint transformers converts in a
     way that cannot be read per tensor, or a hub id, takes rank0's route with a warning."""
-    task: ModelTask = ModelTask.causal_lm
+    task: ModelTask = DEFAULT_TASK
     """causal_lm: next-token loss; masked_lm: loss on masked tokens (encoders such as BERT)."""
     vocab_size: Optional[int] = None
     """Presets: None takes the tokenizer's size (256 for synthetic data)."""

@@ -21,19 +21,19 @@ from fsdp_lab.config.low_precision import check_low_precision
 from fsdp_lab.config.low_precision import setting as low_precision
 from fsdp_lab.config.model import (
     ExpertsImplementation,
-    FinetuneMethod,
-    ModelTask,
     check_finetune,
     check_model,
+    method_row,
+    task_row,
 )
 from fsdp_lab.config.precisions import check_precision, dtype_row
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.sharding import (
     ActivationCheckpointingMode,
-    OffloadDevice,
     check_layout,
     check_sharding,
+    offloaded,
 )
 from fsdp_lab.config.strategies import strategy_of, with_expert_parallel, with_replica_groups
 from fsdp_lab.config.topology import Topology, dp_size, replicate_size
@@ -123,7 +123,7 @@ def _layout_asks(cfg: Config) -> tuple[tuple[Feature, bool, str], ...]:
         ),
         (
             Feature.offload,
-            cfg.offload.device is not OffloadDevice.none,
+            offloaded(cfg.offload),
             f"offload={cfg.offload.device.name}",
         ),
         (
@@ -171,7 +171,7 @@ def _run_asks(cfg: Config) -> tuple[tuple[Feature, bool, str], ...]:
         (Feature.async_checkpoints, cfg.checkpoint.async_enabled, "checkpoint.async_enabled=true"),
         (
             Feature.frozen_parameters,
-            cfg.finetune.method is not FinetuneMethod.full,
+            method_row(cfg.finetune.method).freezes,
             f"finetune={cfg.finetune.method.name}",
         ),
         (
@@ -205,7 +205,7 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
         )
     refusals = (
         (
-            cfg.finetune.method is FinetuneMethod.lora,
+            method_row(cfg.finetune.method).adapters,
             "finetune=lora (PEFT wraps q_proj as q_proj.base_layer: the TP plan no longer "
             "matches it)",
         ),
@@ -226,7 +226,7 @@ def _check_context(cfg: Config, topo: Topology) -> None:
     refusals = (
         (cfg.parallel.expert > 1, f"parallel.expert={cfg.parallel.expert}"),
         (
-            cfg.model.task is not ModelTask.causal_lm,
+            not task_row(cfg.model.task).causal,
             f"model.task={cfg.model.task.value} (an encoder attends both ways; CP splits a "
             "causal LM's sequences)",
         ),
@@ -271,9 +271,9 @@ def _check_expert(cfg: Config, topo: Topology) -> None:
             f"sharding.reshard_after_forward={raf} (an int)",
         ),
         (cfg.compile, "compile=true (the all-to-all's split sizes are data-dependent)"),
-        (cfg.offload.device is not OffloadDevice.none, f"offload={cfg.offload.device.name}"),
+        (offloaded(cfg.offload), f"offload={cfg.offload.device.name}"),
         (
-            cfg.finetune.method is not FinetuneMethod.full,
+            method_row(cfg.finetune.method).freezes,
             f"finetune={cfg.finetune.method.name}",
         ),
     )
@@ -295,7 +295,7 @@ def _check_token_data(cfg: Config) -> None:
     """data=tokens has no tokenizer to size a preset's vocabulary."""
     d, m = cfg.data, cfg.model
     row = kind_row(d.kind)
-    if row.replies_only and m.task is not ModelTask.causal_lm:
+    if row.replies_only and not task_row(m.task).causal:
         raise ConfigError(
             f"data={d.kind.value} trains a causal LM on replies; model.task={m.task.value} "
             "predicts masked tokens: use data=text for it, or a causal LM"

@@ -147,6 +147,16 @@ class OffloadConfig:
     """cpu: keep sharded params, grads and the optimizer step on CPU (FSDP2 CPUOffloadPolicy)."""
 
 
+def offloaded(cfg: OffloadConfig) -> bool:
+    """Whether the sharded state lives on the host (the one place that reads the device)."""
+    return cfg.device is OffloadDevice.cpu
+
+
+def offload_config(on: bool) -> OffloadConfig:
+    """The offload group that does, or does not, offload (tune's grid)."""
+    return OffloadConfig(device=OffloadDevice.cpu if on else OffloadDevice.none)
+
+
 @dataclass
 class ActivationCheckpointingConfig:
     mode: ActivationCheckpointingMode = ActivationCheckpointingMode.none

@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from fsdp_lab.config import Config, ConfigError, ModelTask
+from fsdp_lab.config import Config, ConfigError
 from fsdp_lab.config.data_kinds import Holds, Rows, Source, kind_row
 from fsdp_lab.config.hardware import cache_root
+from fsdp_lab.config.model import task_row
 from fsdp_lab.data import cache, cache_lock, chat_prep, encode, tasks, worker
 from fsdp_lab.data.worker import Setup, in_validation
 
@@ -78,7 +79,7 @@ def load_tokenizer(cfg: Config):
             source, setting = cfg.model.name_or_path, "model.name_or_path"
     row = kind_row(cfg.data.kind)
     if source is None and not row.tokenised:
-        if row.prepared and cfg.model.task is ModelTask.masked_lm:
+        if row.prepared and task_row(cfg.model.task).masks_tokens:
             raise ConfigError(
                 f"data={cfg.data.kind.value} with model.task=masked_lm needs the tokenizer's "
                 "mask and special tokens; set data.tokenizer=<its tokenizer directory>"
@@ -107,7 +108,7 @@ def load_tokenizer(cfg: Config):
                 log.warning("%s; synthetic data needs none, the export will have none", message)
                 return None
             raise ConfigError(message) from e
-    if cfg.model.task is ModelTask.masked_lm and tok.mask_token_id is None:
+    if task_row(cfg.model.task).masks_tokens and tok.mask_token_id is None:
         tok.add_special_tokens({"mask_token": "<mask>"})
     if eos_id(tok) is None:
         raise ConfigError(

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdp_lab.config import Config, ModelTask
+from fsdp_lab.config import Config
 from fsdp_lab.config.data_kinds import Rows, kind_row
+from fsdp_lab.config.model import task_row
 from fsdp_lab.data.context import ContextShare
 from fsdp_lab.data.labels import IGNORE_INDEX
 from fsdp_lab.data.packing import ChatSplit
@@ -320,7 +321,7 @@ class ChatData(PackedData):
 def _masking(cfg: Config, tokenizer, vocab_size: int) -> Masking | None:
     """A masked LM's corruption (None for a causal LM)."""
     masking = None
-    if cfg.model.task is ModelTask.masked_lm:
+    if task_row(cfg.model.task).masks_tokens:
         if kind_row(cfg.data.kind).rows is Rows.generated:  # ids: the last id is [MASK]
             masking = Masking(
                 mask_id=vocab_size - 1,

@@ -28,11 +28,11 @@ from torch.distributed.tensor import Shard
 
 from fsdp_lab.config import (
     Config,
-    OffloadDevice,
     ParallelConfig,
     PrefetchConfig,
     ShardingConfig,
 )
+from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import (
     CONTEXT_AXIS,
     REPLICATE_AXIS,
@@ -291,7 +291,7 @@ def build_model(
     from fsdp_lab.engine import model as model_lib
 
     model, kind, p = meta_model, topo.device, cfg.parallel
-    offload = cfg.offload.device is OffloadDevice.cpu
+    offload = offloaded(cfg.offload)
     tied = model_lib.tied_groups(model)
     mesh = build_mesh(
         cfg.sharding, topo, device_type=device.type, tensor=p.tensor, context=p.context

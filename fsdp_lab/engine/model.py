@@ -28,6 +28,7 @@ from fsdp_lab.config import (
     families,
     first_line,
 )
+from fsdp_lab.config.model import DEFAULT_TASK, task_row
 from fsdp_lab.engine import moe
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.hardware import process_group
@@ -107,7 +108,7 @@ def check_task(hf_config, task: ModelTask) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     if (
-        task is ModelTask.causal_lm
+        task_row(task).causal
         and hf_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
         and not getattr(hf_config, "is_decoder", False)
     ):
@@ -145,15 +146,9 @@ def check_seq_len(hf_config, seq_len: int) -> None:
 
 
 def _auto_class(task: ModelTask):
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    import transformers
 
-    match task:
-        case ModelTask.causal_lm:
-            return AutoModelForCausalLM
-        case ModelTask.masked_lm:
-            return AutoModelForMaskedLM
-        case _:
-            raise ValueError(f"unknown model.task {task}")
+    return getattr(transformers, task_row(task).auto_class)
 
 
 def _from_config(hf_config, task: ModelTask) -> nn.Module:
@@ -166,7 +161,7 @@ def _from_config(hf_config, task: ModelTask) -> nn.Module:
         ) from e
 
 
-def build_meta_model(hf_config, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
+def build_meta_model(hf_config, task: ModelTask = DEFAULT_TASK) -> nn.Module:
     """The architecture's structure with no storage: sharding decides where each piece lives."""
     with torch.device("meta"):
         return _from_config(hf_config, task)
@@ -208,7 +203,7 @@ def full_model(
     hf_config,
     *,
     seed: int,
-    task: ModelTask = ModelTask.causal_lm,
+    task: ModelTask = DEFAULT_TASK,
     finetune_cfg=None,
     pretrained: str | None = None,
 ) -> nn.Module:
@@ -227,7 +222,7 @@ def full_model(
     return model
 
 
-def build_full_model(hf_config, *, seed: int, task: ModelTask = ModelTask.causal_lm) -> nn.Module:
+def build_full_model(hf_config, *, seed: int, task: ModelTask = DEFAULT_TASK) -> nn.Module:
     """The whole model on CPU with the seeded random init a sharded run starts from."""
     return full_model(hf_config, seed=seed, task=task)
 

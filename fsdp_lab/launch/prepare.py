@@ -16,6 +16,7 @@ from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
+from fsdp_lab.config.model import method_row
 from fsdp_lab.config.rules import refuse_for_hardware, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
@@ -179,11 +180,10 @@ def _check_weights(meta_model: torch.nn.Module, files, path: str) -> None:
 def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None:
     """The finetune group on the model's structure: patterns that match nothing, nothing left
     to train, and LoRA on the output head under a loss that reads the head's weight alone."""
-    from fsdp_lab.config import FinetuneMethod
     from fsdp_lab.engine import finetune
 
     method = cfg.finetune.method
-    if method is FinetuneMethod.full:
+    if not method_row(method).freezes:
         return
     if finetune.adapts_head(meta_model) and loss_of(loss_kind).fused:
         raise ConfigError(
@@ -191,7 +191,7 @@ def _check_finetune(cfg: Config, meta_model: torch.nn.Module, loss_kind) -> None
             "computes the logits from the head's weight alone (without its adapter); set "
             "loss=hf, or leave the head out of finetune.target_modules"
         )
-    if method is FinetuneMethod.lora and not cfg.model.pretrained:
+    if method_row(method).adapters and not cfg.model.pretrained:
         log.warning(
             "finetune=lora on a randomly initialised base (model.pretrained=false): legal, but "
             "the frozen base is noise; set model=local model.name_or_path=DIR "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_lab.config import ModelTask, families
+from fsdp_lab.config.model import task_row
 
 FP32 = 4
 
@@ -210,7 +211,7 @@ def layer_shape(hf_config, task: ModelTask) -> tuple[LayerShape, list[str]]:
         kv_dim=kv_heads * head_dim,
         num_layers=hf_config.num_hidden_layers,
         vocab=hf_config.vocab_size,
-        loss_upcast=task is ModelTask.causal_lm,
+        loss_upcast=task_row(task).upcasts_logits,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
         parallel_residual=bool(getattr(hf_config, "use_parallel_residual", True)),
         attention_dropout=_dropout_on(hf_config, ATTENTION_DROPOUTS),

@@ -20,7 +20,6 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
     ConfigError,
-    OffloadDevice,
     Packing,
     ShardingStrategy,
 )
@@ -31,6 +30,7 @@ from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
+from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
 from fsdp_lab.planning import activation_memory, memory, plan_time
@@ -104,7 +104,7 @@ def host_plan(cfg: Config, topo: Topology, facts: ModelShape, chosen: StrategyPl
     strategy's rank 0 (never smaller than another's)."""
     fp32 = 4
     host = hardware_row(topo.device).host
-    on_host = host or cfg.offload.device is OffloadDevice.cpu
+    on_host = host or offloaded(cfg.offload)
     r = chosen.rank0
     shards = r.params + r.padding // 2 if on_host else 0
     shard_ways = max(1, chosen.fsdp_mesh[-1])
@@ -156,7 +156,7 @@ def strategy_plan(
     per_rank = [by_dp_rank[r // tp] for r in range(topo.world_size)]
     reshard = reshard_after_forward(variant)
     act, trans = _working_set(cfg, topo, facts, dp_mesh[-1], reshard)
-    offload = cfg.offload.device is OffloadDevice.cpu
+    offload = offloaded(cfg.offload)
     host = hardware_row(topo.device).host
     paper = memory.zero_paper(
         sum(q.numel for q in facts.params),

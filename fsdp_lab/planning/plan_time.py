@@ -23,14 +23,14 @@ from fsdp_lab.config import (
     Config,
     ExpertsImplementation,
     HardwareKind,
-    ModelTask,
-    OffloadDevice,
     ShardingStrategy,
 )
 from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.low_precision import NF4_BITS
+from fsdp_lab.config.model import task_row
 from fsdp_lab.config.precisions import dtype_row
+from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.planning import memory, op_count, plan_comm, plan_trace
 from fsdp_lab.planning.plan_model import ModelShape
@@ -79,7 +79,7 @@ def _attention_flops(cfg: Config, layer, device: HardwareKind) -> float:
     b, seq, cp = cfg.trainer.micro_batch_size, cfg.trainer.seq_len, cfg.parallel.context
     q_dim = layer.q_dim / cfg.parallel.tensor
     window = layer.sliding_window
-    if cfg.model.task is ModelTask.masked_lm:  # context parallelism refuses it
+    if not task_row(cfg.model.task).causal:  # context parallelism refuses it
         return 4 * b * seq * seq * q_dim
     if cp == 1:
         keys = seq / 2 if window is None else min(seq / 2, window)
@@ -299,7 +299,7 @@ def step_work(
     t, tp, cp = cfg.trainer, cfg.parallel.tensor, cfg.parallel.context
     trainable = s.rank0.grads // memory.FP32
     tensors = sum(1 for q in facts.params if q.trainable)
-    offload = cfg.offload.device is OffloadDevice.cpu and not hardware_row(topo.device).host
+    offload = offloaded(cfg.offload) and not hardware_row(topo.device).host
     shards = s.rank0.params  # fp32 shards: copied to the device for each gather
     gathers_per_step = t.grad_accum_steps * (1 + (s.reshard_after_forward is not False))
     return StepWork(

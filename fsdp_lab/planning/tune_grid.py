@@ -15,8 +15,6 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     ConfigError,
     HardwareKind,
-    OffloadConfig,
-    OffloadDevice,
     ShardingStrategy,
     compose,
 )
@@ -24,6 +22,7 @@ from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
+from fsdp_lab.config.sharding import offload_config, offloaded
 from fsdp_lab.config.topology import dp_size
 from fsdp_lab.planning import plan, plan_time
 from fsdp_lab.planning.plan_result import StrategyPlan
@@ -61,7 +60,7 @@ class Candidate:
     def overrides(self) -> list[str]:
         """The config groups' options (``conf/<group>/<option>.yaml``, named as the enums'
         members) and settings that make this candidate."""
-        offload = OffloadDevice.cpu if self.offload else OffloadDevice.none
+        offload = offload_config(self.offload).device
         return [
             f"sharding={self.strategy.name}",
             f"activation_checkpointing={self.ac.name}",
@@ -158,7 +157,7 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     acs = grid.checkpointing or list(AC_MODES)
     if _held(overrides, "activation_checkpointing"):
         acs = [cfg.activation_checkpointing.mode]
-    offloads = [cfg.offload.device is OffloadDevice.cpu]
+    offloads = [offloaded(cfg.offload)]
     if not _held(overrides, "offload") and not hardware_row(topo.device).host:
         offloads = [False, True]
     batches = grid.micro_batches or [
@@ -241,10 +240,9 @@ def _plan_peak(
 ) -> bool:
     """Set the candidate's plan peak and predicted step; False where the plan refuses it or
     finds it cannot run."""
-    device = OffloadDevice.cpu if c.offload else OffloadDevice.none
     variant = dataclasses.replace(
         base,
-        offload=OffloadConfig(device=device),
+        offload=offload_config(c.offload),
         trainer=dataclasses.replace(
             base.trainer, micro_batch_size=c.micro_batch, grad_accum_steps=accum
         ),

@@ -25,9 +25,8 @@ import torch
 from fsdp_lab.config import (
     Config,
     ConfigError,
-    FinetuneMethod,
-    ModelTask,
 )
+from fsdp_lab.config.model import method_row, task_row
 from fsdp_lab.engine import conversion, finetune
 from fsdp_lab.engine.model import (
     align_special_tokens,
@@ -195,7 +194,7 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
     if cfg.model.arch is not None and target.tokenizer is not None:
         align_special_tokens(hf_config, target.tokenizer)
-    lora = cfg.finetune.method is FinetuneMethod.lora
+    lora = method_row(cfg.finetune.method).adapters
     if lora and not target.merge:  # PEFT's adapter directory
         values = fetch(sorted(n for n in names if conversion.is_adapter(n)))
         if writer:
@@ -327,8 +326,9 @@ def _peft_model(adapters: dict[str, torch.Tensor], hf_config, cfg: Config):
     if cfg.model.pretrained:
         base.name_or_path = cfg.model.name_or_path  # the adapter config's base model
     lora = finetune.lora_config(cfg.finetune, hf_config.model_type)
-    if cfg.model.task is ModelTask.causal_lm:
-        lora.task_type = "CAUSAL_LM"  # so AutoModelForCausalLM.from_pretrained takes the dir
+    task_type = task_row(cfg.model.task).peft_task_type
+    if task_type is not None:  # so its Auto class's from_pretrained takes the dir
+        lora.task_type = task_type
     peft_model = get_peft_model(base, lora, adapter_name=finetune.ADAPTER)
     if adapters:
         sd = {PEFT_PREFIX + k: v for k, v in adapters.items()}

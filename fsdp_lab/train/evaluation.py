@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.config import Config, ConfigError, ModelTask
+from fsdp_lab.config import Config, ConfigError
+from fsdp_lab.config.model import task_row
 from fsdp_lab.data.prompts import EncodedPrompt, encode_prompts, read_prompts
 from fsdp_lab.engine.hardware import devices, process_group
 from fsdp_lab.observe.record import SampleRecord
@@ -124,7 +125,7 @@ def check_eval_setup(cfg: Config, tokenizer, hf_config) -> list[EncodedPrompt]:
             f"{what} needs a tokenizer, and data={cfg.data.kind.name} has none; set "
             "data.tokenizer=<a tokenizer directory>, or train on text (data=shakespeare)"
         )
-    if cfg.model.task is not ModelTask.causal_lm:
+    if not task_row(cfg.model.task).causal:
         raise ConfigError(
             f"{what} needs a causal language model (model.task=causal_lm); "
             f"model.task={cfg.model.task.name} does not generate"

@@ -45,6 +45,7 @@ from torch import nn
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
+from fsdp_lab.config.model import task_row
 from fsdp_lab.data.context import CONTEXT_DOCUMENTS
 from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
 from fsdp_lab.engine import attention
@@ -71,7 +72,7 @@ def resolve_loss(
     naming the fix (the rules, ``config.rules.refuse_for_hardware``, refused first what the
     device's row refuses: a loss other than the model's own, Triton kernels)."""
     row = families.family_of(hf_config.model_type)
-    fits = task is ModelTask.causal_lm and row is not None and row.fused_loss
+    fits = task_row(task).causal and row is not None and row.fused_loss
     if cfg.kind is LossKind.auto:
         hardware = hardware_row(device)
         if not fits or not hardware.runs(Feature.custom_loss):
@@ -91,7 +92,7 @@ def resolve_loss(
     if row.fused and not fits:
         what = (
             "a masked LM"
-            if task is ModelTask.masked_lm
+            if task_row(task).masks_tokens
             else f"model_type={hf_config.model_type}, whose head is not known to be a plain "
             f"linear layer (fused: {', '.join(families.fused_loss_types())})"
         )
@@ -231,7 +232,7 @@ def build_loss(
     mixture of experts' routers get the hooks of its aux loss (``tp_ranks``: ranks that hold
     the same rows, a TP group; a CP group's hold different tokens of them and are counted
     each). ``sequences_split``: the batches are split over a CP group (``Loss.sequences_split``)."""
-    if task is ModelTask.causal_lm and not sequences_split:  # CP: its own attention
+    if task_row(task).causal and not sequences_split:  # CP: its own attention
         attention.install(model)
     if loss_of(kind).fused:
         apply_fused_loss(
@@ -243,7 +244,7 @@ def build_loss(
     router = build_router_aux(model, tp_ranks=tp_ranks)
     return Loss(
         kind=kind,
-        causal=task is ModelTask.causal_lm,
+        causal=task_row(task).causal,
         config=cfg,
         router=router,
         sequences_split=sequences_split,

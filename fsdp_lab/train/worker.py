@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.config import Config, ConfigError, FinetuneMethod, HardwareKind
+from fsdp_lab.config import Config, ConfigError, HardwareKind
 from fsdp_lab.config.hardware_kinds import hardware_row
+from fsdp_lab.config.model import method_row
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
@@ -267,7 +268,7 @@ def _export(r: RankRun) -> None:
         writer=r.ctx.rank == 0,
     )
     if r.ctx.rank == 0:
-        what = "LoRA adapter (PEFT)" if r.cfg.finetune.method is FinetuneMethod.lora else "model"
+        what = "LoRA adapter (PEFT)" if method_row(r.cfg.finetune.method).adapters else "model"
         log.info("exported Hugging Face %s: %s", what, out_dir)
     dist.barrier()
 
