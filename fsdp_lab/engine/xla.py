@@ -185,14 +185,19 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
 
 def _autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """bf16 as XLA expects it: fp32 master weights, matmuls under autocast in bf16 (losses and
-    reductions stay fp32); the backward follows the forward's dtypes."""
-    inner = module.forward
+    reductions stay fp32); the backward follows the forward's dtypes. Entered by a forward
+    pre-hook and left by a forward hook that runs even when the forward raises."""
+    entered: list[torch.autocast] = []
 
-    def forward(*args, **kwargs):
-        with torch.autocast("xla", dtype=dtype):
-            return inner(*args, **kwargs)
+    def enter(_module, _args):
+        entered.append(torch.autocast("xla", dtype=dtype))
+        entered[-1].__enter__()
 
-    module.forward = forward
+    def leave(_module, _args, _output):
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def place_batch(
