@@ -178,6 +178,33 @@ def named_outside(pattern: re.Pattern, allowed: set[str]) -> list[str]:
     ]
 
 
+def fused_twin(model, kind, chunk_size: int, *, compiled: bool = False):
+    """``model`` (a causal LM on the host) as a fused loss's model of the same weights: its
+    class with the fused mixin (``train.loss.model_mixin``), built on the host."""
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.internals import transformers_private
+    from fsdp_lab.train import loss_code
+
+    mixin = loss_code.fused_mixin(loss_code.FusedLossSpec(kind, chunk_size, compiled))
+    twin = transformers_private.from_config(model_lib.extended(mixin, type(model)), model.config)
+    twin.load_state_dict(model.state_dict())
+    return twin.train(model.training)
+
+
+def model_with_loss(model, kind, cfg=None, task=None):
+    """(``model`` or its fused twin, the loss of ``kind`` on it): a host model as the worker
+    builds a meta one (``train.loss.meta_model_with_loss``)."""
+    from fsdp_lab.config import LossConfig, ModelTask
+    from fsdp_lab.config.losses import loss_of
+    from fsdp_lab.train import loss as loss_lib
+
+    cfg = cfg or LossConfig(kind=kind)
+    if loss_of(kind).fused:
+        model = fused_twin(model, kind, loss_lib.tokens_per_chunk(cfg, model.config.vocab_size))
+    task = task or ModelTask.causal_lm
+    return model, loss_lib.build_loss(cfg, model, kind=kind, task=task)
+
+
 def assert_only_named_in(allowed: set[str], pattern: re.Pattern, seen: list[str], what: str):
     """A table's ownership: ``pattern`` matches each line of ``seen`` (the check would see a
     dispatch written so), and no module of fsdp_lab outside ``allowed`` matches it (``what``:

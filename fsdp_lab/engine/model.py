@@ -12,6 +12,7 @@ in one process (the unsharded reference of the tests).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from fsdp_lab.config.model import DEFAULT_TASK, task_row
 from fsdp_lab.engine import moe
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.hardware import process_group
-from fsdp_lab.internals import torch_private
+from fsdp_lab.internals import torch_private, transformers_private
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +162,24 @@ def _from_config(hf_config, task: ModelTask) -> nn.Module:
         ) from e
 
 
-def build_meta_model(hf_config, task: ModelTask = DEFAULT_TASK) -> nn.Module:
-    """The architecture's structure with no storage: sharding decides where each piece lives."""
+def build_meta_model(
+    hf_config, task: ModelTask = DEFAULT_TASK, mixin: type | None = None
+) -> nn.Module:
+    """The architecture's structure with no storage: sharding decides where each piece lives.
+    ``mixin``: built as a subclass of the task's class for the config with ``mixin`` first
+    (``extended``), as a fused loss's model is: an extension that exists from construction."""
     with torch.device("meta"):
-        return _from_config(hf_config, task)
+        model = _from_config(hf_config, task)
+        if mixin is None:
+            return model
+        return transformers_private.from_config(extended(mixin, type(model)), hf_config)
+
+
+@functools.cache
+def extended(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s methods first, under ``cls``'s own name (what run.json's model
+    class and an export's ``architectures`` read), as ``fully_shard`` names its FSDP<cls>."""
+    return type(cls.__name__, (mixin, cls), {"__module__": mixin.__module__})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,13 +202,15 @@ def count_model(model: nn.Module) -> dict:
     return {f.name: getattr(counts, f.name) for f in dataclasses.fields(ModelCounts)}
 
 
-def model_on_meta(hf_config, task: ModelTask, finetune_cfg=None) -> nn.Module:
-    """A run's model on meta: the architecture, then the finetune group's freezes or LoRA
-    adapters. Every rank, the launcher's checks, ``fsdp-lab plan`` and the exporters build it
-    here, so all see the same parameters by name."""
+def model_on_meta(
+    hf_config, task: ModelTask, finetune_cfg=None, mixin: type | None = None
+) -> nn.Module:
+    """A run's model on meta: the architecture (``mixin``: as ``build_meta_model``), then the
+    finetune group's freezes or LoRA adapters. Every rank, the launcher's checks, ``fsdp-lab
+    plan`` and the exporters build it here, so all see the same parameters by name."""
     from fsdp_lab.engine import finetune
 
-    model = build_meta_model(hf_config, task)
+    model = build_meta_model(hf_config, task, mixin)
     if finetune_cfg is not None:
         finetune.apply(model, finetune_cfg)
     return model
@@ -206,13 +223,14 @@ def full_model(
     task: ModelTask = DEFAULT_TASK,
     finetune_cfg=None,
     pretrained: str | None = None,
+    mixin: type | None = None,
 ) -> nn.Module:
     """The whole model in one process, on the host, filled exactly as the sharded ranks fill
     their shards (``engine.loading``): the unsharded reference of a run, and the model an
     export writes into."""
     from fsdp_lab.engine import loading
 
-    model = model_on_meta(hf_config, task, finetune_cfg)
+    model = model_on_meta(hf_config, task, finetune_cfg, mixin)
     tied = tied_groups(model)
     model.to_empty(device=torch.device("cpu"))
     if tied:

@@ -19,10 +19,13 @@ NAMES = {
         "a public compile (or syntax check) of a chat template with transformers' extensions",
     ),
 }
-# A model's own per-module init and its lists of keys a checkpoint may hold beyond its tensors,
+# A model class's construction from a config (what the Auto classes' from_config calls; public
+# only through them, which choose the class themselves), a model's own per-module init and its
+# lists of keys a checkpoint may hold beyond its tensors,
 # or a save leaves out: read, never set. Waits for public ones (init_weights() inits the whole
 # model; the key lists have no public reader).
 MODEL_ATTRIBUTES = (
+    "_from_config",
     "_init_weights",
     "_keys_to_ignore_on_load_unexpected",
     "_keys_to_ignore_on_save",
@@ -82,6 +85,12 @@ def with_implementation(config, kind: str, name: str):
     other = copy.copy(config)
     setattr(other, f"_{kind}_implementation_internal", name)
     return other
+
+
+def from_config(cls, config):
+    """A model of ``cls`` (a subclass of a transformers model class) built from ``config`` as
+    ``AutoModelFor*.from_config`` builds the class it chooses."""
+    return cls._from_config(config)
 
 
 def init_weights(model):

@@ -48,12 +48,10 @@ def step(cfg, topo, device, budget):
     from fsdp_lab.train.optim import build_optimizer, resolve_implementation
 
     hf = trace_hf_config(cfg)
-    meta = model_lib.model_on_meta(hf, cfg.model.task, cfg.finetune)
     kind = loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False)
-    loss = loss_lib.build_loss(
-        cfg.loss, meta, kind=kind, task=cfg.model.task, compiled=False,
-        compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
-    )  # fmt: skip
+    meta, loss = loss_lib.meta_model_with_loss(
+        cfg, hf, kind, compiled=False, compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype]
+    )
     sharded = fsdp.build_model(
         cfg, topo, device, meta_model=meta, source=lambda: model_lib.full_model(hf, seed=0)
     )

@@ -94,7 +94,6 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp
 
     from fsdp_lab.config import LossKind
     from fsdp_lab.config.losses import loss_of
-    from fsdp_lab.engine import model as model_lib
     from fsdp_lab.engine import moe, wrap
     from fsdp_lab.engine.hardware import devices
     from fsdp_lab.planning.plan_model import trace_hf_config
@@ -111,16 +110,13 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp
             f"parallel.tensor={tp}: {type(hf_config).__name__}'s attention heads do not divide "
             "by it; fsdp-lab plan cannot price one rank's layer"
         )
-    model = model_lib.model_on_meta(local, cfg.model.task, cfg.finetune)
-    dtype = devices.TORCH_DTYPES[cfg.precision.param_dtype]
-    model.to(dtype)
-    units = wrap.select_units(model, cfg.wrap)
     kind = LossKind[loss_name]
     if loss_of(kind).triton:  # its kernels need a GPU: the loss the plan counts it as
         kind = loss_of(kind).memory_as or kind
-    loss = loss_lib.build_loss(
-        cfg.loss, model, kind=kind, task=cfg.model.task, compiled=cfg.compile, compute_dtype=dtype
-    )
+    dtype = devices.TORCH_DTYPES[cfg.precision.param_dtype]
+    model, loss = loss_lib.meta_model_with_loss(cfg, local, kind, compute_dtype=dtype)
+    model.to(dtype)
+    units = wrap.select_units(model, cfg.wrap)
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     step = {"input_ids": ids, "labels": ids}
     counter = _Counter()

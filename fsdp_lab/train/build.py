@@ -85,20 +85,7 @@ class TrainState:
 # Long: the state's pieces in the order each needs the ones before it.
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
     """Every rank builds the same state; only its shards and its rows of the data differ."""
-    facts, meta_model = _model_on_meta(cfg, ctx)
-    # The loss: a fused one subclasses the meta model and its head before they are sharded.
-    loss = loss_lib.build_loss(
-        cfg.loss,
-        meta_model,
-        task=facts.task,
-        compiled=cfg.compile,
-        tp_ranks=cfg.parallel.tensor,
-        sequences_split=cfg.parallel.context > 1,
-        compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
-        kind=loss_lib.resolve_loss(
-            cfg.loss, facts.hf_config, facts.task, ctx.kind, compiled=cfg.compile
-        ),
-    )
+    facts, meta_model, loss = _model_on_meta(cfg, ctx)
     sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
     load_rss = process_group.gather_from_processes(memory.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
@@ -181,11 +168,22 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
     return tokenizer, corpus, data
 
 
-def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.Module]:
-    """The model's structure on meta: no memory is spent before sharding decides the layout."""
+def _model_on_meta(
+    cfg: Config, ctx: RankContext
+) -> tuple[ModelFacts, torch.nn.Module, loss_lib.Loss]:
+    """The model's structure on meta (no memory is spent before sharding decides the layout),
+    built for the loss it computes (a fused loss's model and head are subclasses of theirs),
+    and that loss."""
     task = cfg.model.task
     hf_config = model_lib.build_hf_config(cfg.model)
-    model = model_lib.model_on_meta(hf_config, task, cfg.finetune)
+    model, loss = loss_lib.meta_model_with_loss(
+        cfg,
+        hf_config,
+        loss_lib.resolve_loss(cfg.loss, hf_config, task, ctx.kind, compiled=cfg.compile),
+        tp_ranks=cfg.parallel.tensor,
+        sequences_split=cfg.parallel.context > 1,
+        compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
+    )
     facts = ModelFacts(
         **model_lib.count_model(model),
         hf_config=hf_config,
@@ -196,7 +194,7 @@ def _model_on_meta(cfg: Config, ctx: RankContext) -> tuple[ModelFacts, torch.nn.
         ),
         load_rss=[],
     )
-    return facts, model
+    return facts, model, loss
 
 
 def _shard_and_fill(

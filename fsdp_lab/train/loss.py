@@ -13,13 +13,14 @@ cost time. The fused kinds take the final hidden states and the head's weight in
 | liger     | liger-kernel's ``LigerFusedLinearCrossEntropyFunction``      | GPU         |
 | cce       | cut-cross-entropy's ``linear_cross_entropy`` (exact, no filter) | GPU      |
 
-``apply_fused_loss`` makes a causal LM and its head subclasses of their own classes whose
-forward computes the loss from the hidden states as the head's own forward (transformers is
-extended, never patched): FSDP2's hooks on whichever module owns the head (the root, or a unit
-of its own with wrap=size) gather its weight for the loss and reduce its gradient after. Only
-model types whose own forward is exactly ``lm_head(base(...))`` followed by ``ForCausalLMLoss``
-get it (``config.families``' fused_loss column: no logit scaling, soft-capping or bias; each
-is compared with its own loss in ``tests``).
+``model_mixin`` gives the class a fused loss's model is built as (``engine.model``'s ``mixin``):
+a subclass of the causal LM's own class whose head is a ``FusedLossHead`` and whose forward
+computes the loss from the hidden states as the head's own forward (transformers is extended
+from construction, never patched): FSDP2's hooks on whichever module owns the head (the root, or
+a unit of its own with wrap=size) gather its weight for the loss and reduce its gradient after.
+Only model types whose own forward is exactly ``lm_head(base(...))`` followed by
+``ForCausalLMLoss`` get it (``config.families``' fused_loss column: no logit scaling, soft-
+capping or bias; each is compared with its own loss in ``tests``).
 
 What each loss needs and where it runs is its row in ``config.losses``; its code is its entry
 in ``FUSED_LOSSES`` below.
@@ -42,20 +43,30 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
+from fsdp_lab.config import (
+    Config,
+    ConfigError,
+    HardwareKind,
+    LossConfig,
+    LossKind,
+    ModelTask,
+    families,
+)
 from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.model import task_row
 from fsdp_lab.data.context import CONTEXT_DOCUMENTS
 from fsdp_lab.data.labels import IGNORE_INDEX, shifted_targets
 from fsdp_lab.engine import attention
+from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.context_parallel import ContextSplit
 from fsdp_lab.train.loss_code import (  # noqa: F401 - each loss's code, read through here
     FUSED_LOSSES,
     LOGIT_LOSSES,
     FusedLossHead,
     FusedLossLM,
-    apply_fused_loss,
+    FusedLossSpec,
+    fused_mixin,
 )
 from fsdp_lab.train.moe_loss import RouterAux, build_router_aux
 
@@ -110,6 +121,15 @@ def resolve_loss(
             f"installed: pip install {pip}, or use loss=chunked"
         )
     return cfg.kind
+
+
+def model_mixin(cfg: LossConfig, kind: LossKind, hf_config, *, compiled: bool) -> type | None:
+    """The mixin the model is built with for ``kind`` (``engine.model.model_on_meta``'s
+    ``mixin``): a fused loss's, or None for a loss on the model's own logits."""
+    if not loss_of(kind).fused:
+        return None
+    chunk = tokens_per_chunk(cfg, hf_config.vocab_size)
+    return fused_mixin(FusedLossSpec(kind, chunk, compiled))
 
 
 def tokens_per_chunk(cfg: LossConfig, vocab_size: int) -> int:
@@ -216,30 +236,59 @@ class Loss:
         return torch.stack([total.double(), count.double()])
 
 
+def meta_model_with_loss(
+    cfg: Config,
+    hf_config,
+    kind: LossKind,
+    *,
+    compiled: bool | None = None,
+    tp_ranks: int = 1,
+    sequences_split: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[nn.Module, Loss]:
+    """A run's model on meta (``engine.model.model_on_meta``: its finetune applied), built for
+    ``kind``'s loss (``resolve_loss``'s, or the one the plan prices), and that loss: the
+    worker's recipe, which the plan's trace, calibrate's loop and the tests follow.
+    ``compiled``: else ``cfg.compile``."""
+    compiled = cfg.compile if compiled is None else compiled
+    task = cfg.model.task
+    mixin = model_mixin(cfg.loss, kind, hf_config, compiled=compiled)
+    model = model_lib.model_on_meta(hf_config, task, cfg.finetune, mixin)
+    loss = build_loss(
+        cfg.loss,
+        model,
+        kind=kind,
+        task=task,
+        tp_ranks=tp_ranks,
+        sequences_split=sequences_split,
+        compute_dtype=compute_dtype,
+    )
+    return model, loss
+
+
 def build_loss(
     cfg: LossConfig,
     model: nn.Module,
     *,
     kind: LossKind,
     task: ModelTask,
-    compiled: bool,
     tp_ranks: int = 1,
     sequences_split: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Loss:
-    """Install ``kind`` (resolved by ``resolve_loss``) on the meta model, before sharding (a
-    causal LM's attention takes the masks the loss makes: ``engine.attention``); a
+    """``kind``'s loss (resolved by ``resolve_loss``) on the meta model, before sharding: a
+    fused loss's model was built for it (``model_mixin``); a causal LM's attention takes the
+    masks the loss makes (``engine.attention``); a
     mixture of experts' routers get the hooks of its aux loss (``tp_ranks``: ranks that hold
     the same rows, a TP group; a CP group's hold different tokens of them and are counted
     each). ``sequences_split``: the batches are split over a CP group (``Loss.sequences_split``)."""
     if task_row(task).causal and not sequences_split:  # CP: its own attention
         attention.install(model)
-    if loss_of(kind).fused:
-        apply_fused_loss(
-            model,
-            kind,
-            chunk_size=tokens_per_chunk(cfg, model.config.vocab_size),
-            compiled=compiled,
+    built = getattr(model, "fused_loss", None)
+    if loss_of(kind).fused and (built is None or built.kind is not kind):
+        raise RuntimeError(
+            f"loss={kind.name}: the model must be built with model_mixin(...) for it (built "
+            f"for {built.kind.name if built else 'its own loss'})"
         )
     router = build_router_aux(model, tp_ranks=tp_ranks)
     return Loss(

@@ -1,8 +1,8 @@
 """Each loss's code, by kind: the second half of ``config.losses``' table (its rows say what a
 loss needs; here is what it computes). A fused loss takes the final hidden states and the head's
-weight (``FUSED_LOSSES``; installed by ``apply_fused_loss``, which subclasses the model and its
-head); a logit loss takes the model's logits (``LOGIT_LOSSES``). Every one returns a SUM of
-token losses (``train.loss`` divides by the global batch's targets once).
+weight (``FUSED_LOSSES``; computed by the head of a model built with ``fused_mixin``, a subclass
+of its class); a logit loss takes the model's logits (``LOGIT_LOSSES``). Every one returns a SUM
+of token losses (``train.loss`` divides by the global batch's targets once).
 """
 
 from __future__ import annotations
@@ -109,11 +109,18 @@ class FusedLossSpec:
     compiled: bool
 
 
-class FusedLossHead:
-    """A causal LM's output head under a fused loss (mixed into its class): the logits as the
-    Linear computes them; given ``targets``, the loss of its input against them instead."""
+class FusedLossHead(nn.Linear):
+    """A causal LM's output head under a fused loss: the logits as the Linear computes them;
+    given ``targets``, the loss of its input against them instead. It holds the head it
+    replaces' weight (the same parameter: a tied embedding stays tied, the name is unchanged)."""
 
-    fused_loss: FusedLossSpec
+    def __init__(self, head: nn.Linear, spec: FusedLossSpec) -> None:
+        weight = head.weight
+        super().__init__(
+            head.in_features, head.out_features, bias=False, device="meta", dtype=weight.dtype
+        )
+        self.weight = weight
+        self.fused_loss = spec
 
     def forward(self, hidden, targets=None, reduction: str = "mean"):
         if targets is None:
@@ -130,8 +137,24 @@ class FusedLossHead:
 
 
 class FusedLossLM:
-    """A causal LM under a fused loss (mixed into its class): its forward runs the base model,
-    then the head on the hidden states and the targets, the head computing the loss."""
+    """A causal LM under a fused loss, mixed into its class at construction
+    (``engine.model.build_meta_model``'s ``mixin``; ``fused_mixin`` gives the class for a
+    spec): its head is a ``FusedLossHead`` (through ``set_output_embeddings``), and its
+    forward runs the base model, then the head on the hidden states and the targets, the head
+    computing the loss. Only model types whose own forward is exactly ``lm_head(base(...))``
+    then ``ForCausalLMLoss`` take it (``config.families``' fused_loss column)."""
+
+    fused_loss: FusedLossSpec  # on the class: fused_mixin's
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        head = self.get_output_embeddings()
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}'s output head is not a bias-free Linear; "
+                "it cannot take a fused loss"
+            )
+        self.set_output_embeddings(FusedLossHead(head, self.fused_loss))
 
     def forward(
         self,
@@ -159,31 +182,6 @@ class FusedLossLM:
 
 
 @functools.cache
-def _with(mixin: type, cls: type) -> type:
-    """``cls`` with ``mixin``'s forward, under ``cls``'s own name (what run.json's model class
-    and an export's ``architectures`` read), as ``fully_shard`` makes its FSDP<cls>."""
-    return type(cls.__name__, (mixin, cls), {"__module__": __name__})
-
-
-def apply_fused_loss(model: nn.Module, kind: LossKind, *, chunk_size: int, compiled: bool) -> None:
-    """Make a causal LM compute ``kind``'s loss from the final hidden states and the head's
-    weight: the model and its head become subclasses of their classes (``FusedLossLM``,
-    ``FusedLossHead``), as ``fully_shard`` makes a module an FSDP one. Nothing in transformers
-    is replaced, and a copy of the model is the same (``copy.deepcopy``).
-
-    The loss runs as the head's own forward: wherever the wrap policy puts the head (in the
-    root, or a unit of its own with wrap=size; checkpointed or not), FSDP gathers its weight
-    before the loss reads it and reduces its gradient after backward, as for any module's
-    forward. Only model types whose own forward is exactly ``lm_head(base(...))`` then
-    ``ForCausalLMLoss`` take it (``config.families``' fused_loss column)."""
-    if kind not in FUSED_LOSSES:
-        raise ValueError(f"apply_fused_loss: {kind} is not a fused loss")
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise RuntimeError(
-            f"{type(model).__name__}'s output head is not a bias-free Linear; "
-            "it cannot take a fused loss"
-        )
-    head.fused_loss = FusedLossSpec(kind, chunk_size, compiled)
-    head.__class__ = _with(FusedLossHead, type(head))
-    model.__class__ = _with(FusedLossLM, type(model))
+def fused_mixin(spec: FusedLossSpec) -> type:
+    """The mixin that builds a causal LM computing ``spec``'s loss (one class per spec)."""
+    return type("FusedLossLM", (FusedLossLM,), {"fused_loss": spec, "__module__": __name__})

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import fused_twin
 from plan_cases import BIG_VOCAB, MEDIUM
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -187,15 +188,8 @@ def sharded_rank(overrides: list[str]):
     hf = model_lib.build_hf_config(
         model_lib.resolve_vocab_size(cfg.model, corpus.load_tokenizer(cfg))
     )
-    model = model_lib.build_meta_model(hf, cfg.model.task)
-    finetune.apply(model, cfg.finetune)
-    loss = loss_lib.build_loss(
-        cfg.loss,
-        model,
-        task=cfg.model.task,
-        compiled=False,
-        kind=loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
-    )
+    kind = loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False)
+    model, loss = loss_lib.meta_model_with_loss(cfg, hf, kind, compiled=False)
     mesh = fsdp.build_mesh(cfg.sharding, topo, device_type="cpu")
     experts = fsdp.apply_expert_parallel(model, cfg, topo, mesh)  # parallel.expert > 1
     selected = wrap.select_units(model, cfg.wrap)
@@ -554,7 +548,9 @@ def test_activations_with_a_fused_loss(arch, dtype):
     log-softmax over the vocabulary; in forward it holds one chunk's logits at a time."""
     model, shape, _ = small_model(arch, dtype)
     chunk = 64
-    loss_lib.apply_fused_loss(model, LossKind.chunked, chunk_size=chunk, compiled=False)
+    model = fused_twin(model, LossKind.chunked, chunk)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     fused = activation_memory.activations(

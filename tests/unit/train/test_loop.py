@@ -35,14 +35,8 @@ def build_run(*overrides: str, implementation: OptimImpl | None = None):
     cfg = compose(["hardware=cpu", "hardware.nproc_per_node=1", *overrides])
     topo, _ = plan.topology(cfg)
     hf = model_lib.build_hf_config(cfg.model)
-    meta = model_lib.build_meta_model(hf, cfg.model.task)
-    loss = loss_lib.build_loss(
-        cfg.loss,
-        meta,
-        task=cfg.model.task,
-        compiled=False,
-        kind=loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False),
-    )
+    kind = loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False)
+    meta, loss = loss_lib.meta_model_with_loss(cfg, hf, kind, compiled=False)
     device = torch.device("cpu")
     sharded = fsdp.build_model(
         cfg, topo, device, meta_model=meta, source=lambda: model_lib.build_full_model(hf, seed=0)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train
+from conftest import fused_twin, model_with_loss, train
 
 from fsdp_lab.config import ConfigError, HardwareKind, LossConfig, LossKind, ModelTask, families
 from fsdp_lab.train import loss as loss_lib
@@ -76,13 +76,7 @@ def model_and_batch(model_type: str):
 @pytest.mark.parametrize("model_type", families.fused_loss_types())
 def test_chunked_loss_equals_the_models_own(model_type, chunk):
     ref, batch = model_and_batch(model_type)
-    fused = copy.deepcopy(ref)
-    loss_lib.apply_fused_loss(
-        fused,
-        LossKind.chunked,
-        compiled=False,
-        chunk_size=chunk or loss_lib.tokens_per_chunk(LossConfig(), 300),
-    )
+    fused = fused_twin(ref, LossKind.chunked, chunk or loss_lib.tokens_per_chunk(LossConfig(), 300))
     want, got = ref(**batch).loss, fused(**batch).loss
     want.backward()
     got.backward()
@@ -106,9 +100,7 @@ def test_chunked_loss_equals_the_models_own(model_type, chunk):
 def test_evaluation_sums_are_the_same_whatever_the_loss(kind):
     model, batch = model_and_batch("llama")
     ref = copy.deepcopy(model)
-    loss = loss_lib.build_loss(
-        LossConfig(kind=kind), model, kind=kind, task=ModelTask.causal_lm, compiled=False
-    )
+    model, loss = model_with_loss(model, kind)
     total, count = loss.token_sums(model, batch).tolist()
     logits = ref(input_ids=batch["input_ids"]).logits[:, :-1]
     want = F.cross_entropy(
@@ -173,7 +165,7 @@ def test_batches_without_a_mask_take_sdpa_causal_path(model_type, monkeypatch):
     is_causal=True (the flash path on a GPU), and the loss is the one with an all-ones mask."""
     model, batch = model_and_batch(model_type)
     model.eval()
-    loss_lib.apply_fused_loss(model, LossKind.chunked, chunk_size=1024, compiled=False)
+    model = fused_twin(model, LossKind.chunked, 1024)
     calls = []
     sdpa = F.scaled_dot_product_attention
 
@@ -274,7 +266,7 @@ def test_a_loss_the_model_or_device_cannot_take_is_refused(
 @pytest.mark.parametrize(
     "overrides,fragment",
     [
-        (["loss=liger"], "loss=liger runs Triton kernels on a GPU"),
+        (["loss=liger"], "hardware=cpu cannot run loss=liger: Triton kernels run on a GPU"),
         (["loss=chunked", "model=bert_tiny"], "this is a masked LM; use loss=hf"),
         (["loss.chunk_size=0"], "loss.chunk_size=0 must be > 0"),
     ],

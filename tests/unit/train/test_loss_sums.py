@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import model_with_loss
 from test_loss import model_and_batch, tiny_config
 from transformers import masking_utils
 
@@ -24,18 +25,13 @@ def built(model_type: str, kind: LossKind, task=ModelTask.causal_lm):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
-    return model, loss_lib.build_loss(
-        LossConfig(kind=kind), model, kind=kind, task=task, compiled=False
-    )
+    return model_with_loss(model, kind, task=task)
 
 
 @pytest.mark.parametrize("kind", [LossKind.hf, LossKind.chunked])
 def test_the_training_loss_is_the_sum_of_token_losses(kind):
     ref, batch = model_and_batch("llama")
-    model = copy.deepcopy(ref)
-    loss = loss_lib.build_loss(
-        LossConfig(kind=kind), model, kind=kind, task=ModelTask.causal_lm, compiled=False
-    )
+    model, loss = model_with_loss(copy.deepcopy(ref), kind)
     count = (loss_lib.shifted_targets(batch["labels"]) != IGNORE).sum().item()
     got, want = loss(model, batch), ref(**batch).loss * count
     assert got.dtype == torch.float32 and count == 3 * 19 - 4
@@ -152,7 +148,6 @@ def test_packed_sliding_window_layers_take_their_own_mask(model_type):
     assert len(attention.layer_kinds(model.config)) == (2 if model_type == "qwen2" else 1)
     loss = loss_lib.build_loss(
         LossConfig(kind=LossKind.hf), model, kind=LossKind.hf, task=ModelTask.causal_lm,
-        compiled=False,
     )  # fmt: skip
     torch.manual_seed(1)
     row = packed(torch.randint(0, 300, (1, sum(LENGTHS))))
@@ -169,9 +164,7 @@ def test_z_loss_is_the_cross_entropy_plus_its_coefficient_times_log_z_squared():
     ref, batch = model_and_batch("llama")
     model = copy.deepcopy(ref)
     cfg = LossConfig(kind=LossKind.z_loss, z_loss_coef=0.01)
-    loss = loss_lib.build_loss(
-        cfg, model, kind=LossKind.z_loss, task=ModelTask.causal_lm, compiled=False
-    )
+    loss = loss_lib.build_loss(cfg, model, kind=LossKind.z_loss, task=ModelTask.causal_lm)
     logits = ref(input_ids=batch["input_ids"]).logits.float().flatten(0, 1)
     targets = loss_lib.shifted_targets(batch["labels"]).flatten()
     learned = targets != IGNORE
@@ -188,7 +181,7 @@ def test_z_loss_is_the_cross_entropy_plus_its_coefficient_times_log_z_squared():
     # its term is there (the test can fail), and validation reports the cross-entropy alone
     plain = loss_lib.build_loss(
         LossConfig(kind=LossKind.hf), copy.deepcopy(ref), kind=LossKind.hf,
-        task=ModelTask.causal_lm, compiled=False,
+        task=ModelTask.causal_lm,
     )  # fmt: skip
     assert got.item() > plain(ref, batch).item() + 1.0
     assert loss.token_sums(model, batch)[0].item() == pytest.approx(

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import model_with_loss
 
 from fsdp_lab.config import LossConfig, LossKind, ModelArch, ModelConfig, ModelTask
 from fsdp_lab.engine.model import build_full_model, build_hf_config
@@ -63,9 +64,7 @@ def test_the_recomputed_forward_is_not_counted():
     """Only the loss's own forward is recorded: another forward (activation checkpointing's
     recomputation, an evaluation) leaves the aux loss and the counts alone."""
     model = tiny_moe()
-    loss = loss_lib.build_loss(
-        LossConfig(), model, kind=LossKind.hf, task=ModelTask.causal_lm, compiled=False
-    )
+    loss = loss_lib.build_loss(LossConfig(), model, kind=LossKind.hf, task=ModelTask.causal_lm)
     b = batch(3)
     one = torch.tensor(1.0)
     loss.train_value(model, b, scale=one, num_micro=1)
@@ -83,10 +82,7 @@ def test_the_recomputed_forward_is_not_counted():
 def _rank(rank: int, world: int, init: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = tiny_moe()
-    loss = loss_lib.build_loss(
-        LossConfig(), model, kind=LossKind.chunked, task=ModelTask.causal_lm, compiled=False
-    )
+    model, loss = model_with_loss(tiny_moe(), LossKind.chunked, LossConfig())
     full = batch(4)
     rows = {k: v[rank * 2 : rank * 2 + 2] for k, v in full.items()}
     targets = int((loss_lib.shifted_targets(full["labels"]) != -100).sum())
@@ -109,9 +105,7 @@ def test_two_ranks_give_the_single_process_loss_and_gradient(tmp_path):
         _rank, args=(2, f"file://{tmp_path}/store", out), nprocs=2, start_method="fork"
     )
     model = tiny_moe()
-    loss = loss_lib.build_loss(
-        LossConfig(), model, kind=LossKind.hf, task=ModelTask.causal_lm, compiled=False
-    )
+    loss = loss_lib.build_loss(LossConfig(), model, kind=LossKind.hf, task=ModelTask.causal_lm)
     full = batch(4)
     targets = int((loss_lib.shifted_targets(full["labels"]) != -100).sum())
     value = loss.train_value(model, full, scale=torch.tensor(1 / targets), num_micro=1)
@@ -124,7 +118,7 @@ def test_two_ranks_give_the_single_process_loss_and_gradient(tmp_path):
     # kept only its own share (a backward without the sum) would fail the comparison.
     aux_only = tiny_moe()
     aux_loss = loss_lib.build_loss(
-        LossConfig(), aux_only, kind=LossKind.hf, task=ModelTask.causal_lm, compiled=False
+        LossConfig(), aux_only, kind=LossKind.hf, task=ModelTask.causal_lm
     )
     aux_loss.train_value(aux_only, full, scale=torch.tensor(0.0), num_micro=1).backward()
     assert aux_only.model.layers[0].mlp.gate.weight.grad.abs().max() > 100 * atol
