@@ -271,20 +271,27 @@ class Activations:
         return max(self.loss_grad, self.recompute + self.layer_grads - self.head)
 
 
-# Many parameters: the layer's shape and each setting that changes what it saves (keyword-only).
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's micro-batch and how it is computed: what every activation figure scales
+    with (``planning.plan.rank_batch`` makes a run's)."""
+
+    batch: int
+    seq_len: int
+    b: int  # bytes per element of the compute dtype
+    tensor: int = 1  # one rank of a TP group (``layer_bytes_per_token``)
+    sequence_parallel: bool = False
+    cpu_kernels: bool = False  # the ops run on CPU, whose dropouts keep more
+    context: ContextLayout | None = None  # one rank of a CP group
+
+
 def activations(
     s: LayerShape,
+    r: RankBatch,
     *,
-    batch: int,
-    seq_len: int,
-    b: int,
     num_checkpointed: int,
     last_checkpointed: bool = False,
     loss_chunk: int | None = None,
-    tensor: int = 1,
-    sequence_parallel: bool = False,
-    cpu_kernels: bool = False,
-    context: ContextLayout | None = None,
     op: bool = False,
 ) -> Activations:
     """A checkpointed layer keeps only its input (the hidden states; fsdp_lab trains without
@@ -296,13 +303,13 @@ def activations(
     computes its gradients in forward: it saves the head weight's gradient (V x H) and, while it
     runs, holds one chunk's fp32 logits and log-softmax (8 bytes per logit).
 
-    ``tensor``, ``sequence_parallel``: one rank of a TP group (``layer_bytes_per_token``); a
-    checkpointed layer's input is then 1/tensor of the rows with sequence parallelism.
-    ``cpu_kernels``: the ops run on CPU, whose dropouts keep more (``dropout_bytes_per_token``).
-
-    ``context``: one rank of a CP group (``ContextLayout``): seq_len/N of each row's tokens, each
-    layer's gathered keys and values, the forward's masks. ``op``: a checkpointed layer keeps
-    some operators' outputs too (activation_checkpointing=op, ``op_kept_bytes_per_token``)."""
+    ``r``: one rank's micro-batch (``RankBatch``): under TP a checkpointed layer's input is
+    1/tensor of the rows with sequence parallelism; under CP each rank keeps seq_len/N of each
+    row's tokens, each layer's gathered keys and values and the forward's masks
+    (``ContextLayout``). ``op``: a checkpointed layer keeps some operators' outputs too
+    (activation_checkpointing=op, ``op_kept_bytes_per_token``)."""
+    batch, seq_len, b, tensor, context = r.batch, r.seq_len, r.b, r.tensor, r.context
+    sequence_parallel, cpu_kernels = r.sequence_parallel, r.cpu_kernels
     cp = context.size if context is not None else 1
     tokens = batch * seq_len // cp
     fused = loss_chunk is not None

@@ -193,16 +193,10 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
     b, rb = dtype_row(p.param_dtype).bytes, dtype_row(p.reduce_dtype).bytes
     act = activation_memory.activations(
         facts.layer,
-        batch=t.micro_batch_size,
-        seq_len=t.seq_len,
-        b=b,
+        rank_batch(cfg, topo, facts.layer),
         num_checkpointed=facts.num_checkpointed,
         last_checkpointed=facts.last_checkpointed,
         loss_chunk=facts.loss_chunk,
-        tensor=cfg.parallel.tensor,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        cpu_kernels=hardware_row(topo.device).host,
-        context=_context_layout(cfg, topo, facts.layer),
         op=cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
     )
     trans = memory.transient(
@@ -219,6 +213,23 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         gloo=not hardware_row(topo.device).nccl,
     )
     return act, trans
+
+
+def rank_batch(
+    cfg: Config, topo: Topology, layer: activation_memory.LayerShape
+) -> activation_memory.RankBatch:
+    """One rank's micro-batch as the run computes it: its rows and length, the compute
+    dtype's bytes, its TP and CP groups' shares, and whether the host's kernels run it."""
+    t = cfg.trainer
+    return activation_memory.RankBatch(
+        batch=t.micro_batch_size,
+        seq_len=t.seq_len,
+        b=dtype_row(cfg.precision.param_dtype).bytes,
+        tensor=cfg.parallel.tensor,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        cpu_kernels=hardware_row(topo.device).host,
+        context=_context_layout(cfg, topo, layer),
+    )
 
 
 def _context_layout(
@@ -243,20 +254,12 @@ def _context_layout(
 
 def _activations_by_checkpointing(cfg: Config, topo: Topology, facts: ModelShape) -> dict:
     """Saved activations per micro-batch without and with full activation checkpointing."""
-
-    t = cfg.trainer
     return {
         name: activation_memory.activations(
             facts.layer,
-            batch=t.micro_batch_size,
-            seq_len=t.seq_len,
-            b=dtype_row(cfg.precision.param_dtype).bytes,
+            rank_batch(cfg, topo, facts.layer),
             num_checkpointed=n,
             loss_chunk=facts.loss_chunk,
-            tensor=cfg.parallel.tensor,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            cpu_kernels=hardware_row(topo.device).host,
-            context=_context_layout(cfg, topo, facts.layer),
         ).saved
         for name, n in (("none", 0), ("full", facts.layer.num_layers))
     }

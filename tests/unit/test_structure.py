@@ -191,8 +191,6 @@ def test_private_names_of_torch_and_transformers_pass_through_one_door():
     assert not found, found
 
 
-
-
 def in_place_changes(source: str) -> list[str]:
     """Where ``source`` swaps an object's behaviour: an assignment to ``X.forward`` or
     ``X.__class__`` (or the same through ``setattr``)."""

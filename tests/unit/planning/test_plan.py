@@ -477,7 +477,9 @@ def test_activations_are_what_autograd_saves(arch, dtype):
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     estimate = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+        shape,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize),
+        num_checkpointed=0,
     ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
 
@@ -530,11 +532,8 @@ def test_dropout_and_neox_activations_are_what_autograd_saves(name, dtype):
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     estimate = activation_memory.activations(
         activation_memory.layer_shape(hf, task)[0],
-        batch=3,
-        seq_len=96,
-        b=dtype.itemsize,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize, cpu_kernels=True),
         num_checkpointed=0,
-        cpu_kernels=True,
     ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
 
@@ -554,10 +553,15 @@ def test_activations_with_a_fused_loss(arch, dtype):
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     fused = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0, loss_chunk=chunk
+        shape,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize),
+        num_checkpointed=0,
+        loss_chunk=chunk,
     )
     hf = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+        shape,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize),
+        num_checkpointed=0,
     )
     assert abs(fused.saved / measured - 1) <= ACTIVATION_TOLERANCE, (fused.saved, measured)
     assert fused.loss_grad == chunk * shape.vocab * 8 < hf.loss_grad
@@ -579,9 +583,13 @@ def test_activations_under_tensor_parallelism_are_what_autograd_saves(fake_group
     ids = torch.randint(0, 250, (3, 96))
     measured = saved_bytes(model, dict(input_ids=ids, labels=ids))
     estimate = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=4, num_checkpointed=0, tensor=tp, sequence_parallel=sp
+        shape,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=4, tensor=tp, sequence_parallel=sp),
+        num_checkpointed=0,
     ).saved
-    whole = activation_memory.activations(shape, batch=3, seq_len=96, b=4, num_checkpointed=0).saved
+    whole = activation_memory.activations(
+        shape, activation_memory.RankBatch(batch=3, seq_len=96, b=4), num_checkpointed=0
+    ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
     assert measured < whole
 
@@ -612,15 +620,19 @@ def test_activations_under_context_parallelism_are_what_autograd_saves(
     measured = saved_bytes(model, dict(batch, context_split=split))
     estimate = activation_memory.activations(
         shape,
-        batch=3,
-        seq_len=96,
-        b=dtype.itemsize,
+        activation_memory.RankBatch(
+            batch=3,
+            seq_len=96,
+            b=dtype.itemsize,
+            context=activation_memory.ContextLayout(cp, dense_masks=True, rows_masked=packed),
+            cpu_kernels=True,
+        ),
         num_checkpointed=0,
-        context=activation_memory.ContextLayout(cp, dense_masks=True, rows_masked=packed),
-        cpu_kernels=True,
     ).saved
     whole = activation_memory.activations(
-        shape, batch=3, seq_len=96, b=dtype.itemsize, num_checkpointed=0
+        shape,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize),
+        num_checkpointed=0,
     ).saved
     assert abs(estimate / measured - 1) <= ACTIVATION_TOLERANCE, (estimate, measured)
     assert measured < whole / cp * 1.2  # about 1/N of the whole, plus the gathered K/V
@@ -642,9 +654,7 @@ def test_activations_with_checkpointing(arch, dtype, ac):
     measured = live_bytes_after_forward(model, dict(input_ids=ids, labels=ids))
     estimate = activation_memory.activations(
         shape,
-        batch=3,
-        seq_len=96,
-        b=dtype.itemsize,
+        activation_memory.RankBatch(batch=3, seq_len=96, b=dtype.itemsize),
         num_checkpointed=num_checkpointed,
         op=ac == "op",
     ).saved
