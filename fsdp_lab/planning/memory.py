@@ -211,18 +211,27 @@ class Transient:
         )
 
 
-def reduce_scatter_bytes(
-    numel: int, *, param_bytes: int, reduce_bytes: int, shard_size: int, gloo: bool, held: int = 0
-) -> int:
+@dataclass(frozen=True)
+class Reduction:
+    """How a unit's gradients are reduced: the bytes of a gathered parameter and of a reduced
+    gradient, the ranks of the shard axis, and whether the group is gloo's."""
+
+    param_bytes: int
+    reduce_bytes: int
+    shard_size: int = 1
+    gloo: bool = False
+
+
+def reduce_scatter_bytes(numel: int, r: Reduction, *, held: int = 0) -> int:
     """A reduce-scatter's peak (FSDP2's foreach_reduce) of ``numel`` unsharded elements: the
     unsharded grads while they are copied into its input, then the input and the sharded output
     (and ``held``: grads someone else still references, so the copy-in did not free them).
     Gloo has no reduce-scatter: it clones the whole input and all-reduces the clone
     (ProcessGroupGloo::reduce_scatter_tensor_coalesced), one more unsharded copy at the call;
     over one rank (no_shard) FSDP2 copies instead and all-reduces the output in place."""
-    copies = 2 if gloo and shard_size > 1 else 1
-    scatter = (copies * numel + -(-numel // shard_size)) * reduce_bytes + held
-    return max(numel * (param_bytes + reduce_bytes), scatter)
+    copies = 2 if r.gloo and r.shard_size > 1 else 1
+    scatter = (copies * numel + -(-numel // r.shard_size)) * r.reduce_bytes + held
+    return max(numel * (r.param_bytes + r.reduce_bytes), scatter)
 
 
 def tied_grad_bytes(s: LayerShape, b: int, *, fused_loss: bool) -> int:
@@ -243,20 +252,16 @@ def last_grad_numel(params: list[ParamShape], group: int) -> int:
     return mine[-1] if mine else 0
 
 
-# Many parameters: each is one measured term of the memory model (keyword-only).
 def transient(
     groups: dict[int, int],
+    r: Reduction,
     *,
     reshard: bool | int,
-    param_bytes: int,
-    reduce_bytes: int,
     grad_accum_steps: int,
     backward: int,
     grad_groups: dict[int, int] | None = None,
-    shard_size: int = 1,
     tied_grads: int = 0,
     held_grads: int = 0,
-    gloo: bool = False,
 ) -> Transient:
     """FSDP2's working set. The root (-1) is not resharded after forward when there are units
     (backward needs it at once), nor is the last unit (``sharding.apply_fsdp``); with
@@ -270,8 +275,9 @@ def transient(
     and the larger of the input embedding's backward (the root's gathered params, its unsharded
     grads, the last block's reduce-scatter input, which FSDP2 keeps until the next one) and the
     root's own reduce-scatter, once it is resharded. ``tied_grads`` (``tied_grad_bytes``) add
-    to the first, the ``held_grads`` elements (``last_grad_numel``) to the second. ``gloo``: a
-    CPU process group, whose reduce-scatter copies its input."""
+    to the first, the ``held_grads`` elements (``last_grad_numel``) to the second. ``r``: the
+    reduction (a gloo group's reduce-scatter copies its input)."""
+    param_bytes, reduce_bytes, shard_size = r.param_bytes, r.reduce_bytes, r.shard_size
     grad_groups = groups if grad_groups is None else grad_groups
     units = {g: n for g, n in groups.items() if g >= 0}
     root = groups.get(-1, 0)
@@ -280,7 +286,6 @@ def transient(
     if not units:  # the root is the only unit and follows the strategy
         units, root, unit_grads = {-1: root}, 0, dict(grad_groups)
     kept, gathered = _gathered_in_forward(units, root, reshard, shard_size)
-    rb = dict(param_bytes=param_bytes, reduce_bytes=reduce_bytes, shard_size=shard_size, gloo=gloo)
     biggest = max(unit_grads.values(), default=0)
     # FSDP2 accumulates unreduced grads in reduce_dtype (to_accumulated_grad_if_needed).
     accumulation = sum(grad_groups.values()) * reduce_bytes if grad_accum_steps > 1 else 0
@@ -290,12 +295,12 @@ def transient(
         in_backward = (root + root_grads) * param_bytes + tied_grads + first * reduce_bytes
         reduced = FP32 * sum(-(-n // shard_size) for n in unit_grads.values())
         held = held_grads * param_bytes if shard_size > 1 else 0
-        scatter = reduce_scatter_bytes(root_grads, **rb, held=held)
+        scatter = reduce_scatter_bytes(root_grads, r, held=held)
         end = max(in_backward, scatter) + reduced + accumulation
     return Transient(
         kept_params=kept * param_bytes,
         gathered=gathered * param_bytes,
-        grad_buffers=reduce_scatter_bytes(biggest, **rb),
+        grad_buffers=reduce_scatter_bytes(biggest, r),
         accumulation=accumulation,
         backward=backward,
         end_of_backward=end,

@@ -201,16 +201,13 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
     )
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
+        memory.Reduction(b, rb, shard_size=shard, gloo=not hardware_row(topo.device).nccl),
         grad_groups=memory.group_numels(facts.params, shard, trainable_only=True, ep=ep),
         reshard=reshard,
-        param_bytes=b,
-        reduce_bytes=rb,
         grad_accum_steps=t.grad_accum_steps,
         backward=act.backward,
-        shard_size=shard,
         tied_grads=memory.tied_grad_bytes(facts.layer, b, fused_loss=facts.loss_chunk is not None),
         held_grads=memory.last_grad_numel(facts.params, -1),
-        gloo=not hardware_row(topo.device).nccl,
     )
     return act, trans
 

@@ -3,6 +3,7 @@ against what autograd saves (measured CPU runs: tests/integration/test_plan_runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -354,7 +355,7 @@ def test_live_peak_on_a_fake_group_within_tolerance(fake_group, monkeypatch, ove
     monkeypatch.setattr(
         memory,
         "reduce_scatter_bytes",
-        lambda numel, **kw: gloo_reduce_scatter(numel, **{**kw, "gloo": False}),
+        lambda numel, r, **kw: gloo_reduce_scatter(numel, dataclasses.replace(r, gloo=False), **kw),
     )
     expected = plan.build_plan(overrides)
     s = expected.chosen_plan
