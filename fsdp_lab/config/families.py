@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -290,9 +291,7 @@ def _plug_in() -> None:
     user's pyproject.toml ``[project.entry-points."fsdp_lab.families"] phi3 =
     "my_lab.families:PHI3"``. Every process that reads the table (the launcher, each rank,
     plan) finds them the same. A bad one raises on every call, not only the first."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINTS):
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
         loaded = ep.load()
         for row in loaded if isinstance(loaded, (list, tuple)) else [loaded]:
             if not isinstance(row, Family):

@@ -10,6 +10,7 @@ and its last RSS, instead of a preparation that never ends or a terminal that ju
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -73,8 +74,6 @@ def die_with_parent() -> None:
     """In a new child process: on Linux, die with the process that started it. A launcher killed
     by SIGKILL or the OOM killer must not leave its children running as orphans."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -24,6 +24,7 @@ import xxhash
 
 from fsdp_lab.config import ConfigError, DataConfig, DataKind
 from fsdp_lab.data import encode, formats, readers
+from fsdp_lab.data.chat_prep import chat_task
 from fsdp_lab.data.pool import memory_of
 from fsdp_lab.data.segment import PIECE_BYTES, Segment
 from fsdp_lab.data.sources import load_hub
@@ -185,8 +186,6 @@ class TaskRunner:
         out = ShardWriter(Path(s.shard_dir), task.index, s.dtype, s.eos, chat=bool(s.chat))
         try:
             if s.chat:
-                from fsdp_lab.data.chat_prep import chat_task  # (it imports this module)
-
                 extra = chat_task(self, task, out)
             elif self.encoder is None:
                 extra = self._token_task(task, out)

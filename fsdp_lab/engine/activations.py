@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from fsdp_lab.config import ActivationCheckpointingConfig, ActivationCheckpointingMode
@@ -89,7 +90,6 @@ def keep_every_second_matmul():
     """A checkpoint's context for activation_checkpointing=op: its policy keeps the outputs of
     the operators in ``KEPT`` except every second matmul of the unit's forward (counted anew
     for each forward and its recomputation), and recomputes the rest."""
-    import torch
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     kept = {getattr(torch.ops.aten, n).default for n in KEPT if hasattr(torch.ops.aten, n)}

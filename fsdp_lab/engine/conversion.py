@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 import torch
@@ -220,7 +221,6 @@ def _converting(converter, first: str, sources: dict[str, list[str]], plain: nn.
 def _run(converter, first: str, sources: dict[str, list], tensors, plain) -> dict:
     """transformers' own ``WeightConverter.convert`` on a copy of ``converter`` given
     ``tensors`` (in the order of ``sources``' lists): its outputs by key, each one tensor."""
-    from copy import deepcopy
 
     step = deepcopy(converter)
     at = 0

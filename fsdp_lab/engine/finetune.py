@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_lab.config import ConfigError, FinetuneConfig, FinetuneMethod
+from fsdp_lab.engine.activations import clean_name
 
 ADAPTER = "default"  # PEFT's adapter name: lora_A.default.weight
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
@@ -161,7 +162,6 @@ def counts(model: nn.Module) -> tuple[int, int]:
 
 def trainable_names(model: nn.Module) -> set[str]:
     """The trainable parameters' names as state dicts key them (no wrapper parts)."""
-    from fsdp_lab.engine.activations import clean_name
 
     return {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}
 
@@ -174,8 +174,6 @@ def frozen_fingerprint(model: nn.Module, read=None) -> str | None:
     param)`` gives each whole (a gather on every rank, or a read from the files), so a fine-tune
     checkpointed before resumes and exports as it did."""
     import xxhash
-
-    from fsdp_lab.engine.activations import clean_name
 
     frozen = sorted(
         ((clean_name(n), p) for n, p in model.named_parameters() if not p.requires_grad),

@@ -50,7 +50,9 @@ from fsdp_lab.config.topology import (
     mesh_axes,
     mesh_shape,
 )
+from fsdp_lab.engine import activations, loading, low_precision, precision, wrap
 from fsdp_lab.engine.hardware import devices, memory, process_group
+from fsdp_lab.engine.nf4 import local_bytes
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.internals import torch_private
 
@@ -209,7 +211,6 @@ class Fsdp2Model(ShardedModel):
     def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Each tensor gathered whole from its shards (an all-gather over its mesh: every rank
         holds it a moment, one tensor at a time); rank 0 keeps it, on the host."""
-        from fsdp_lab.engine import loading
 
         owned = self.owned_tensors()
         rank0 = torch.distributed.get_rank() == 0
@@ -287,7 +288,6 @@ def build_model(
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
     whole model."""
-    from fsdp_lab.engine import activations, low_precision, precision, wrap
     from fsdp_lab.engine import model as model_lib
 
     model, kind, p = meta_model, topo.device, cfg.parallel
@@ -349,7 +349,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def nbytes(tensors) -> int:
     """Bytes this rank stores of ``tensors`` (their local shards; an NF4 shard's own bytes)."""
-    from fsdp_lab.engine.nf4 import local_bytes
 
     return sum(local_bytes(t) for t in tensors)
 

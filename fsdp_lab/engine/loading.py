@@ -29,15 +29,17 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab.config import ConfigError
-from fsdp_lab.engine import finite, nf4
+from fsdp_lab.engine import conversion, finite, nf4, weights
 from fsdp_lab.engine.activations import clean_name
 from fsdp_lab.engine.conversion import LORA_BASE, NotPerRank, checkpoint_key, owned_tensors
+from fsdp_lab.engine.finetune import ADAPTER, blocks
 from fsdp_lab.internals import torch_private, transformers_private
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,6 @@ class InitialWeights:
 
     def from_files(self) -> bool:
         """Whether the weights are a local directory's files (a hub id's are not)."""
-        from pathlib import Path
 
         return self.pretrained is not None and Path(self.pretrained).expanduser().is_dir()
 
@@ -162,7 +163,6 @@ def init_groups(
     host, initialised as transformers does (``_init_weights``, children before parents) when
     ``hf_init``, then the group's LoRA adapters as PEFT does, all under the group's own seed;
     each rank then keeps its slice."""
-    from fsdp_lab.engine.finetune import ADAPTER, blocks
 
     stack = blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
@@ -242,7 +242,6 @@ def _planned(model: nn.Module, name_or_path: str, planned=None):
     """(the directory's files, its load plan for ``model``), or ``planned`` where given."""
     if planned is not None:
         return planned
-    from fsdp_lab.engine import conversion, weights
 
     files = weights.WeightFiles(name_or_path)
     return files, conversion.plan_loading(model, files, name_or_path)

@@ -20,6 +20,7 @@ and why a layer was left out.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.config import Config, Float8Recipe, QuantizeBase, precisions
+from fsdp_lab.config import Config, ConfigError, Float8Recipe, QuantizeBase, precisions
 from fsdp_lab.config.families import family_of
 from fsdp_lab.config.low_precision import NF4_SCALE_SPAN, nf4_splits
 from fsdp_lab.engine.hardware import process_group
@@ -132,7 +133,6 @@ def float8_all_gather(cfg: Config) -> bool:
 
 
 def _no_layer(setting: str, choice: Choice) -> RuntimeError:
-    from fsdp_lab.config import ConfigError
 
     why = "; ".join(f"{k}: {v}" for k, v in list(choice.kept.items())[:3])
     return ConfigError(f"{setting} converts no layer of this model ({why}); remove it")
@@ -146,8 +146,6 @@ def _to_float8(model: nn.Module, recipe: Float8Recipe, all_gather: bool) -> dict
         raise _no_layer(f"precision.float8_recipe={recipe.name}", choice)
     config = Float8LinearConfig.from_recipe_name(recipe.value)
     if all_gather:
-        import dataclasses
-
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     chosen = set(choice.chosen)
     convert_to_float8_training(

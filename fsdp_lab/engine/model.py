@@ -30,8 +30,9 @@ from fsdp_lab.config import (
     first_line,
 )
 from fsdp_lab.config.model import DEFAULT_TASK, task_row
-from fsdp_lab.engine import moe
+from fsdp_lab.engine import finetune, finite, loading, moe, nf4
 from fsdp_lab.engine.activations import clean_name
+from fsdp_lab.engine.finetune import frozen_fingerprint
 from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.internals import torch_private, transformers_private
 
@@ -195,7 +196,6 @@ class ModelCounts:
 
 def count_model(model: nn.Module) -> dict:
     """``ModelCounts``' fields of ``model`` (a record extending it takes them as keywords)."""
-    from fsdp_lab.engine import finetune
 
     trainable, total = finetune.counts(model)
     counts = ModelCounts(type(model).__name__, total, trainable, moe.expert_counts(model))
@@ -208,7 +208,6 @@ def model_on_meta(
     """A run's model on meta: the architecture (``mixin``: as ``build_meta_model``), then the
     finetune group's freezes or LoRA adapters. Every rank, the launcher's checks, ``fsdp-lab
     plan`` and the exporters build it here, so all see the same parameters by name."""
-    from fsdp_lab.engine import finetune
 
     model = build_meta_model(hf_config, task, mixin)
     if finetune_cfg is not None:
@@ -228,7 +227,6 @@ def full_model(
     """The whole model in one process, on the host, filled exactly as the sharded ranks fill
     their shards (``engine.loading``): the unsharded reference of a run, and the model an
     export writes into."""
-    from fsdp_lab.engine import loading
 
     model = model_on_meta(hf_config, task, finetune_cfg, mixin)
     tied = tied_groups(model)
@@ -305,7 +303,6 @@ def materialize(
     Returns, on every rank, the fingerprint of the frozen base (None: none is frozen): what a
     checkpoint that leaves the base out records and a resume compares.
     """
-    from fsdp_lab.engine import loading
 
     model.to_empty(device=torch.device("cpu") if offload else device)
     if offload and device.type != "cpu":
@@ -320,8 +317,6 @@ def materialize(
             loading.check_filled(model)
             return fingerprint
         except loading.NotPerRank as e:
-            from fsdp_lab.engine import nf4
-
             if any(nf4.is_nf4(p) for p in model.parameters()):
                 raise ConfigError(
                     f"finetune.quantize_base=nf4: each rank quantises its own shards as it "
@@ -350,7 +345,6 @@ def fp32_bytes(model: nn.Module) -> int:
 def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | None:
     """``source()``'s whole model on rank 0 into every rank's shards, tensor by tensor; the
     fingerprint of its frozen parameters (``fingerprint``; else None)."""
-    from fsdp_lab.engine.finetune import frozen_fingerprint
 
     rank = dist.get_rank()
     full_sd: dict[str, torch.Tensor] = {}
@@ -375,8 +369,6 @@ def _from_rank0(model: nn.Module, source, *, fingerprint: bool = True) -> str | 
     with torch.no_grad():
         for name, value in payload[0].items():
             own[name].copy_(value.to(own[name].device))
-    from fsdp_lab.engine import finite, loading
-
     loading.check_filled(model)
     own = ((f"tensor {n}", p) for n, p in model.named_parameters())
     if (damaged := finite.agree(finite.first_in(own))) is not None:

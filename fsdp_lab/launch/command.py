@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from fsdp_lab import config
 from fsdp_lab.config.config_dirs import CONF_MODULE, split_dir_flags, with_config_dirs
 
@@ -37,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import DictConfig
 
     from fsdp_lab.launch import sweep
 

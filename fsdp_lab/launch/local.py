@@ -14,6 +14,7 @@ reported once, with its root cause.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -59,7 +60,6 @@ def resolve_start_method(method: StartMethod, device: HardwareKind) -> StartMeth
 def _rendezvous_store(timeout_s: int):
     """The ranks' rendezvous store, hosted here on a port the OS assigns as it binds: unlike a
     port picked in advance and bound seconds later by rank 0, no other process can take it."""
-    import datetime
 
     from torch.distributed import TCPStore
 

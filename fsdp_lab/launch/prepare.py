@@ -22,6 +22,7 @@ from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
 from fsdp_lab.observe import run_logs, rundir, trackers
 from fsdp_lab.observe.record import RunRecord
+from fsdp_lab.train.harness import HarnessTasks, include_dir
 
 if TYPE_CHECKING:  # the parent imports torch only once a check needs it
     import torch
@@ -161,8 +162,6 @@ def _check_eval(cfg: Config, tokenizer, hf_config) -> Config:
     if isinstance(e.prompts, str):
         e = dataclasses.replace(e, prompts=str(Path(e.prompts).expanduser().resolve()))
     if e.harness_tasks:
-        from fsdp_lab.train.harness import HarnessTasks, include_dir
-
         e = dataclasses.replace(e, harness_include_path=include_dir(e.harness_include_path))
         HarnessTasks.of(e).check()
     return dataclasses.replace(cfg, eval=e)

@@ -115,6 +115,12 @@ def requeue_for_submitit(signum: int | None, env=os.environ) -> bool:
     return True
 
 
+def _slurm_kinds() -> list:
+    """The kinds a SLURM job step can run, the device kinds first."""
+    runs = [k for k, row in HARDWARE.items() if row.runs(Feature.external_launch)]
+    return sorted(runs, key=lambda k: hardware_row(k).host)
+
+
 def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> None:
     """hydra/launcher=slurm sizes SLURM jobs from the hardware group: it must say what the
     compute nodes are (the submitting machine cannot tell), and name a partition that exists."""
@@ -135,8 +141,8 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
     kind = HardwareKind(getattr(kind, "value", kind))
     if kind not in HARDWARE:
         raise ConfigError(
-            f"hydra/launcher=slurm: set hardware={' or '.join(k.name for k in HARDWARE)} (the "
-            "submitting machine cannot tell what the compute nodes have)"
+            f"hydra/launcher=slurm: set {' or '.join(f'hardware={k.name}' for k in _slurm_kinds())}"
+            " (the submitting machine cannot tell what the compute nodes have)"
         )
     row = hardware_row(kind)
     if not row.runs(Feature.external_launch):
@@ -147,5 +153,5 @@ def check_launcher(kind, nproc_per_node: int | None, partition: str | None) -> N
     if row.default_ranks is None and nproc_per_node is None:
         raise ConfigError(
             f"hydra/launcher=slurm with hardware={kind.name}: set hardware.nproc_per_node "
-            "to the devices per node"
+            f"to the {kind.name.upper()}s per node"
         )

@@ -16,8 +16,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_lab.config import ConfigError, Objective
-from fsdp_lab.launch import run
+from fsdp_lab.config import Config, ConfigError, Objective
+from fsdp_lab.launch import run, slurm
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import JobRecord, RunRecord
 from fsdp_lab.train import preempt
@@ -32,8 +32,6 @@ def job_info(hydra_cfg) -> dict:
     command-line overrides, the chosen option of every config group, and in a sweep its multirun
     dir and number."""
     from hydra.types import RunMode
-
-    from fsdp_lab.config import Config
 
     groups = {f.name for f in dataclasses.fields(Config)}
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -139,7 +137,6 @@ class LauncherChecks(Callback):
     other callback conf/config.yaml names.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from fsdp_lab.launch import slurm
 
         if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
             return

@@ -24,6 +24,7 @@ nodes) is ``--base``'s (default: the named GPU this machine is, or cpu).
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import queue
@@ -32,7 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_lab.config import ConfigError, HardwareKind
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.config import ConfigError, Dtype, HardwareConfig, HardwareKind
 from fsdp_lab.config.hardware_kinds import HardwareRow, hardware_row
 from fsdp_lab.config.hardware_profiles import (
     DeviceProfile,
@@ -41,7 +45,11 @@ from fsdp_lab.config.hardware_profiles import (
 from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.planning import calibrate_fit, calibrate_loop, plan
+from fsdp_lab.engine.hardware import calibration as cal
+from fsdp_lab.engine.hardware import devices, process_group
+from fsdp_lab.engine.hardware.calibration import Timing
+from fsdp_lab.engine.hardware.timing import Budget
+from fsdp_lab.planning import calibrate_fit, calibrate_loop, machine, plan
 
 KIB, MIB = 2**10, 2**20
 
@@ -146,7 +154,6 @@ class Job:
 
     def budget(self, share: float):
         """A measurement's budget: ``share`` of the whole, split over its sizes."""
-        from fsdp_lab.engine.hardware.timing import Budget
 
         if self.quick:
             return Budget(seconds=max(0.02, self.seconds * share), min_samples=5, sample_s=0.005)
@@ -176,13 +183,6 @@ def _rank_main(rank: int, job: Job, results) -> None:
 
 
 def _measure_rank(rank: int, job: Job) -> list[dict] | None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from fsdp_lab.config import Dtype, HardwareConfig
-    from fsdp_lab.engine.hardware import calibration as cal
-    from fsdp_lab.engine.hardware import devices, process_group
 
     device = devices.rank_device(job.kind, rank)
     devices.set_threads(HardwareConfig(threads_per_rank=job.threads), job.nproc)
@@ -227,14 +227,12 @@ def _measure_rank(rank: int, job: Job) -> list[dict] | None:
 
 
 def _has_grouped_mm() -> bool:
-    import torch
 
     return hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
 
 
 def _plain(value):
     """Timings as lists and shape tuples as strings: what pickles and reads back as JSON."""
-    from fsdp_lab.engine.hardware.calibration import Timing
 
     if isinstance(value, Timing):
         return value.to_json()
@@ -323,14 +321,11 @@ def quick(cfg, topo, seconds: float = QUICK_SECONDS) -> DeviceProfile:
 def calibrate_command(
     overrides: list[str], out: Path | None, *, seconds: float, base: str | None
 ) -> int:
-    from fsdp_lab.planning import machine
 
     if seconds < 1:
         raise ConfigError(f"--seconds {seconds:g}: give calibrate at least 1 s (default 30)")
     if out is not None and out.exists():
         raise ConfigError(f"--out {out} exists: give a new path (a profile is never overwritten)")
-    from fsdp_lab.engine.hardware import devices
-
     cfg = compose(overrides)
     devices.resolve_kind(cfg.hardware)  # hardware=gpu without CUDA: the one-line error
     topo, _ = plan.topology(cfg)

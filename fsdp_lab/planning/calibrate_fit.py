@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
-from fsdp_lab.config import HardwareKind
+from fsdp_lab.config import Dtype, HardwareKind
 from fsdp_lab.config.device_rows import device_profile, row_for
 from fsdp_lab.config.hardware_kinds import hardware_row
-from fsdp_lab.config.hardware_profiles import COLLECTIVES, DeviceProfile, Link, Rate
+from fsdp_lab.config.hardware_profiles import COLLECTIVES, DeviceProfile, Link, Rate, write_profile
 from fsdp_lab.config.precisions import peak_key
 from fsdp_lab.planning import op_count
+from fsdp_lab.planning.time_model import Collective, collective_s
 
 MIB = 2**20
 
@@ -107,7 +110,6 @@ def _host_and_memory(
     times and its views'; the smallest's rest is its operators' issue (its kernels are
     negligible), the others' rest past their issue is their bytes (counted by tracing the
     same model on meta) at that size class's bandwidth."""
-    from fsdp_lab.config import Dtype
     from fsdp_lab.engine.hardware import calibration as cal
     from fsdp_lab.engine.hardware import devices
 
@@ -246,7 +248,6 @@ def _unit_overhead(first: dict, collectives: dict[str, Link], job) -> float:
     """FSDP2's host cost per unit and pass: the tiny sharded model's step less the plain
     one's and less its collectives' fitted times, over its units' passes (4 layers and the
     root, forward and backward)."""
-    from fsdp_lab.planning.time_model import Collective, collective_s
 
     plain, sharded = (_median(v) for v in first["fsdp"])
     if job.nproc > 1 and collectives:
@@ -272,10 +273,7 @@ def _tp_overhead(first: dict) -> float:
 def _step_host(everyone: list[dict], job, profile: DeviceProfile) -> float:
     """A step's host cost beyond its predicted work: the tiny model's measured training step
     (``calibrate_loop``, the slowest rank's) less its prediction on the rest of the profile."""
-    import tempfile
-    from pathlib import Path
 
-    from fsdp_lab.config.hardware_profiles import write_profile
     from fsdp_lab.planning import calibrate_loop, plan
 
     measured = _median(_slowest(everyone, "loop"))

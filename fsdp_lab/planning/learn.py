@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError
+from fsdp_lab.config.device_rows import device_profile
 from fsdp_lab.config.hardware_profiles import DeviceProfile, write_profile
 from fsdp_lab.observe import rundir
-from fsdp_lab.planning import run_check
+from fsdp_lab.planning import machine, run_check
 from fsdp_lab.planning.calibrate_fit import fit_rate
 
 
@@ -121,8 +122,6 @@ def predicted_step(o: Observed, device: DeviceProfile) -> float:
 
 
 def learn_command(runs: list[Path], out: Path | None, *, device: str | None) -> int:
-    from fsdp_lab.config.device_rows import device_profile
-    from fsdp_lab.planning import machine
 
     missing = [r for r in runs if not (r / rundir.RUN_FILE).is_file()]
     if missing:

@@ -20,6 +20,7 @@ from fsdp_lab.config import (
     ActivationCheckpointingMode,
     Config,
     ConfigError,
+    HardwareConfig,
     Packing,
     ShardingStrategy,
 )
@@ -33,7 +34,8 @@ from fsdp_lab.config.rules import validate
 from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
 from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
-from fsdp_lab.planning import activation_memory, memory, plan_time
+from fsdp_lab.engine.hardware import devices
+from fsdp_lab.planning import activation_memory, machine, memory, plan_time
 from fsdp_lab.planning.plan_model import ModelShape, inspect_model
 from fsdp_lab.planning.plan_result import (
     Batch,
@@ -70,7 +72,6 @@ NOT_COUNTED = [
 
 def topology(cfg: Config) -> tuple[Topology, list[str]]:
     """The ranks the overrides describe, on any machine: num_nodes x nproc_per_node."""
-    from fsdp_lab.engine.hardware import devices
 
     h, notes = cfg.hardware, []
     kind = h.kind if h.kind in HARDWARE else devices.resolve_kind(h)  # auto: this machine's
@@ -269,7 +270,6 @@ def time_device(
     else this machine's measured profile for these ranks where one is cached (``cfg``'s
     ``hardware.profile_cache``), else the cpu row on CPU ranks and an H100 on GPU ones, said
     to be unmeasured; and what that assumes."""
-    from fsdp_lab.planning import machine
 
     notes = []
     device = device_profile(name, flag) if name else None
@@ -303,8 +303,6 @@ def on_this_machine(topo: Topology) -> bool:
     where CUDA is): only then can this machine's profile price it."""
     if hardware_row(topo.device).host:
         return True
-    from fsdp_lab.config import HardwareConfig
-    from fsdp_lab.engine.hardware import devices
 
     return topo.device is devices.resolve_kind(HardwareConfig())
 

@@ -8,10 +8,15 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.low_precision import NF4_BITS
+from fsdp_lab.engine import activations, conversion, finetune, low_precision, wrap
+from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.model import ModelCounts
+from fsdp_lab.engine.moe import moe_blocks
 from fsdp_lab.observe import metrics
 from fsdp_lab.planning import activation_memory, memory
 
@@ -61,7 +66,6 @@ def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int, bool]]
 def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
     """id(expert parameter) -> the dim-1 sizes of its experts module's parameters (the MoE
     layers' fused experts, which parallel.expert splits)."""
-    from fsdp_lab.engine.moe import moe_blocks
 
     out = {}
     for block in moe_blocks(model):
@@ -72,8 +76,6 @@ def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
 
 def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
-    from fsdp_lab.engine import activations, finetune, low_precision, wrap
-    from fsdp_lab.engine import model as model_lib
     from fsdp_lab.train import loss as loss_lib
 
     hf_config, vocab_source = _hf_config(cfg)
@@ -137,7 +139,6 @@ def trace_hf_config(cfg: Config, vocab: int | None = None):
     ``vocab``, the vocabulary it resolved: the tokenizer not read again)."""
     if vocab is None:
         return _hf_config(cfg)[0]
-    from fsdp_lab.engine import model as model_lib
 
     preset = cfg.model.arch is not None
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab) if preset else cfg.model
@@ -148,7 +149,6 @@ def _hf_config(cfg: Config):
     """The run's transformers config (a preset's vocabulary from the tokenizer, as the launcher
     resolves it), checked as the launcher checks it, and where its vocabulary came from."""
     from fsdp_lab.data import corpus
-    from fsdp_lab.engine import model as model_lib
 
     tokenizer = corpus.load_tokenizer(cfg)
     model_cfg = model_lib.resolve_vocab_size(cfg.model, tokenizer)
@@ -174,10 +174,6 @@ def _hf_config(cfg: Config):
 def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], list[str]]:
     """Every parameter as a rank holds it before FSDP shards it (a TP-split one: its part),
     with the unit that owns it (bottom-up, as ``fsdp.apply_fsdp`` shards them)."""
-    import torch
-
-    from fsdp_lab.engine import low_precision
-
     owner: dict[int, int] = {}
     for index in reversed(range(len(units))):
         for p in units[index].parameters():
@@ -219,7 +215,6 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
 def _largest_converted(model) -> int:
     """Elements of the largest model tensor its checkpoint holds in other tensors (a Mixtral's
     fused experts, one file tensor per expert): read whole on every rank, then sliced."""
-    from fsdp_lab.engine import conversion
 
     plain = conversion.plain_meta(model)
     sd = plain.state_dict()

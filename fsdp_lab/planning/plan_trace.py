@@ -15,10 +15,14 @@ tokens, dtype and loss.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
-from fsdp_lab.config import Config, ConfigError
+from omegaconf import OmegaConf
+
+from fsdp_lab.config import Config, ConfigError, LossKind, families
+from fsdp_lab.config.losses import loss_of
 from fsdp_lab.planning.op_count import BACKWARD, FORWARD, ROOT, PassTrace, _Counter, _Stubs
 
 
@@ -42,7 +46,6 @@ def trace_step(
     as the loss its row says the plan counts it as). ``vocab``: the vocabulary the plan
     resolved (the tokenizer is not read again). ``tp``: the layer as one rank of a TP group
     runs it (heads and MLP width split; ``tp_config``)."""
-    from omegaconf import OmegaConf
 
     key = (
         OmegaConf.to_yaml(OmegaConf.structured(cfg.model)),
@@ -71,7 +74,6 @@ def tp_config(hf_config, tp: int):
     """The config of one TP rank's layer: heads, key-value heads and MLP widths divided by
     ``tp`` with the head size kept (what a rank of a colwise/rowwise split computes; models
     read ``head_dim`` where it is set), or None where its heads do not divide."""
-    import copy
 
     heads = getattr(hf_config, "num_attention_heads", None)
     if tp == 1:
@@ -92,8 +94,6 @@ def tp_config(hf_config, tp: int):
 def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp: int) -> StepTrace:
     import torch
 
-    from fsdp_lab.config import LossKind
-    from fsdp_lab.config.losses import loss_of
     from fsdp_lab.engine import moe, wrap
     from fsdp_lab.engine.hardware import devices
     from fsdp_lab.planning.plan_model import trace_hf_config
@@ -137,7 +137,6 @@ def _trace(cfg: Config, batch: int, seq_len: int, loss_name: str, vocab: int, tp
 
 
 def _is_moe(hf_config) -> bool:
-    from fsdp_lab.config import families
 
     row = families.family_of(hf_config.model_type)
     return row is not None and row.experts

@@ -26,12 +26,13 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from fsdp_lab.config import ConfigError
+from fsdp_lab.config import ConfigError, HardwareKind
+from fsdp_lab.config.hardware_kinds import HARDWARE, hardware_row
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import RunRecord
 from fsdp_lab.observe.run_logs import read_rows
-from fsdp_lab.planning import plan, plan_time
+from fsdp_lab.planning import calibrate, machine, plan, plan_time
 
 log = logging.getLogger("fsdp_lab")
 MIN_STEPS = 3  # steady steps (after the first) a median needs to say anything
@@ -42,7 +43,6 @@ def profile_for(cfg, topo: Topology, *, measure: bool, log=print):
     """The profile a run is priced on: ``hardware.profile``, else this machine's (measured
     now where ``measure`` and none is cached); None where the machine is unmeasured, or its
     GPU has no row and is unmeasured too."""
-    from fsdp_lab.planning import calibrate, machine
 
     if cfg.hardware.profile:
         return plan.time_device(cfg.hardware.profile, topo, flag="hardware.profile=")[0]
@@ -55,11 +55,12 @@ def profile_for(cfg, topo: Topology, *, measure: bool, log=print):
 def run_topology(facts) -> Topology | None:
     """The ranks, nodes and device kind a run's facts describe (its hardware line: ``gpu: 8 x
     ...``, ``cpu: 2 cores``); None for a TPU run, which the time model does not price."""
-    kind = facts.hardware.split(":", 1)[0].strip()
-    if kind not in ("gpu", "cpu"):
+    name = facts.hardware.split(":", 1)[0].strip()
+    kind = HardwareKind.__members__.get(name)
+    if kind not in HARDWARE or hardware_row(kind).plan_device is None:
         return None
     nproc = facts.world_size // max(1, facts.num_nodes)
-    return Topology.nodes(nproc, facts.num_nodes, plan.HardwareKind[kind])
+    return Topology.nodes(nproc, facts.num_nodes, kind)
 
 
 def predict_run(run_dir: Path, record: RunRecord, *, measure: bool = False, log=print, device=None):

@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_lab.config import ConfigError, HardwareKind
+from fsdp_lab.config import ConfigError, HardwareKind, compose
+from fsdp_lab.planning import calibrate, machine, plan
 from fsdp_lab.planning.tune_grid import Candidate, Grid, enumerate_candidates, probe_order
 from fsdp_lab.planning.tune_output import (
     TuneResult,
@@ -214,8 +215,6 @@ def order_errors(probed: list[Candidate]) -> list[str]:
 def _measure_this_machine(overrides: list[str], log) -> bool:
     """Whether this machine's profile for the overrides' ranks was measured now (none was
     cached: a few seconds), so that the probes are ordered on it, not on a named row's."""
-    from fsdp_lab.config import compose
-    from fsdp_lab.planning import calibrate, machine, plan
 
     cfg = compose(overrides)
     topo, _ = plan.topology(cfg)

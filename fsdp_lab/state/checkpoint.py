@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from fsdp_lab.config import CheckpointConfig
 from fsdp_lab.config.checkpoint_formats import format_row
-from fsdp_lab.engine import finite, fsdp
+from fsdp_lab.engine import finetune, finite, fsdp, loading
 from fsdp_lab.engine.hardware import process_group
+from fsdp_lab.engine.loading import FINGERPRINT_KINDS
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, rng, safe_load
 from fsdp_lab.state.formats import FrozenBase, format_for, format_saved_in, saved_shapes
@@ -320,8 +321,6 @@ class Checkpointer:
         if record["saved"]:
             return FrozenBase()
         if legacy_fingerprint(record["fingerprint"]):  # recorded before per-rank loading
-            from fsdp_lab.engine import finetune, loading
-
             own = finetune.frozen_fingerprint(self.model, lambda _, p: loading.gather_whole(p))
             if own == record["fingerprint"]:
                 return self.frozen
@@ -338,6 +337,5 @@ class Checkpointer:
 
 def legacy_fingerprint(fingerprint) -> bool:
     """A fingerprint of the whole model's frozen tensors (fsdp_lab before 2026-11-27)."""
-    from fsdp_lab.engine.loading import FINGERPRINT_KINDS
 
     return isinstance(fingerprint, str) and not fingerprint.startswith(FINGERPRINT_KINDS)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_lab.config import CheckpointFormat
+from fsdp_lab.engine import finetune
 from fsdp_lab.engine.sharded import ShardedStateIO
 from fsdp_lab.state import integrity, safe_load
 
@@ -52,7 +53,6 @@ class FrozenBase:
 
     @classmethod
     def of(cls, cfg, sharded) -> FrozenBase:
-        from fsdp_lab.engine import finetune
 
         fingerprint = sharded.frozen_fingerprint
         if fingerprint is None or not cfg.model.pretrained:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from fsdp_lab.config import CheckpointConfig, CheckpointVerify
+from fsdp_lab.engine import finetune
+from fsdp_lab.engine.conversion import LORA_BASE
 from fsdp_lab.state import integrity, safe_load
 from fsdp_lab.state.formats import saved_shapes
 from fsdp_lab.state.integrity import MARKER, CheckpointError, verify
@@ -132,7 +134,6 @@ def frozen_base_record(trainer: dict) -> dict:
 def _adapter_part(name: str) -> bool:
     """A LoRA-wrapped model's name a whole model's checkpoint lacks: an adapter, or the base
     layer PEFT moved the weight under."""
-    from fsdp_lab.engine.conversion import LORA_BASE
 
     return ".lora_" in name or LORA_BASE + "." in name
 
@@ -145,7 +146,6 @@ def check_compatible(path: Path, model: torch.nn.Module) -> dict:
     checkpoint that leaves out the frozen base is compared on its trainable parameters; the
     base is checked by its fingerprint when the ranks have read it.
     """
-    from fsdp_lab.engine import finetune
 
     saved = saved_shapes(path)
     record = frozen_base_record(json.loads((path / TRAINER_FILE).read_text()))

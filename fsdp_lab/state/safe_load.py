@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from fsdp_lab.internals import torch_private
 from fsdp_lab.state.integrity import CheckpointError
@@ -110,8 +110,6 @@ class Reader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -23,12 +23,16 @@ Every command that composes a config (train, plan, calibrate, tune, data) takes
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
 
 from fsdp_lab.config import CheckpointVerify, ConfigError
 from fsdp_lab.config.config_dirs import split_dir_flags, with_config_dirs
+from fsdp_lab.launch.command import main as train
+from fsdp_lab.observe.profile.analysis import analyse_dir
+from fsdp_lab.observe.profile.summary import table
 from fsdp_lab.tools import calibrate_cli, smollm2  # stdlib only at import
 
 VERIFY_ARGS = ("--verify",)
@@ -43,8 +47,6 @@ VERIFY_KWARGS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # Hydra's own command line: overrides, -m, --cfg, --config-dir
-        from fsdp_lab.launch.command import main as train
-
         return train(argv[1:])
     parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,11 +289,8 @@ def _add_profile(sub, name: str) -> None:
 
 
 def _profile(args) -> int:
-    import json
 
-    from fsdp_lab.observe.profile.analysis import analyse_dir
     from fsdp_lab.observe.profile.recorder import PROFILE_DIR
-    from fsdp_lab.observe.profile.summary import table
 
     traces = args.run_dir / PROFILE_DIR
     root = args.run_dir if traces.is_dir() else None

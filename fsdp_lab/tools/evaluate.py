@@ -21,10 +21,14 @@ import time
 from pathlib import Path
 
 from fsdp_lab.config import ConfigError, HardwareConfig
+from fsdp_lab.engine.hardware import devices
 from fsdp_lab.observe import rundir
 from fsdp_lab.observe.record import HarnessRecord, RunResults
 from fsdp_lab.observe.run_logs import MetricsWriter
-from fsdp_lab.train.evaluation import HarnessScores
+from fsdp_lab.observe.trackers import RunInfo, TrackerSet
+from fsdp_lab.train.evaluation import Decoding, HarnessScores
+from fsdp_lab.train.generate import Lockstep
+from fsdp_lab.train.harness import HarnessTasks, include_dir
 
 log = logging.getLogger("fsdp_lab")
 
@@ -49,7 +53,6 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_lab.train.harness import HarnessTasks, include_dir
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -105,9 +108,6 @@ def _lm(model_dir: Path, batch_size: int):
     behind the same lm-eval ``LM`` as a run's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_lab.engine.hardware import devices
-    from fsdp_lab.train.evaluation import Decoding
-    from fsdp_lab.train.generate import Lockstep
     from fsdp_lab.train.harness_lm import ShardedLM
 
     kind = devices.resolve_kind(HardwareConfig())
@@ -134,7 +134,6 @@ def _lm(model_dir: Path, batch_size: int):
 
 def record_scores(run_dir: Path, scores: HarnessScores) -> None:
     """The scores into the run's run.json, metrics.jsonl and trackers, at its last step."""
-    from fsdp_lab.observe.trackers import RunInfo, TrackerSet
     from fsdp_lab.train.reporter import tracker_params
 
     run = rundir.read_run_file(run_dir)

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsdp_lab.config import ConfigError
 from fsdp_lab.config.hardware import cache_root
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,7 +169,6 @@ def add_command(sub, name: str) -> None:
 
 def command(args) -> int:
     """``fsdp-lab smollm2``: convert once, print the directory (the last stdout line)."""
-    from fsdp_lab.config import ConfigError
 
     try:
         print(prepare(args.cache_dir, args.force))

@@ -32,6 +32,7 @@ from fsdp_lab.train.generate import (
     generate,
     max_positions_of,
 )
+from fsdp_lab.train.harness import HarnessTasks
 from fsdp_lab.train.loss import Loss
 
 
@@ -153,8 +154,6 @@ class BoundaryEvals:
         self._eval_every, self._max_steps = t.eval_every, t.max_steps
         self._harness = None
         if e.harness_tasks:
-            from fsdp_lab.train.harness import HarnessTasks
-
             self._harness = HarnessTasks.of(e)
         self._harness_every = e.harness_every
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 from fsdp_lab.config import HARNESS_EXTRA, ConfigError, EvalConfig, first_line
@@ -172,6 +173,5 @@ def _as_local_rank_0():
 
 
 def _version() -> str:
-    from importlib.metadata import version
 
     return version("lm_eval")

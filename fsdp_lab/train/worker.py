@@ -33,6 +33,7 @@ from fsdp_lab.observe import flight, heartbeat
 from fsdp_lab.observe.profile.recorder import WindowProfiler
 from fsdp_lab.observe.run_logs import setup_rank_logging
 from fsdp_lab.observe.rundir import HF_EXPORT_DIR, LOG_DIR, RUN_FILE, error_file, update_run_file
+from fsdp_lab.state.export import ExportTarget, export_model
 from fsdp_lab.train.build import RankContext, TrainState, build_train_state
 from fsdp_lab.train.loop import LoopSetup, NonFiniteLoss, tokens_seen, train
 from fsdp_lab.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -255,7 +256,6 @@ def finish(r: RankRun, result: FitResult) -> None:
 def _export(r: RankRun) -> None:
     """Stream the weights out, one tensor group at a time: every rank takes part in gathering
     each, rank 0 writes it (``state.export``): no process holds the whole model."""
-    from fsdp_lab.state.export import ExportTarget, export_model
 
     out_dir = r.run_dir / HF_EXPORT_DIR
     sharded = r.state.sharded

@@ -216,3 +216,29 @@ def test_behaviour_is_extended_not_swapped_in_place():
         if (hits := in_place_changes(path.read_text()))
     }
     assert not found, found
+
+
+def test_an_import_inside_a_function_is_there_for_its_cost_or_a_cycle(tmp_path):
+    """A function-local import loads what the module's own imports have not (a third party,
+    or an fsdp_lab module that does: torch_xla, torch.distributed.tensor, an extra, torch in a
+    torch-free layer), or breaks a circle; everything else is written at the top
+    (``tests/local_imports.py`` reads why from the source)."""
+    from local_imports import local_imports
+
+    seeded = tmp_path / "fsdp_lab"
+    seeded.mkdir()
+    (seeded / "__init__.py").write_text("")
+    (seeded / "b.py").write_text("import fsdp_lab.a\n")
+    (seeded / "c.py").write_text("import xml\n")
+    (seeded / "a.py").write_text(
+        "import torch\n"
+        "def f():\n"
+        "    import json\n"  # the standard library: top
+        "    import torch\n"  # loaded by the module's top already: top
+        "    import transformers\n"  # a third party the module has not loaded: cost
+        "    from fsdp_lab import b\n"  # b imports a: a cycle
+        "    from fsdp_lab import c\n"  # c loads only the standard library: top
+    )
+    assert [i.reason for i in local_imports(seeded)] == [None, None, "cost", "cycle", None]
+    misplaced = [f"{i.module}:{i.line} {i.names[-1]}" for i in local_imports() if not i.reason]
+    assert not misplaced, "imports that belong at the top of their module:\n" + "\n".join(misplaced)

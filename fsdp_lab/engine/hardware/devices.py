@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import time
 
 import torch
@@ -184,7 +185,6 @@ def slow_cpu_dtype(kind: HardwareKind, dtype: Dtype) -> str | None:
 
 def check_compile(kind: HardwareKind) -> None:
     """torch.compile's CPU backend (inductor) builds C++; without a compiler it fails late."""
-    import shutil
 
     needs = hardware_row(kind).compile_needs_compiler
     if needs and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):

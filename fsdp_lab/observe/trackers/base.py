@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 _PER_RANK_SERIES = 8  # per-rank memory series are logged up to this many ranks
 _NOT_METRICS = ("split", "step", "peak_mem_bytes_per_rank")
 
@@ -113,8 +116,6 @@ def settings_of(tracker_cls: type[Tracker], raw: dict) -> Any:
     """The tracker's typed settings from its YAML keys (OmegaConf converts enums and numbers and
     runs ``__post_init__``): an unknown key or a wrong type raises ``ValueError`` with OmegaConf's
     first line (the caller names `logger.<name>`)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(tracker_cls.Settings), raw))

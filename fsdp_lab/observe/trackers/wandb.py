@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List, Optional
 from urllib.parse import urlparse
 
+from fsdp_lab.observe.rundir import SAMPLES_FILE
 from fsdp_lab.observe.trackers.base import RunInfo, Tracker
 
 log = logging.getLogger("fsdp_lab")
@@ -99,7 +100,6 @@ SAMPLE_COLUMNS = ("step", "index", "prompt", "output", "tokens")  # samples.json
 def _kept_samples(run_dir: Path) -> list[list]:
     """samples.jsonl's rows as the `samples` table's (a resumed run's table goes on)."""
     from fsdp_lab.observe.run_logs import read_samples
-    from fsdp_lab.observe.rundir import SAMPLES_FILE
 
     return [[getattr(x, c) for c in SAMPLE_COLUMNS] for x in read_samples(run_dir / SAMPLES_FILE)]
 

@@ -116,3 +116,18 @@ def test_no_other_module_names_a_hardware_kind():
     allowed = {"config/hardware.py", "config/hardware_kinds.py"}
     seen = ["if kind is HardwareKind.tpu:", "kind = HardwareKind.gpu if cuda else ..."]
     assert_only_named_in(allowed, NAMED, seen, "hardware kind dispatch outside its table")
+
+
+def test_a_runs_hardware_line_gives_its_kind_where_the_plan_prices_it():
+    from types import SimpleNamespace
+
+    from fsdp_lab.planning import run_check
+
+    def facts(line):
+        return SimpleNamespace(hardware=line, world_size=4, num_nodes=2)
+
+    cpu = run_check.run_topology(facts("cpu: 2 cores"))
+    assert (cpu.device, cpu.nproc_per_node, cpu.num_nodes) == (HardwareKind.cpu, 2, 2)
+    assert run_check.run_topology(facts("gpu: 8 x NVIDIA H100")).device is HardwareKind.gpu
+    assert run_check.run_topology(facts("tpu: 4 XLA devices")) is None  # the plan refuses it
+    assert run_check.run_topology(facts("npu: 1 x ?")) is None
