@@ -96,7 +96,6 @@ class StepWindow:
             )
         )
 
-    # Long: the one host read of a logging window; the table's layout is explained beside it.
     def flush(self, *, stop_requested: bool) -> tuple[list[StepMetrics], bool]:
         """Every pending step's metrics (the loss averaged over ranks, each rank's peak) and
         whether any rank asked to stop, in one all-reduce of a (world, 2k+1) table: each rank
@@ -119,23 +118,7 @@ class StepWindow:
             )
         table[dist.get_rank(), 2 * k] = float(stop_requested)
         dist.all_reduce(table)
-        same = (
-            [
-                torch.stack([p.grad_norm.float() for p in pending]).double().to(where),
-                torch.stack(
-                    [
-                        p.skipped.float()
-                        if p.skipped is not None
-                        else torch.zeros((), device=p.loss.device)
-                        for p in pending
-                    ]
-                )
-                .double()
-                .to(where),
-            ]
-            if k
-            else []
-        )
+        same = _same_on_every_rank(pending, where)
         # A mixture of experts' numbers are the global batch's on every rank already.
         moe = [_moe_row(p.moe).to(where) for p in pending if p.moe is not None]
         host = torch.cat([table.flatten(), *same, *moe]).cpu()  # the one read of the window
@@ -167,6 +150,17 @@ class StepWindow:
                 )
             )
         return out, bool(rows[:, 2 * k].sum().item() > 0)
+
+
+def _same_on_every_rank(pending: list, where: torch.device) -> list[torch.Tensor]:
+    """The window's numbers every rank holds alike (gradient norms, skipped steps), in float64
+    on ``where``, for its one host read; none for an empty window."""
+    if not pending:
+        return []
+    zero = torch.zeros((), device=pending[0].loss.device)
+    norms = torch.stack([p.grad_norm.float() for p in pending])
+    skipped = torch.stack([zero if p.skipped is None else p.skipped.float() for p in pending])
+    return [norms.double().to(where), skipped.double().to(where)]
 
 
 def _moe_row(moe: MoeStep) -> torch.Tensor:

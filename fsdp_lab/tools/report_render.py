@@ -58,7 +58,6 @@ class Figures:
     predicted: dict | None = None  # run.json's predicted step (planning.run_check)
 
 
-# Long: report.md's sections in the order a reader meets them.
 def render_markdown(
     sweep_dir: Path,
     jobs: list[Job],
@@ -68,7 +67,7 @@ def render_markdown(
     study: dict | None = None,
 ) -> str:
     """report.md: a header of what all jobs share (and an Optuna study's best trial), one table
-    row per job, how to read it."""
+    row per job (``_columns``), how to read it."""
     counts = Counter(job.status for job in jobs)
     facts = [j.run.facts for j in jobs if j.run.facts and j.run.facts.hardware is not None]
     hardware = dict.fromkeys(
@@ -85,72 +84,75 @@ def render_markdown(
         lines += [f"hardware: {'; '.join(hardware)}", ""]
     if fixed:
         lines += ["fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), ""]
-    values: dict[str, float | None] = {}
-    interrupted: set[str] = set()
-    if study:
-        lines += _study_lines(study)
-        values = {str(t["number"]): t.get("value") for t in study.get("trials", [])}
-        interrupted = {
-            str(t["number"])
-            for t in study.get("trials", [])
-            if str(t.get("error") or "").startswith("interrupted")
-        }
-    has_val = any(f.val_loss is not None for f in figures)
-    has_mfu = any(f.mfu is not None for f in figures)
-    has_profile = any(f.profile is not None for f in figures)
-    has_predicted = any(f.predicted is not None for f in figures)
-    scores = list(dict.fromkeys(name for f in figures for name in f.harness))
-    has_sample = any(f.sample is not None for f in figures)
-    header = [
-        "job",
-        *varying,
-        "status",
-        "steps",
-        "tokens/s",
-        "step time (ms)",
-        "peak MiB (max rank)",
-        "peak MiB per rank",
-        "final loss",
-    ]
-    header += ["val loss"] * has_val + ["MFU"] * has_mfu
-    header += [name for name, _ in PROFILE_COLUMNS] * has_profile
-    header += list(PREDICTED_COLUMNS) * has_predicted
-    header += scores + ["first sample"] * has_sample
-    if study:
-        header.append(f"objective ({study.get('objective')})")
-    lines += [_row(header), _row(["---"] * len(header))]
+    lines += _study_lines(study) if study else []
+    columns = _columns(figures, varying, study)
+    lines += [_row([h for heads, _ in columns for h in heads])]
+    lines += [_row(["---"] * sum(len(heads) for heads, _ in columns))]
     for job, f in zip(jobs, figures, strict=True):
-        cells = [
-            job.name,
-            *(job.options.get(k, "?") for k in varying),
-            # a study's trial cut off by a stop: its run.json still says how far it got
-            "interrupted" if job.name in interrupted else _status_cell(job),
-            _fmt(f.steps, "{}"),
-            _fmt(f.tokens_per_s, "{:,.0f}"),
-            _fmt(f.step_time_s and f.step_time_s * 1000, "{:.1f}"),
-            _fmt(max(f.peak_mib_per_rank, default=None), "{:.0f}"),
-            _per_rank_cell(f.peak_mib_per_rank),
-            _fmt(f.final_loss, "{:.4f}"),
-        ]
-        cells += [_fmt(f.val_loss, "{:.4f}")] * has_val + [_fmt(f.mfu, "{:.1%}")] * has_mfu
-        cells += _profile_cells(f.profile) * has_profile
-        cells += _predicted_cells(f.predicted) * has_predicted
-        cells += [_fmt(f.harness.get(name), "{:.4f}") for name in scores]
-        cells += [_sample_cell(f.sample)] * has_sample
-        if study:
-            cells.append(_fmt(values.get(job.name), "{:.6g}"))
-        lines.append(_row(cells))
-    notes = [*NOTES, *[PROFILE_NOTE] * has_profile, *[HARNESS_NOTE] * bool(scores)]
-    notes += [PREDICTED_NOTE] * has_predicted
-    lines += ["", *notes, *[SAMPLE_NOTE] * has_sample, ""]
-    lines += [
-        f"![throughput vs peak memory]({THROUGHPUT_PNG})",
-        "",
-        f"![loss curves]({LOSS_PNG})",
-        "",
-    ]
+        lines.append(_row([c for _, cells in columns for c in cells(job, f)]))
+    has_profile = any(f.profile is not None for f in figures)
+    notes = [*NOTES, *[PROFILE_NOTE] * has_profile]
+    notes += [HARNESS_NOTE] * any(f.harness for f in figures)
+    notes += [PREDICTED_NOTE] * any(f.predicted is not None for f in figures)
+    notes += [SAMPLE_NOTE] * any(f.sample is not None for f in figures)
+    lines += ["", *notes, ""]
+    lines += [f"![throughput vs peak memory]({THROUGHPUT_PNG})", ""]
+    lines += [f"![loss curves]({LOSS_PNG})", ""]
     lines += [f"![step breakdown]({STEP_BREAKDOWN_PNG})", ""] * has_profile
     return "\n".join(lines)
+
+
+def _columns(figures: list[Figures], varying: list[str], study: dict | None) -> list:
+    """The table's columns, in groups of (headers, the cells of a job): those every report has,
+    then each one some job has a figure for (validation, MFU, profile, prediction, lm-eval
+    scores, a sample), then a study's objective."""
+    trials = (study or {}).get("trials", [])
+    values = {str(t["number"]): t.get("value") for t in trials}
+    interrupted = {
+        str(t["number"]) for t in trials if str(t.get("error") or "").startswith("interrupted")
+    }
+    scores = list(dict.fromkeys(name for f in figures for name in f.harness))
+    columns = [
+        (
+            [
+                "job",
+                *varying,
+                "status",
+                "steps",
+                "tokens/s",
+                "step time (ms)",
+                "peak MiB (max rank)",
+                "peak MiB per rank",
+                "final loss",
+            ],
+            lambda job, f: [
+                job.name,
+                *(job.options.get(k, "?") for k in varying),
+                # a study's trial cut off by a stop: its run.json still says how far it got
+                "interrupted" if job.name in interrupted else _status_cell(job),
+                _fmt(f.steps, "{}"),
+                _fmt(f.tokens_per_s, "{:,.0f}"),
+                _fmt(f.step_time_s and f.step_time_s * 1000, "{:.1f}"),
+                _fmt(max(f.peak_mib_per_rank, default=None), "{:.0f}"),
+                _per_rank_cell(f.peak_mib_per_rank),
+                _fmt(f.final_loss, "{:.4f}"),
+            ],
+        ),
+        (["val loss"], lambda job, f: [_fmt(f.val_loss, "{:.4f}")], "val_loss"),
+        (["MFU"], lambda job, f: [_fmt(f.mfu, "{:.1%}")], "mfu"),
+        ([n for n, _ in PROFILE_COLUMNS], lambda job, f: _profile_cells(f.profile), "profile"),
+        (list(PREDICTED_COLUMNS), lambda job, f: _predicted_cells(f.predicted), "predicted"),
+        (scores, lambda job, f: [_fmt(f.harness.get(name), "{:.4f}") for name in scores]),
+        (["first sample"], lambda job, f: [_sample_cell(f.sample)], "sample"),
+    ]
+    if study:
+        objective = f"objective ({study.get('objective')})"
+        columns.append(([objective], lambda job, f: [_fmt(values.get(job.name), "{:.6g}")]))
+    return [
+        (heads, cells)
+        for heads, cells, *figure in columns
+        if heads and (not figure or any(getattr(f, figure[0]) is not None for f in figures))
+    ]
 
 
 def _study_lines(study: dict) -> list[str]:
