@@ -138,12 +138,20 @@ def _columns(figures: list[Figures], varying: list[str], study: dict | None) -> 
                 _fmt(f.final_loss, "{:.4f}"),
             ],
         ),
-        (["val loss"], lambda job, f: [_fmt(f.val_loss, "{:.4f}")], "val_loss"),
-        (["MFU"], lambda job, f: [_fmt(f.mfu, "{:.1%}")], "mfu"),
-        ([n for n, _ in PROFILE_COLUMNS], lambda job, f: _profile_cells(f.profile), "profile"),
-        (list(PREDICTED_COLUMNS), lambda job, f: _predicted_cells(f.predicted), "predicted"),
+        (["val loss"], lambda job, f: [_fmt(f.val_loss, "{:.4f}")], lambda f: f.val_loss),
+        (["MFU"], lambda job, f: [_fmt(f.mfu, "{:.1%}")], lambda f: f.mfu),
+        (
+            [n for n, _ in PROFILE_COLUMNS],
+            lambda job, f: _profile_cells(f.profile),
+            lambda f: f.profile,
+        ),
+        (
+            list(PREDICTED_COLUMNS),
+            lambda job, f: _predicted_cells(f.predicted),
+            lambda f: f.predicted,
+        ),
         (scores, lambda job, f: [_fmt(f.harness.get(name), "{:.4f}") for name in scores]),
-        (["first sample"], lambda job, f: [_sample_cell(f.sample)], "sample"),
+        (["first sample"], lambda job, f: [_sample_cell(f.sample)], lambda f: f.sample),
     ]
     if study:
         objective = f"objective ({study.get('objective')})"
@@ -151,7 +159,7 @@ def _columns(figures: list[Figures], varying: list[str], study: dict | None) -> 
     return [
         (heads, cells)
         for heads, cells, *figure in columns
-        if heads and (not figure or any(getattr(f, figure[0]) is not None for f in figures))
+        if heads and (not figure or any(figure[0](f) is not None for f in figures))
     ]
 
 
