@@ -121,17 +121,17 @@ def processes_per_node(kind: HardwareKind, nproc_per_node: int) -> int:
 def check_nproc(kind: HardwareKind, nproc_per_node: int, chosen: Backend = Backend.auto) -> None:
     """One rank per GPU under NCCL (it refuses two on one device; gloo lets ranks share); an
     SPMD process uses every device of its host."""
-    row = hardware_row(kind)
-    if row.nccl and chosen is not Backend.gloo and nproc_per_node > local_devices(kind):
+    row, here = hardware_row(kind), local_devices(kind)
+    if row.nccl and chosen is not Backend.gloo and nproc_per_node > here:
         raise ConfigError(
-            f"hardware.nproc_per_node={nproc_per_node} but only {local_devices(kind)} GPUs are "
+            f"hardware.nproc_per_node={nproc_per_node} but only {here} GPUs are "
             "visible; lower hardware.nproc_per_node (one rank per GPU), or set "
             "hardware.backend=gloo to share the GPUs among ranks (slow: for checking a sharded "
             "layout)"
         )
-    if row.one_process_per_host and nproc_per_node != local_devices(kind):
+    if row.one_process_per_host and nproc_per_node != here:
         raise ConfigError(
-            f"hardware.nproc_per_node={nproc_per_node} but this host has {local_devices(kind)} "
+            f"hardware.nproc_per_node={nproc_per_node} but this host has {here} "
             "XLA devices and SPMD uses all of them; remove hardware.nproc_per_node (with "
             "PJRT_DEVICE=CPU, CPU_NUM_DEVICES sets the count)"
         )
