@@ -6,23 +6,25 @@ become a transformers config; whether the fused losses may take its head; which 
 ``fsdp-lab plan`` counts its activations with, and its q/k normalisation; whether it routes
 tokens to experts; whether transformers converts its checkpoint's keys at load; and which of
 its linear layers a low-precision path (float8 training, a quantised frozen base) may convert;
-and whether context parallelism's attention reproduces its own (CP).
+and whether context parallelism's attention reproduces its own (CP); whether pipeline
+parallelism can cut it into stages (PP).
 The engine (``engine.model``), the rules, the losses (``train.loss``) and the plan
-(``planning.activation_memory``) read this table; nothing else names a family. A model type
-without a row still trains (loss=hf, the llama layer model with a warning in the plan).
+(``planning.activation_memory``) read this table (its columns: fused loss, activation layer
+model, q/k norm, experts, converts keys at load, CP, PP); nothing else names a family. A model
+type without a row still trains (loss=hf, the llama layer model with a warning in the plan).
 
-| model_type | preset    | fused loss | activations | q/k norm | experts | converts keys | CP  |
-| llama      | llama     | yes        | llama       |          |         |               | yes |
-| mistral    |           | yes        | llama       |          |         |               | yes |
-| qwen2      | qwen2     | yes        | llama       |          |         |               | yes |
-| qwen3      |           | yes        | llama       | head     |         |               | yes |
-| gpt2       | gpt2      | yes        | gpt2        |          |         |               |     |
-| gpt_neox   |           |            | neox        |          |         |               |     |
-| bert       | bert      |            | bert        |          |         |               |     |
-| roberta    |           |            | bert        |          |         |               |     |
-| qwen3_moe  | qwen3_moe | yes        | llama       | head     | yes     | yes           | yes |
-| mixtral    | mixtral   | yes        | llama       |          | yes     | yes           | yes |
-| olmoe      | olmoe     | yes        | llama       | full     | yes     | yes           | yes |
+| model_type | preset    | fused | layers | q/k norm | experts | converts | CP  | PP  |
+| llama      | llama     | yes   | llama  |          |         |          | yes | yes |
+| mistral    |           | yes   | llama  |          |         |          | yes | yes |
+| qwen2      | qwen2     | yes   | llama  |          |         |          | yes | yes |
+| qwen3      |           | yes   | llama  | head     |         |          | yes | yes |
+| gpt2       | gpt2      | yes   | gpt2   |          |         |          |     |     |
+| gpt_neox   |           |       | neox   |          |         |          |     |     |
+| bert       | bert      |       | bert   |          |         |          |     |     |
+| roberta    |           |       | bert   |          |         |          |     |     |
+| qwen3_moe  | qwen3_moe | yes   | llama  | head     | yes     | yes      | yes |     |
+| mixtral    | mixtral   | yes   | llama  |          | yes     | yes      | yes |     |
+| olmoe      | olmoe     | yes   | llama  | full     | yes     | yes      | yes |     |
 
 Imports no torch and no transformers: a preset's config class is named, and built by the
 engine.
@@ -94,6 +96,12 @@ class Family:
     mask, its ``scaling`` and at most a ``sliding_window``; nothing else (no soft-capping,
     sinks, ALiBi or learned absolute positions: GPT-2's attention scales by layer and upcasts
     of its own, and an encoder attends both ways)."""
+    pipeline: bool = False
+    """Pipeline parallelism can cut it into stages through its own forwards: a decoder
+    ``model`` with ``embed_tokens``, ``layers`` (each called with the hidden states), ``norm``,
+    and the CausalLM's ``lm_head``; a later stage's input passes as ``inputs_embeds``, which
+    the decoder adds nothing to (GPT-2 adds its learned positions there). Mixtures of experts
+    wait for a load-balancing loss summed across stages."""
 
 
 def _llama_like(m: ModelConfig) -> dict:
@@ -190,6 +198,7 @@ _ROWS = (
         fused_loss=True,
         low_precision_linears=LLAMA_LINEARS,
         context_parallel=True,
+        pipeline=True,
     ),
     Family(
         "mistral",
@@ -197,6 +206,7 @@ _ROWS = (
         fused_loss=True,
         low_precision_linears=LLAMA_LINEARS,
         context_parallel=True,
+        pipeline=True,
     ),
     Family(
         "qwen2",
@@ -207,6 +217,7 @@ _ROWS = (
         fused_loss=True,
         low_precision_linears=LLAMA_LINEARS,
         context_parallel=True,
+        pipeline=True,
     ),
     Family(
         "qwen3",
@@ -215,6 +226,7 @@ _ROWS = (
         qk_norm=Q.head,
         low_precision_linears=LLAMA_LINEARS,
         context_parallel=True,
+        pipeline=True,
     ),
     Family(
         "gpt2",
@@ -334,6 +346,11 @@ def fused_loss_types() -> list[str]:
 def context_parallel_types() -> list[str]:
     """The model types context parallelism runs, by name."""
     return sorted(t for t, row in _rows().items() if row.context_parallel)
+
+
+def pipeline_types() -> list[str]:
+    """The model types pipeline parallelism cuts into stages, by name."""
+    return sorted(t for t, row in _rows().items() if row.pipeline)
 
 
 def expert_presets() -> list[str]:

@@ -53,6 +53,7 @@ class Feature(enum.Enum):
     tensor_parallel = "tensor_parallel"
     context_parallel = "context_parallel"
     expert_parallel = "expert_parallel"
+    pipeline_parallel = "pipeline_parallel"
     torchao = "torchao"  # float8 training, an NF4 base
     grouped_mm = "grouped_mm"  # model.experts_implementation=grouped_mm
     external_launch = "external_launch"  # torchrun, srun, hydra/launcher=slurm
@@ -154,6 +155,10 @@ _XLA_REFUSES = {
     Feature.tensor_parallel: _ANNOTATION,
     Feature.context_parallel: _ANNOTATION,
     Feature.expert_parallel: _ANNOTATION,
+    Feature.pipeline_parallel: (
+        "torch.distributed.pipelining sends activations between processes, and one SPMD "
+        "process drives every device of the host; set parallel.pipeline=1"
+    ),
     Feature.torchao: (
         "torchao's float8 and NF4 kernels are CUDA/CPU only; use hardware=gpu or hardware=cpu"
     ),

@@ -82,7 +82,7 @@ class ShardingConfig:
 class ParallelConfig:
     """Parallelism beside FSDP, on the same device mesh: tensor parallelism (TP), innermost;
     context parallelism (CP), next to it; expert parallelism (EP), borrowed from the shard
-    axis."""
+    axis; pipeline parallelism (PP), outermost."""
 
     tensor: int = 1
     """TP degree: each layer's linear layers split over this many contiguous ranks (the model's
@@ -107,6 +107,24 @@ class ParallelConfig:
     split over this many contiguous ranks of the shard axis (E/expert whole experts each) and
     tokens reach them by all-to-all; the remaining shard ranks shard each expert's parameters
     with FSDP. Must divide the expert count and the shard axis. 1: no EP."""
+    pipeline: int = 1
+    """Pipeline-parallel (PP) degree: the model is cut into stages of whole decoder layers
+    (the first also holds the embedding, the last the final norm and the head), placed on the
+    outermost mesh axis; each stage's ranks shard it with the sharding strategy, and
+    activations pass between stages point to point. World size = pipeline x the data-parallel
+    ranks of a stage. 1: no PP."""
+    pipeline_schedule: str = "1F1B"
+    """torch's schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV (``config.pipeline.SCHEDULES``)."""
+    stages_per_rank: Optional[int] = None
+    """Virtual stages a pipeline rank runs (interleaved and V schedules); None: the schedule's
+    own (1 for GPipe and 1F1B, 2 for the others; V schedules need exactly 2)."""
+    pipeline_microbatches: Optional[int] = None
+    """Microbatches each micro-batch (``trainer.micro_batch_size`` rows) is cut into as it
+    flows through the pipeline; more shrink the bubble. None: one per stage."""
+    pipeline_layers: Optional[List[int]] = None
+    """Decoder layers per stage, in order, instead of the even split (which counts the
+    embedding and the head as a layer each)."""
 
 
 @dataclass

@@ -39,6 +39,18 @@ class Topology:
         return cls(world, per_node, world // per_node, device)
 
 
+def stage_topology(topo: Topology, pipeline: int) -> Topology:
+    """The ranks of one pipeline stage (``parallel.pipeline`` > 1): the pipeline axis is
+    outermost, so a stage is ``world / pipeline`` contiguous ranks (whole nodes when the
+    pipeline spans nodes; else a share of each node). Every data-parallel rule and mesh of a
+    strategy applies within a stage."""
+    if pipeline == 1:
+        return topo
+    nodes = max(1, topo.num_nodes // pipeline)
+    world = topo.world_size // pipeline
+    return Topology(world, world // nodes, nodes, topo.device)
+
+
 def dp_size(topo: Topology, tensor: int = 1, *, context: int = 1) -> int:
     """The data-parallel ranks, those that read different rows: every rank, or one per TP
     group and per CP group (the ranks of either read the same rows)."""

@@ -11,6 +11,8 @@ knows of either.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ from fsdp_lab.config import (
     PrefetchConfig,
     ShardingConfig,
 )
+from fsdp_lab.config.pipeline import PIPELINE_AXIS
 from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import (
     CONTEXT_AXIS,
@@ -49,8 +52,10 @@ from fsdp_lab.config.topology import (
     fsdp_mesh_shape,
     mesh_axes,
     mesh_shape,
+    stage_topology,
 )
 from fsdp_lab.engine import activations, loading, low_precision, precision, wrap
+from fsdp_lab.engine import pipeline as pipeline_lib
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.nf4 import local_bytes
 from fsdp_lab.engine.sharded import ShardedModel
@@ -58,24 +63,32 @@ from fsdp_lab.internals import torch_private
 
 
 def build_mesh(
-    cfg: ShardingConfig, topo: Topology, *, device_type: str, tensor: int = 1, context: int = 1
+    cfg: ShardingConfig,
+    topo: Topology,
+    *,
+    device_type: str,
+    tensor: int = 1,
+    context: int = 1,
+    pipeline: int = 1,
 ) -> DeviceMesh:
     """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
     replicate_size is the number of nodes): the frequent all-gathers stay intra-node. With
     tensor parallelism the TP axis is innermost: a TP group is contiguous ranks; a CP group
-    (context parallelism) the next closest."""
-    return init_device_mesh(
-        device_type,
-        mesh_shape(cfg, topo, tensor, context=context),
-        mesh_dim_names=mesh_axes(cfg, tensor, context=context),
-    )
+    (context parallelism) the next closest. Pipeline parallelism's axis is outermost: a stage
+    is ``world / pipeline`` contiguous ranks, and only activations cross between stages."""
+    shape = mesh_shape(cfg, stage_topology(topo, pipeline), tensor, context=context)
+    names = mesh_axes(cfg, tensor, context=context)
+    if pipeline > 1:
+        shape, names = (pipeline, *shape), (PIPELINE_AXIS, *names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, cfg: ShardingConfig, topo: Topology) -> DeviceMesh:
-    """The sub-mesh FSDP shards on (``topology.fsdp_mesh_shape``): every axis but TP, with the
-    context axis folded into the shard axis (for no_shard, into the replicate axis)."""
+    """The sub-mesh FSDP shards on (``topology.fsdp_mesh_shape``; ``topo``: a stage's): every
+    axis but TP and PP, with the context axis folded into the shard axis (for no_shard, into
+    the replicate axis)."""
     names = mesh.mesh_dim_names
-    data = tuple(n for n in names if n != TENSOR_AXIS)
+    data = tuple(n for n in names if n not in (TENSOR_AXIS, PIPELINE_AXIS))
     if CONTEXT_AXIS not in names:
         return mesh[data] if data != names else mesh
     tensor = mesh.size(names.index(TENSOR_AXIS)) if TENSOR_AXIS in names else 1
@@ -131,9 +144,11 @@ def apply_fsdp(
     prefetch: PrefetchConfig,
     experts: ExpertUnits | None = None,
     ignored: set[nn.Parameter] | None = None,
+    roots: list[nn.Module] | None = None,
 ) -> None:
     """Shard the experts (with expert parallelism), each unit, then the root (which takes the
-    parameters no unit claimed), then set the explicit prefetching.
+    parameters no unit claimed; under a pipeline, ``roots``: each stage's), then set the
+    explicit prefetching.
 
     Units are sharded bottom-up so that nested units exclude their children's parameters. The
     last unit (in forward order) is not resharded after forward, as torchtitan does: backward
@@ -173,7 +188,8 @@ def apply_fsdp(
     # of backward; None lets FSDP2 keep them gathered. With no units the root is the whole model,
     # and the strategy's choice holds.
     root_reshard = None if units else reshard_after_forward
-    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+    for root in roots or [model]:  # a pipeline: each stage is the root of its modules
+        fully_shard(root, reshard_after_forward=root_reshard, **kwargs)
     apply_prefetch(units, prefetch)
 
 
@@ -281,34 +297,50 @@ def apply_model_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig
         context_parallel.apply(model, mesh[CONTEXT_AXIS])
 
 
+# Long: the engine's steps in the order each needs the ones before it.
 def build_model(
-    cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source
+    cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source, loss=None
 ) -> Fsdp2Model:
     """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
-    whole model."""
+    whole model. Under a pipeline (``engine.pipeline``) the model is first cut to this rank's
+    stages, each stage the FSDP root of its modules over the stage's data-parallel ranks, and
+    ``loss`` is what the last stage computes."""
     from fsdp_lab.engine import model as model_lib
 
     model, kind, p = meta_model, topo.device, cfg.parallel
     offload = offloaded(cfg.offload)
     tied = model_lib.tied_groups(model)
     mesh = build_mesh(
-        cfg.sharding, topo, device_type=device.type, tensor=p.tensor, context=p.context
+        cfg.sharding,
+        topo,
+        device_type=device.type,
+        tensor=p.tensor,
+        context=p.context,
+        pipeline=p.pipeline,
     )
-    dp_mesh = data_parallel_mesh(mesh, cfg.sharding, topo)
+    dp_mesh = data_parallel_mesh(mesh, cfg.sharding, stage_topology(topo, p.pipeline))
+    cut = _cut_for_pipeline(model, cfg, mesh)
     apply_model_parallel(model, mesh, p)  # TP and CP, then AC, compile, fully_shard
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
     lowp = low_precision.apply(model, cfg)  # torchao's float8 or NF4, sharded as themselves
     held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
-    units = [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
+    units = [
+        u
+        for u in (wrap.select_units(model, cfg.wrap) if cut is None or cut.layers else [])
+        if not is_expert_unit(u, experts)
+    ]
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:
         activations.compile_units(units)
+    stage_modules = None
+    if cut is not None:  # the stages' views of the model, over its units as wrapped
+        stage_modules = pipeline_lib.build_stages(model, cut.layout, loss, pipeline_rank=cut.rank)
     apply_fsdp(
         model,
         units,
@@ -319,11 +351,25 @@ def build_model(
         prefetch=cfg.sharding.prefetch,
         experts=experts,
         ignored=held_whole,
+        roots=stage_modules,
     )
     model_lib.check_tied(model, tied)
     low_precision.after_sharding(model, cfg, device)
+    if cut is not None and isinstance(source, loading.InitialWeights):
+        source = dataclasses.replace(source, layout=cut.whole)  # drawn as unsplit
     fingerprint = model_lib.materialize(model, device=device, source=source, offload=offload)
     model_lib.check_tied(model, tied)
+    pipeline = (
+        None
+        if cut is None
+        else pipeline_lib.build_schedule(
+            stage_modules,
+            cut.layout,
+            mesh,
+            device,
+            hidden_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
+        )
+    )
     return Fsdp2Model(
         model=model,
         mesh_shape=list(mesh.shape),
@@ -335,7 +381,30 @@ def build_model(
         frozen_fingerprint=fingerprint,
         low_precision=low_precision.measured(model, lowp, held_whole),
         post_step=low_precision.post_step(cfg),
+        pipeline=pipeline,
     )
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    layout: object  # config.pipeline.PipelineLayout
+    rank: int  # on the pipeline axis
+    layers: set[int]  # the decoder layers this rank's stages hold
+    whole: nn.Module  # the unsplit model on meta (the seeded init draws as it)
+
+
+def _cut_for_pipeline(model: nn.Module, cfg: Config, mesh: DeviceMesh) -> PipelineCut | None:
+    """parallel.pipeline > 1: the meta model cut to what this rank's stages hold (names
+    kept, ``engine.pipeline.keep``); None without a pipeline."""
+    if cfg.parallel.pipeline == 1:
+        return None
+    stages = pipeline_lib.check(model.config, cfg.parallel, cfg.trainer.micro_batch_size)
+    pipeline_lib.check_stage_numbers(model, stages)
+    rank = mesh.get_local_rank(PIPELINE_AXIS)
+    layers, embed, head = pipeline_lib.rank_layers(stages, rank)
+    whole = copy.deepcopy(model)
+    pipeline_lib.keep(model, layers, embed=embed, head=head)
+    return PipelineCut(stages, rank, layers, whole)
 
 
 def local_numel(module: nn.Module) -> int:

@@ -55,6 +55,9 @@ class InitialWeights:
     pretrained: str | None = None  # a local directory of safetensors files, or a hub id
     whole: Callable[[], nn.Module] | None = None  # rank 0's whole model: model.loading=rank0,
     per_rank: bool = True  # and the route where a checkpoint cannot be read per rank
+    # A pipeline rank's model holds only its stages: the unsplit model on meta, whose groups
+    # its seeded draws follow (so each tensor is drawn as unsplit).
+    layout: nn.Module | None = None
 
     def from_files(self) -> bool:
         """Whether the weights are a local directory's files (a hub id's are not)."""
@@ -157,24 +160,28 @@ def init_groups(
     *,
     wanted: Callable[[str], bool] = lambda name: True,
     hf_init: bool = True,
+    layout: nn.Module | None = None,
 ) -> None:
     """Draw the ``wanted`` tensors (by clean name) one group at a time: each block of the
     model's stack, then the rest. A group's tensors are lent full-size scratch tensors on the
     host, initialised as transformers does (``_init_weights``, children before parents) when
     ``hf_init``, then the group's LoRA adapters as PEFT does, all under the group's own seed;
-    each rank then keeps its slice."""
+    each rank then keeps its slice. ``layout``: the unsplit model on meta, for a model that
+    holds some of its tensors (a pipeline stage's): the groups and draws are the layout's, so
+    every tensor takes the value it takes unsplit; the ones ``model`` lacks are dropped."""
 
-    stack = blocks(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    owner = _init_owner(model)
+    shape = model if layout is None else layout
+    stack = blocks(shape)
+    names = {id(m): n for n, m in shape.named_modules()}
+    owner = _init_owner(shape)
     groups = [(clean_name(names[id(b)]), b, frozenset()) for b in stack]
-    groups.append(("", model, frozenset(id(b) for b in stack)))
-    owned = owned_tensors(model)
-    by_id = {id(t): name for name, (_, _, t) in owned.items()}
+    groups.append(("", shape, frozenset(id(b) for b in stack)))
+    targets = {name: t for name, (_, _, t) in owned_tensors(model).items()}
+    by_id = {id(t): name for name, (_, _, t) in owned_tensors(shape).items()}
     for group, root, skip in groups:
         order = _children_first(root, skip)
-        scratch: dict[int, torch.Tensor] = {}  # id(real tensor) -> its scratch
-        real: dict[int, torch.Tensor] = {}
+        scratch: dict[int, torch.Tensor] = {}  # id(layout's tensor) -> its scratch
+        real: dict[int, torch.Tensor] = {}  # and the model's tensor it fills
         swaps: list[tuple[nn.Module, str, torch.Tensor]] = []
         for module in order:
             for attr, t in torch_private.own_tensors(module, persistent=False):
@@ -182,9 +189,11 @@ def init_groups(
                 if name is None or not wanted(name):
                     continue
                 if id(t) not in scratch:
-                    scratch[id(t)], real[id(t)] = torch.empty(t.shape, dtype=t.dtype), t
+                    scratch[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+                    if name in targets:
+                        real[id(t)] = targets[name]
                 swaps.append((module, attr, scratch[id(t)]))
-        if not swaps:
+        if not real:  # nothing of this group here (another stage's block)
             continue
         with torch_private.lent(swaps):
             _draw(order, owner, seed, group, hf_init=hf_init, adapter=ADAPTER)
@@ -348,7 +357,7 @@ def fill(model: nn.Module, spec: InitialWeights) -> str | None:
     if planned is not None:
         read_pretrained(model, spec.pretrained, seed=spec.seed, planned=planned)
     else:
-        init_groups(model, spec.seed)
+        init_groups(model, spec.seed, layout=spec.layout)
     return frozen_fingerprint(model, spec, planned)
 
 

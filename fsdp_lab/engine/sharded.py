@@ -52,6 +52,7 @@ class ShardedModel(ABC):
     frozen_fingerprint: str | None = None  # of the frozen base (loading.frozen_fingerprint)
     low_precision: dict | None = None  # float8 / NF4 layers (engine.low_precision's record)
     post_step: Callable[[nn.Module], None] | None = None  # after each optimizer step
+    pipeline: object | None = None  # engine.pipeline.Pipeline: this rank's stages; None: no PP
 
     @contextlib.contextmanager
     def weights_kept_gathered(self, enabled: bool = True) -> Iterator[None]:

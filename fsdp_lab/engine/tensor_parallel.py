@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_lab.config import ConfigError, ParallelConfig
+from fsdp_lab.engine.hardware import process_group
 from fsdp_lab.internals import torch_private
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
@@ -213,15 +214,17 @@ def _has(model: nn.Module, name: str) -> bool:
     return True
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, *, pipeline=None) -> torch.Tensor:
     """``clip_grad_norm_`` over parameters that may live on different meshes (with TP: the
     TP-sharded ones on (dp, tp), the rest on dp): each mesh's norm is reduced over its own mesh,
-    then they are combined. The total norm, before clipping, as a plain tensor."""
+    then they are combined. The total norm, before clipping, as a plain tensor. ``pipeline``:
+    the process group of the pipeline axis, whose other ranks hold the other stages' parameters:
+    the squared norm is summed over it too."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and pipeline is None:
         params = next(iter(groups.values()), [])
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -229,7 +232,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     for params in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    squared = torch.stack(norms).float().square().sum() if norms else torch.zeros(())
+    if pipeline is not None:
+        squared = squared.to(process_group.collective_device(squared.device))
+        torch.distributed.all_reduce(squared, group=pipeline)
+    total = squared.sqrt()
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -103,6 +103,10 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
         from fsdp_lab.engine import context_parallel
 
         context_parallel.check(hf_config, cfg.parallel.context)
+    if cfg.parallel.pipeline > 1:  # a family it cannot cut, a layout its schedule refuses
+        from fsdp_lab.engine import pipeline
+
+        pipeline.check(hf_config, cfg.parallel, cfg.trainer.micro_batch_size)
     if cfg.parallel.expert > 1:  # a dense model, or an expert count the degree cannot split
         from fsdp_lab.engine import expert_parallel
 

@@ -29,11 +29,18 @@ from fsdp_lab.config.device_rows import device_profile, named_devices, setting
 from fsdp_lab.config.hardware_kinds import HARDWARE, hardware_row, plannable
 from fsdp_lab.config.hardware_profiles import DeviceProfile
 from fsdp_lab.config.load import compose
+from fsdp_lab.config.pipeline import PIPELINE_AXIS
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import reshard_after_forward, strategy_of
-from fsdp_lab.config.topology import Topology, fsdp_mesh_shape, mesh_axes, mesh_shape
+from fsdp_lab.config.topology import (
+    Topology,
+    fsdp_mesh_shape,
+    mesh_axes,
+    mesh_shape,
+    stage_topology,
+)
 from fsdp_lab.engine.hardware import devices
 from fsdp_lab.planning import activation_memory, machine, memory, plan_time
 from fsdp_lab.planning.plan_model import ModelShape, inspect_model
@@ -149,7 +156,8 @@ def strategy_plan(
         if chosen:
             raise
         return Unavailable(reason=str(e))
-    tp, cp = cfg.parallel.tensor, cfg.parallel.context
+    tp, cp, pp = cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.pipeline
+    topo = stage_topology(topo, pp)  # a pipeline's stage: the strategy runs within it
     mesh = mesh_shape(variant, topo, tp, context=cp)
     # FSDP shards over these (a CP group too); a TP group repeats, innermost
     dp_mesh = fsdp_mesh_shape(variant, topo, tp, context=cp)
@@ -165,9 +173,12 @@ def strategy_plan(
         dp_size=dp_mesh[-1],
         trainable=sum(q.numel for q in facts.params if q.trainable),
     )
+    axes = mesh_axes(variant, tp, context=cp)
+    if pp > 1:
+        mesh, axes = (pp, *mesh), (PIPELINE_AXIS, *axes)
     return StrategyPlan(
         mesh=tuple(mesh),
-        mesh_axes=tuple(mesh_axes(variant, tp, context=cp)),
+        mesh_axes=tuple(axes),
         fsdp_mesh=tuple(dp_mesh),
         reshard_after_forward=reshard,
         state_location="host (offload=cpu)" if offload else "host" if host else "device",
@@ -200,6 +211,8 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         loss_chunk=facts.loss_chunk,
         op=cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
     )
+    if facts.pipeline is not None:  # the microbatches in flight on the counted stage's rank
+        act = dataclasses.replace(act, saved=int(act.saved * facts.pipeline.in_flight))
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
         memory.Reduction(b, rb, shard_size=shard, gloo=not hardware_row(topo.device).nccl),

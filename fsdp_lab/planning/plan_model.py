@@ -4,6 +4,7 @@ shape its activations are counted from, and the loss."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ import torch
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.low_precision import NF4_BITS
+from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.engine import activations, conversion, finetune, low_precision, wrap
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.engine.model import ModelCounts
@@ -40,6 +42,28 @@ class ModelShape(ModelCounts):
     flops_per_token: int = 0  # training FLOPs per token, MFU's (``observe.metrics``)
     checkpointed_units: frozenset[int] = frozenset()  # the units activation checkpointing wraps
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineShare | None = None  # parallel.pipeline > 1: the heaviest rank's stages
+
+
+@dataclass(frozen=True)
+class PipelineShare:
+    """The pipeline rank the plan counts (the one holding the most parameters): its stages'
+    layers, and what the schedule keeps in flight and sends."""
+
+    rank: int
+    stages: list[int]
+    layers: int  # decoder layers it holds
+    of_layers: int  # the model's
+    bubble: float  # the schedule's idle share (config.pipeline)
+    in_flight: float  # of a micro-batch's activations held at the peak, as a fraction
+    hidden_bytes: int  # one row's hidden states between stages: seq_len x hidden x dtype bytes
+    boundaries: int  # stage boundaries this rank sends or receives across (each way)
+
+    def step_bytes(self, cfg: Config) -> float:
+        """Bytes sent and received in a step: each boundary, forward and backward, every row
+        of every micro-batch."""
+        rows = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps
+        return 2.0 * self.boundaries * rows * self.hidden_bytes
 
 
 def _tensor_parallel_shapes(model, parallel) -> dict[int, tuple[int, int, bool]]:
@@ -80,11 +104,20 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
 
     hf_config, vocab_source = _hf_config(cfg)
     model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    share = _pipeline_share(cfg, model)  # under a pipeline: its heaviest rank's stages
     lowp = low_precision.apply(model, cfg)  # as engine.fsdp converts it, on meta
     loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     params, tp_notes = _param_shapes(cfg, model, units)
     layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
+    if share is not None:  # its layers, as many of a micro-batch's rows as are in flight
+        layer = dataclasses.replace(layer, num_layers=share.layers)
+        notes.append(
+            f"parallel.pipeline={cfg.parallel.pipeline}: counted for pipeline rank {share.rank} "
+            f"(stages {share.stages}, {share.layers} of {share.of_layers} layers, the most "
+            f"parameters); {cfg.parallel.pipeline_schedule} keeps {share.in_flight:.2f} of a "
+            f"micro-batch's activations in flight; its bubble is {share.bubble:.0%} of a step"
+        )
     if any(not q.trainable for q in params):
         notes.append(
             f"finetune={cfg.finetune.method.name}: activations are counted as for full "
@@ -131,6 +164,42 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         checkpointed_units=frozenset(chosen),
         flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
         notes=notes + tp_notes,
+        pipeline=share,
+    )
+
+
+def _pipeline_share(cfg: Config, model) -> PipelineShare | None:
+    """parallel.pipeline > 1: ``model`` (meta) cut in place to the stages of the pipeline rank
+    holding the most parameters (``engine.pipeline.keep``, as the engine cuts it), and what
+    that rank's schedule keeps in flight."""
+    p = cfg.parallel
+    if p.pipeline == 1:
+        return None
+    from fsdp_lab.engine import pipeline
+
+    stages = pipeline.check(model.config, p, cfg.trainer.micro_batch_size)
+
+    def held(rank: int) -> int:
+        trial = copy.deepcopy(model)
+        layers, embed, head = pipeline.rank_layers(stages, rank)
+        pipeline.keep(trial, layers, embed=embed, head=head)
+        return sum(t.numel() for t in trial.parameters())
+
+    rank = max(range(p.pipeline), key=held)
+    layers, embed, head = pipeline.rank_layers(stages, rank)
+    pipeline.keep(model, layers, embed=embed, head=head)
+    mine = stages.stages_of(rank)
+    boundaries = sum((s > 0) + (s < stages.stages - 1) for s in mine)
+    b = dtype_row(cfg.precision.param_dtype).bytes
+    return PipelineShare(
+        rank=rank,
+        stages=mine,
+        layers=len(layers),
+        of_layers=model.config.num_hidden_layers,
+        bubble=stages.bubble(),
+        in_flight=stages.in_flight(rank),
+        hidden_bytes=cfg.trainer.seq_len * model.config.hidden_size * b,
+        boundaries=boundaries,
     )
 
 

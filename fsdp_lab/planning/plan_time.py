@@ -312,6 +312,8 @@ def step_work(
         optimizer_on_host=offload,
         model_flops_per_token=facts.flops_per_token,
         optimizer_tensors=tensors,
+        pipeline_bubble=facts.pipeline.bubble if facts.pipeline else 0.0,
+        pipeline_bytes=facts.pipeline.step_bytes(cfg) if facts.pipeline else 0.0,
     )
 
 

@@ -132,6 +132,11 @@ class StepWork:
     optimizer_on_host: bool = False  # offload=cpu: AdamW runs on the host's memory
     optimizer_tensors: int = 0  # the parameter tensors the optimizer steps (trainable ones)
     model_flops_per_token: float = 0.0  # MFU's numerator per token (6N + attention), no recompute
+    # Pipeline parallelism: the schedule's idle share of a step on the heaviest rank
+    # (``config.pipeline.ScheduleRow.bubble``), and the bytes this rank sends and receives to
+    # its neighbour stages in a step (activations forward, their gradients back).
+    pipeline_bubble: float = 0.0
+    pipeline_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,9 @@ class StepTime:
     tokens_per_s: float  # per rank
     mfu: float | None  # model FLOP/s over the device's dense peak in the compute dtype
     device: str
-    exposed_by_kind: dict[str, float] = field(default_factory=dict)  # fsdp, tp/cp/ep (inner)
+    exposed_by_kind: dict[str, float] = field(default_factory=dict)  # fsdp, tp/cp/ep/pp (inner)
+    bubble_s: float = 0.0  # the pipeline schedule's idle time (in other_s)
+    p2p_s: float = 0.0  # the pipeline's sends between stages (in exposed_comm_s)
 
     def share(self, name: str) -> float:
         return getattr(self, name) / self.step_s if self.step_s > 0 else 0.0
@@ -271,6 +278,13 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     exposed_inner *= learned.get("comm_scale", 1.0)
     host = learned.get("host_s", 0.0) + device.step_host_s
     other = work.offload_bytes / device.host_link.bytes_per_s + host
+    # Pipeline: point-to-point sends, exposed (a stage waits for its input), and the bubble, the
+    # idle share of the pipelined part of the step.
+    p2p = work.pipeline_bytes / device.intra_node.bytes_per_s if work.pipeline_bytes else 0.0
+    exposed_inner += p2p
+    busy = compute + exposed_fsdp + exposed_inner
+    bubble = busy * work.pipeline_bubble / (1 - work.pipeline_bubble)
+    other += bubble
     step = compute + exposed_fsdp + exposed_inner + optimizer + other
     tokens = work.tokens * m / step if step > 0 else 0.0
     peak = device.compute.get(peak_key(work.dtype))
@@ -286,4 +300,6 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
         mfu=mfu,
         device=device.name,
         exposed_by_kind={"fsdp": exposed_fsdp, "inner": exposed_inner},
+        bubble_s=bubble,
+        p2p_s=p2p,
     )

@@ -23,7 +23,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.hardware_kinds import Engine, hardware_row
-from fsdp_lab.config.topology import Topology, dp_size
+from fsdp_lab.config.topology import Topology, dp_size, stage_topology
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.context import ContextShare
 from fsdp_lab.data.loader import Loader, build_data
@@ -86,7 +86,7 @@ class TrainState:
 def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainState:
     """Every rank builds the same state; only its shards and its rows of the data differ."""
     facts, meta_model, loss = _model_on_meta(cfg, ctx)
-    sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config)
+    sharded = _shard_and_fill(cfg, ctx, meta_model, facts.hf_config, loss)
     load_rss = process_group.gather_from_processes(memory.host_peak_rss_bytes())
     facts = dataclasses.replace(facts, load_rss=load_rss)
     tokenizer, corpus, data = _rank_data(cfg, ctx, facts.hf_config.vocab_size)
@@ -125,7 +125,11 @@ def build_train_state(cfg: Config, ctx: RankContext, run_dir: Path) -> TrainStat
         checkpointer=checkpointer,
         start_step=0,
         tokens_seen=0,
-        tokens_per_step=dp_size(topo, cfg.parallel.tensor, context=cfg.parallel.context)
+        tokens_per_step=dp_size(
+            stage_topology(topo, cfg.parallel.pipeline),
+            cfg.parallel.tensor,
+            context=cfg.parallel.context,
+        )
         * t.micro_batch_size
         * t.grad_accum_steps
         * t.seq_len,
@@ -153,15 +157,17 @@ def _rank_data(cfg: Config, ctx: RankContext, vocab_size: int):
     )
     ranks_here = ctx.topo.world_size // ctx.procs  # data-parallel ranks this process feeds
     # A TP group (contiguous ranks) reads the same rows; so does a CP group (the next
-    # contiguous ranks: the context axis comes before tp), each rank its chunks of them.
+    # contiguous ranks: the context axis comes before tp), each rank its chunks of them. The
+    # stages of a pipeline (the outermost axis) read the same rows too.
     tensor, context = cfg.parallel.tensor, cfg.parallel.context
+    stage = stage_topology(ctx.topo, cfg.parallel.pipeline)
     data = build_data(
         cfg,
         corpus=corpus,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
-        dp_size=dp_size(ctx.topo, tensor, context=context),
-        dp_rank=ctx.rank * ranks_here // (tensor * context),
+        dp_size=dp_size(stage, tensor, context=context),
+        dp_rank=ctx.rank % stage.world_size * ranks_here // (tensor * context),
         local_ranks=ranks_here,
         context=ContextShare(context, ctx.rank // tensor % context) if context > 1 else None,
     )
@@ -198,7 +204,7 @@ def _model_on_meta(
 
 
 def _shard_and_fill(
-    cfg: Config, ctx: RankContext, meta_model: torch.nn.Module, hf_config
+    cfg: Config, ctx: RankContext, meta_model: torch.nn.Module, hf_config, loss
 ) -> ShardedModel:
     """The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and compiles
     them, shards them on the strategy's mesh with the dtype and offload policies, and fills the
@@ -226,7 +232,9 @@ def _shard_and_fill(
         whole=whole,
         per_rank=cfg.model.loading is WeightLoading.per_rank,
     )
-    return fsdp.build_model(cfg, ctx.topo, ctx.device, meta_model=meta_model, source=source)
+    return fsdp.build_model(
+        cfg, ctx.topo, ctx.device, meta_model=meta_model, source=source, loss=loss
+    )
 
 
 def _resume(cfg: Config, state: TrainState) -> None:

@@ -54,20 +54,31 @@ def evaluate(
     device: torch.device,
     place,
     tp_ranks: int = 1,
+    pipeline=None,
 ) -> EvalResult:
     """Validation loss over ``num_batches`` micro-batches per rank (every rank runs the same
     number: each forward is a collective). Sums of token losses and counts are all-reduced, so
     the mean is over tokens, whatever rows a rank got or how many positions a mask chose.
-    ``tp_ranks``: ranks that see the same rows (a TP group), counted once."""
+    ``tp_ranks``: ranks that see the same rows (a TP group), counted once. ``pipeline``
+    (``engine.pipeline.Pipeline``): the batches run through its schedule, forward only, and
+    only the last stage's ranks count."""
     start = time.perf_counter()
     model.eval()
+    if pipeline is not None:
+        pipeline.train(False)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for index in range(num_batches):
-        sums += loss.token_sums(model, place(data.val_batch(index)))
+        batch = place(data.val_batch(index))
+        if pipeline is not None:
+            sums += pipeline.token_sums(batch, loss)
+        else:
+            sums += loss.token_sums(model, batch)
         devices.mark_step(device)
     sums = sums.to(process_group.collective_device(device))
     dist.all_reduce(sums)
     model.train()
+    if pipeline is not None:
+        pipeline.train(True)
     total, count = (x / tp_ranks for x in sums.tolist())
     mean = total / max(count, 1.0)
     return EvalResult(

@@ -32,6 +32,7 @@ from fsdp_lab.train.evaluation import EvalResult, evaluate
 from fsdp_lab.train.loss import Loss
 
 if TYPE_CHECKING:
+    from fsdp_lab.engine.pipeline import Pipeline
     from fsdp_lab.observe.record import SampleRecord
     from fsdp_lab.train.build import TrainState
     from fsdp_lab.train.evaluation import HarnessScores
@@ -89,6 +90,7 @@ def train_step(
     scaler,
     grad_clip: float | None,
     loss: Loss,
+    pipeline: Pipeline | None = None,
 ) -> StepResult:
     """Forward/backward over the micro-batches, one gradient reduction, clip, update.
 
@@ -97,7 +99,9 @@ def train_step(
     on the host by the loader; ``dp``: the ranks the gradient is averaged over, which undoes
     the average into a sum). Reads nothing back from the device: the scale is copied there as
     the batches are, ``clip_grad_norm_`` keeps the norm there, and ``loss`` spares the forward
-    transformers' packed-sequence check."""
+    transformers' packed-sequence check. Under a pipeline (``engine.pipeline``) each
+    micro-batch runs through the schedule, the loss is summed over the pipeline axis and the
+    gradient norm over every stage's parameters."""
     num_micro = len(batches)
     device = batches[0]["input_ids"].device
     scale = loss_scale(targets, dp, device)
@@ -106,16 +110,23 @@ def train_step(
     # (On XLA the compiler places the reductions in the step's one graph.)
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     for i, batch in enumerate(batches):
+        if pipeline is not None:  # forward and backward, by the schedule
+            total += pipeline.train_value(batch, scale)
+            continue
         if set_sync is not None:
             set_sync(i == num_micro - 1)
         value = loss.train_value(model, batch, scale=scale, num_micro=num_micro)
         (scaler.scale(value) if scaler is not None else value).backward()
         total += value.detach().float()
+    if pipeline is not None:  # the last stage's loss, on every stage's ranks
+        total = pipeline.reduce(total)
     if scaler is not None:
         scaler.unscale_(optimizer)  # so clipping sees true gradient magnitudes
     # Over every mesh the parameters live on (with TP: (dp, tp) and dp), reduced on each.
     norm = tensor_parallel.clip_grad_norm(
-        model.parameters(), grad_clip if grad_clip is not None else math.inf
+        model.parameters(),
+        grad_clip if grad_clip is not None else math.inf,
+        pipeline=pipeline.group if pipeline is not None else None,
     )
     skipped = None
     if scaler is not None:
@@ -216,6 +227,7 @@ def train(state: TrainState, setup: LoopSetup) -> LoopEnd:
                 scaler=state.scaler,
                 grad_clip=setup.grad_clip,
                 loss=state.loss,
+                pipeline=state.sharded.pipeline,
             )
             state.sharded.after_optimizer_step()  # float8: the next step's weight scales
             state.scheduler.step()
@@ -317,6 +329,7 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
             device=setup.device,
             place=state.sharded.place_batch,
             tp_ranks=setup.tp_ranks,
+            pipeline=state.sharded.pipeline,
         )
         if reporter is not None:
             reporter.validation(step, result)

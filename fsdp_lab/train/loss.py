@@ -207,8 +207,27 @@ class Loss:
         computed as the model's own loss computes its mean (a causal LM's logits upcast to fp32
         first, a masked LM's in their dtype, as BERT's: the same memory as
         ``model(**batch).loss``)."""
+        return self.stage_value(model, batch, inputs_embeds=None, last=True)
+
+    def stage_value(
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        *,
+        inputs_embeds: torch.Tensor | None,
+        last: bool,
+    ) -> torch.Tensor:
+        """One pipeline stage's forward (``engine.pipeline.Stage``): the model's own, from the
+        previous stage's hidden states as ``inputs_embeds`` where given. A stage before the
+        last returns its hidden states (its head is the identity); the last, the summed token
+        losses, as ``__call__``."""
         inputs = self._inputs(model, batch)
         labels = inputs.pop("labels")
+        if inputs_embeds is not None:
+            del inputs["input_ids"]
+            inputs["inputs_embeds"] = inputs_embeds
+        if not last:
+            return model(**inputs).logits
         if loss_of(self.kind).fused:
             return self._fused(model, inputs, labels).float()
         logits = model(**inputs).logits

@@ -1,0 +1,292 @@
+"""``parallel.pipeline``: a Hugging Face causal LM cut into stages of whole decoder layers,
+run by torch's pipeline schedules (``torch.distributed.pipelining``), each stage sharded by
+FSDP2 over its own ranks.
+
+The model is cut through its own forwards, never patched:
+
+- This rank's model (``keep``) is the run's meta model with what none of its stages holds
+  taken out: a decoder layer becomes a ``SkippedLayer`` (it hands the hidden states on), the
+  embedding, the final norm and the head an ``nn.Identity``. A kept tensor keeps its name
+  (``model.layers.5.mlp.up_proj.weight``), so DCP checkpoints, their resume under another
+  pipeline and the Hugging Face export are the unsplit model's.
+- Each stage runs a view of it (``stage_view``): a shallow copy of the causal LM and its decoder
+  sharing every kept module, with the layers of the rank's other stages skipped too.
+- A stage's forward is the model's own: the first stage from ``input_ids``, a later one from
+  the previous stage's hidden states as ``inputs_embeds``; a middle stage's head is the
+  identity, so its "logits" are its hidden states; the last computes the loss (a fused loss in
+  its head, as unsplit). The masks are built in each stage from the batch it is given.
+
+Loss and gradients are exact: the last stage returns each microbatch's summed token losses,
+scaled as the step scales a micro-batch (``dp / the global targets``); FSDP averages over the
+stage's data-parallel ranks as it does unsplit; the schedule does not scale
+(``scale_grads=False``). The step's loss is all-reduced over the pipeline axis, the gradient
+norm's square too.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_lab.config import ConfigError, ParallelConfig, families
+from fsdp_lab.config.pipeline import PIPELINE_AXIS, PipelineLayout, layout
+from fsdp_lab.data.labels import IGNORE_INDEX
+
+BASE, LAYERS, EMBED, NORM, HEAD = "model", "layers", "embed_tokens", "norm", "lm_head"
+
+
+def check(hf_config, parallel: ParallelConfig, micro_batch_size: int) -> PipelineLayout:
+    """The run's stages, or a one-line refusal: a family the split does not serve, tied
+    embeddings on a loop schedule (the embedding and the head on different ranks), a layout
+    the schedule cannot run (``config.pipeline.layout``)."""
+    n = parallel.pipeline
+    model_type = getattr(hf_config, "model_type", "?")
+    row = families.family_of(model_type)
+    if row is None or not row.pipeline:
+        runs = ", ".join(families.pipeline_types())
+        raise ConfigError(
+            f"parallel.pipeline={n}: model_type={model_type} cannot be cut into stages through "
+            f"its own forwards (PP runs {runs}); set parallel.pipeline=1"
+        )
+    stages = layout(parallel, hf_config.num_hidden_layers, micro_batch_size)
+    if getattr(hf_config, "tie_word_embeddings", False) and stages.rank_of(0) != stages.rank_of(
+        stages.stages - 1
+    ):
+        raise ConfigError(
+            f"parallel.pipeline={n}: the model ties its head to its embedding "
+            "(tie_word_embeddings), which the first and the last stage would hold on different "
+            "ranks; use a V schedule (parallel.pipeline_schedule=ZBVZeroBubble or DualPipeV, "
+            "whose rank 0 holds both) or untied embeddings (model.tie_word_embeddings=false)"
+        )
+    return stages
+
+
+class SkippedLayer(nn.Module):
+    """A decoder layer another stage holds: the hidden states pass through it unchanged. It
+    keeps the attributes a decoder reads off its layers (``attention_type``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        if hasattr(layer, "attention_type"):
+            self.attention_type = layer.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _parts(lm: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    base = getattr(lm, BASE)
+    return base, getattr(base, LAYERS)
+
+
+def keep(lm: nn.Module, layers: set[int], *, embed: bool, head: bool) -> None:
+    """Take out of ``lm`` (in place, on meta) what this rank's stages do not hold."""
+    base, blocks = _parts(lm)
+    for i in range(len(blocks)):
+        if i not in layers:
+            blocks[i] = SkippedLayer(blocks[i])
+    if not embed:
+        setattr(base, EMBED, nn.Identity())
+    if not head:
+        setattr(base, NORM, nn.Identity())
+        setattr(lm, HEAD, nn.Identity())
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its submodules, parameters and buffers, with its own
+    registries (so a child replaced or a hook added on the copy stays on the copy)."""
+    view = copy.copy(module)
+    for key, value in list(vars(view).items()):
+        if isinstance(value, dict):
+            setattr(view, key, type(value)(value))
+    return view
+
+
+def stage_view(lm: nn.Module, layers: tuple[int, ...], *, first: bool, last: bool) -> nn.Module:
+    """The causal LM one stage runs: ``lm``'s modules, the layers outside ``layers`` skipped,
+    the embedding only on the first stage, the final norm and head only on the last."""
+    view = _shallow(lm)
+    base = _shallow(getattr(lm, BASE))
+    setattr(view, BASE, base)
+    blocks = getattr(base, LAYERS)
+    owned = set(layers)
+    setattr(
+        base,
+        LAYERS,
+        nn.ModuleList(
+            b if i in owned or isinstance(b, SkippedLayer) else SkippedLayer(b)
+            for i, b in enumerate(blocks)
+        ),
+    )
+    if not first:
+        setattr(base, EMBED, nn.Identity())
+    if not last:
+        setattr(base, NORM, nn.Identity())
+        setattr(view, HEAD, nn.Identity())
+    return view
+
+
+class Stage(nn.Module):
+    """One stage as the schedule calls it: ``forward(x, **batch)``, ``x`` the micro-batch's
+    ``input_ids`` on the first stage and the previous stage's hidden states on the others; it
+    returns its hidden states, or on the last stage the microbatch's summed token losses (fp32).
+    The FSDP root of its modules (``fully_shard`` is applied to it)."""
+
+    def __init__(self, lm: nn.Module, loss, *, index: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        self.index, self.first, self.last = index, first, last
+        self._loss = (loss,)  # not a submodule
+
+    def forward(self, x: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
+        loss = self._loss[0]
+        return loss.stage_value(
+            self.lm, batch, inputs_embeds=None if self.first else x, last=self.last
+        )
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them; what the step and the evaluation
+    call instead of the model's forward."""
+
+    layout: PipelineLayout
+    stages: list[Stage]  # this rank's, in order
+    schedule: object  # torch's
+    group: dist.ProcessGroup  # the pipeline axis through this rank
+    device: torch.device
+    hidden_size: int  # what passes between stages: B x T x hidden_size
+    hidden_dtype: torch.dtype  # in the compute dtype
+    scale: torch.Tensor | None = None  # the current micro-batch's loss scale
+
+    @property
+    def holds_last(self) -> bool:
+        return any(s.last for s in self.stages)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output * self.scale
+
+    def train_value(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch through the schedule; the summed scaled
+        losses of its microbatches on a rank holding the last stage, else a zero."""
+        self.scale = scale
+        losses: list[torch.Tensor] = []
+        inputs = {k: v for k, v in batch.items() if v is not None}
+        self.schedule.step(
+            inputs["input_ids"],
+            target=inputs["labels"],
+            losses=losses,
+            return_outputs=False,
+            **inputs,
+        )
+        if self.holds_last:
+            return torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
+        return torch.zeros((), dtype=torch.float32, device=batch["input_ids"].device)
+
+    @torch.no_grad()
+    def token_sums(self, batch: dict[str, torch.Tensor], loss) -> torch.Tensor:
+        """(sum of token losses, tokens counted) in float64 on the ranks of the last stage,
+        zeros on the others: all-reduced over the world it counts each row once. The whole
+        micro-batch passes the stages in order, forward only (torch's ``eval`` cannot run the
+        zero-bubble schedules' split backward's actions without a backward)."""
+        inputs = {k: v for k, v in batch.items() if v is not None}
+        me, hidden, total = dist.get_rank(self.group), None, None
+        by_index = {s.index: s for s in self.stages}
+        for index in range(self.layout.stages):
+            owner = self.layout.rank_of(index)
+            before = self.layout.rank_of(index - 1) if index else owner
+            if index and before == me and owner != me:
+                dist.send(hidden.contiguous(), dist.get_global_rank(self.group, owner), self.group)
+            if owner != me:
+                continue
+            if index and before != me:
+                shape = (*inputs["input_ids"].shape, self.hidden_size)
+                hidden = torch.empty(shape, dtype=self.hidden_dtype, device=self.device)
+                dist.recv(hidden, dist.get_global_rank(self.group, before), self.group)
+            out = by_index[index](inputs["input_ids"] if index == 0 else hidden, **inputs)
+            if by_index[index].last:
+                total = out
+            else:
+                hidden = out
+        count = (loss.targets(batch["labels"]) != IGNORE_INDEX).sum()
+        if total is None:
+            return torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
+        return torch.stack([total.double(), count.double()])
+
+    def train(self, mode: bool = True) -> None:
+        for stage in self.stages:
+            stage.train(mode)
+
+    def reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-stage sum summed over the pipeline axis (every pipeline rank then holds it)."""
+        dist.all_reduce(value, group=self.group)
+        return value
+
+
+def build_stages(lm: nn.Module, stages: PipelineLayout, loss, *, pipeline_rank: int) -> list[Stage]:
+    """This rank's stage modules over ``lm`` (already ``keep``-ed)."""
+    out = []
+    for s in stages.stages_of(pipeline_rank):
+        first, last = s == 0, s == stages.stages - 1
+        view = stage_view(lm, stages.layers[s], first=first, last=last)
+        out.append(Stage(view, loss, index=s, first=first, last=last))
+    return out
+
+
+def rank_layers(stages: PipelineLayout, pipeline_rank: int) -> tuple[set[int], bool, bool]:
+    """The decoder layers this rank's stages hold, and whether it holds the embedding and the
+    head."""
+    mine = stages.stages_of(pipeline_rank)
+    layers = {i for s in mine for i in stages.layers[s]}
+    return layers, 0 in mine, stages.stages - 1 in mine
+
+
+def build_schedule(
+    stage_modules: list[Stage],
+    stages: PipelineLayout,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    hidden_dtype: torch.dtype,
+) -> Pipeline:
+    """torch's stages and schedule over this rank's stage modules (FSDP-sharded already)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    group = mesh.get_group(PIPELINE_AXIS)
+    torch_stages = [
+        PipelineStage(m, m.index, stages.stages, device, group=group) for m in stage_modules
+    ]
+    lm = stage_modules[0].lm
+    pipeline = Pipeline(
+        stages,
+        stage_modules,
+        None,
+        group,
+        device=device,
+        hidden_size=lm.config.hidden_size,
+        hidden_dtype=hidden_dtype,
+    )
+    cls = get_schedule_class(stages.schedule.name)
+    schedule = cls(
+        torch_stages if stages.schedule.multi else torch_stages[0],
+        n_microbatches=stages.microbatches,
+        loss_fn=pipeline._loss_fn,
+        scale_grads=False,
+    )
+    pipeline.schedule = schedule
+    return pipeline
+
+
+def check_stage_numbers(model: nn.Module, stages: PipelineLayout) -> None:
+    """The meta model's decoder has the layers the layout cut (a config/model mismatch is a
+    bug, not a user error)."""
+    _, blocks = _parts(model)
+    total = sum(len(s) for s in stages.layers)
+    if len(blocks) != total:
+        raise RuntimeError(f"pipeline layout cuts {total} layers; the model has {len(blocks)}")
