@@ -6,12 +6,11 @@ become a transformers config; whether the fused losses may take its head; which 
 ``fsdp-lab plan`` counts its activations with, and its q/k normalisation; whether it routes
 tokens to experts; whether transformers converts its checkpoint's keys at load; and which of
 its linear layers a low-precision path (float8 training, a quantised frozen base) may convert;
-and whether context parallelism's attention reproduces its own (CP); whether pipeline
-parallelism can cut it into stages (PP).
-The engine (``engine.model``), the rules, the losses (``train.loss``) and the plan
-(``planning.activation_memory``) read this table (its columns: fused loss, activation layer
-model, q/k norm, experts, converts keys at load, CP, PP); nothing else names a family. A model
-type without a row still trains (loss=hf, the llama layer model with a warning in the plan).
+whether context parallelism's attention reproduces its own (CP); and whether pipeline
+parallelism cuts it into stages (PP). The engine (``engine.model``), the rules, the losses
+(``train.loss``) and the plan (``planning.activation_memory``) read this table (columns: fused
+loss, activation layer model, q/k norm, experts, converts keys, CP, PP); nothing else names a
+family. A model type without a row still trains (loss=hf, the llama layer model, a warning).
 
 | model_type | preset    | fused | layers | q/k norm | experts | converts | CP  | PP  |
 | llama      | llama     | yes   | llama  |          |         |          | yes | yes |
@@ -97,11 +96,9 @@ class Family:
     sinks, ALiBi or learned absolute positions: GPT-2's attention scales by layer and upcasts
     of its own, and an encoder attends both ways)."""
     pipeline: bool = False
-    """Pipeline parallelism can cut it into stages through its own forwards: a decoder
-    ``model`` with ``embed_tokens``, ``layers`` (each called with the hidden states), ``norm``,
-    and the CausalLM's ``lm_head``; a later stage's input passes as ``inputs_embeds``, which
-    the decoder adds nothing to (GPT-2 adds its learned positions there). Mixtures of experts
-    wait for a load-balancing loss summed across stages."""
+    """Pipeline parallelism cuts it through its own forwards: ``model.embed_tokens``,
+    ``model.layers``, ``model.norm``, ``lm_head``; a later stage's input as ``inputs_embeds``,
+    to which the decoder adds nothing (GPT-2 adds its positions)."""
 
 
 def _llama_like(m: ModelConfig) -> dict:

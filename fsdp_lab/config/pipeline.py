@@ -14,7 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from fsdp_lab.config.errors import ConfigError
+from fsdp_lab.config.checkpoint_formats import format_row
+from fsdp_lab.config.errors import ConfigError, positive
+from fsdp_lab.config.low_precision import setting as low_precision
+from fsdp_lab.config.model import WeightLoading, task_row
+from fsdp_lab.config.schema import Config
+from fsdp_lab.config.topology import Topology, stage_topology
 
 PIPELINE_AXIS = "pp"
 
@@ -209,3 +214,59 @@ def layout(parallel, num_layers: int, micro_batch_size: int) -> PipelineLayout:
             "parallel.pipeline_microbatches (and trainer.micro_batch_size, a multiple of it)"
         )
     return PipelineLayout(n, row, layers, m)
+
+
+def check_pipeline(cfg: Config, topo: Topology) -> Topology:
+    """parallel.pipeline: a divisor of the ranks, its schedule a row of
+    ``config.pipeline.SCHEDULES``, and what it does not run with yet refused; returns the
+    topology of one stage, which every data-parallel rule then applies to. The model's side
+    (a family it cuts, the stages its layers make) is checked on its config (launch.prepare)."""
+    p = cfg.parallel
+    positive(p.pipeline, "parallel.pipeline")
+    schedule_of(p.pipeline_schedule)
+    if p.pipeline == 1:
+        extra = [
+            name
+            for name in ("stages_per_rank", "pipeline_microbatches", "pipeline_layers")
+            if getattr(p, name) is not None
+        ]
+        if extra:
+            raise ConfigError(
+                f"parallel.{extra[0]} applies only with parallel.pipeline > 1; remove it or "
+                "set parallel.pipeline"
+            )
+        return topo
+    if topo.world_size % p.pipeline:
+        raise ConfigError(
+            f"parallel.pipeline={p.pipeline} does not divide the {topo.world_size} ranks; set "
+            "hardware.nproc_per_node (x hardware.num_nodes) to a multiple of it"
+        )
+    refusals = (
+        (p.tensor > 1, f"parallel.tensor={p.tensor}"),
+        (p.context > 1, f"parallel.context={p.context}"),
+        (
+            p.expert > 1 or cfg.model.num_experts,
+            "a mixture of experts (its load-balancing loss spans the stages)",
+        ),
+        (cfg.compile, "compile=true"),
+        (cfg.precision.grad_scaler_enabled, "precision.grad_scaler_enabled=true (fp16)"),
+        (low_precision(cfg) is not None, low_precision(cfg) or ""),
+        (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
+        (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),
+        (
+            bool(cfg.eval.prompts or cfg.eval.harness_tasks),
+            "eval.prompts or eval.harness_tasks "
+            "(generation runs whole sequences through one model)",
+        ),
+        (
+            format_row(cfg.checkpoint.format).whole_files,
+            f"checkpoint.format={cfg.checkpoint.format.name} (use sharded: DCP)",
+        ),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(
+                f"parallel.pipeline={p.pipeline} is not verified with {what} yet; set "
+                "parallel.pipeline=1 or drop that setting"
+            )
+    return stage_topology(topo, p.pipeline)

@@ -21,13 +21,12 @@ from fsdp_lab.config.low_precision import check_low_precision
 from fsdp_lab.config.low_precision import setting as low_precision
 from fsdp_lab.config.model import (
     ExpertsImplementation,
-    WeightLoading,
     check_finetune,
     check_model,
     method_row,
     task_row,
 )
-from fsdp_lab.config.pipeline import schedule_of
+from fsdp_lab.config.pipeline import check_pipeline
 from fsdp_lab.config.precisions import check_precision, dtype_row
 from fsdp_lab.config.profiling import profile_problem
 from fsdp_lab.config.schema import Config
@@ -38,7 +37,7 @@ from fsdp_lab.config.sharding import (
     offloaded,
 )
 from fsdp_lab.config.strategies import strategy_of, with_expert_parallel, with_replica_groups
-from fsdp_lab.config.topology import Topology, dp_size, replicate_size, stage_topology
+from fsdp_lab.config.topology import Topology, dp_size, replicate_size
 from fsdp_lab.config.training import CheckpointConfig, OptimImpl, check_optim, check_trainer
 
 
@@ -219,62 +218,6 @@ def _check_parallel(cfg: Config, topo: Topology) -> int:
     return tensor
 
 
-def _check_pipeline(cfg: Config, topo: Topology) -> Topology:
-    """parallel.pipeline: a divisor of the ranks, its schedule a row of
-    ``config.pipeline.SCHEDULES``, and what it does not run with yet refused; returns the
-    topology of one stage, which every data-parallel rule then applies to. The model's side
-    (a family it cuts, the stages its layers make) is checked on its config (launch.prepare)."""
-    p = cfg.parallel
-    positive(p.pipeline, "parallel.pipeline")
-    schedule_of(p.pipeline_schedule)
-    if p.pipeline == 1:
-        extra = [
-            name
-            for name in ("stages_per_rank", "pipeline_microbatches", "pipeline_layers")
-            if getattr(p, name) is not None
-        ]
-        if extra:
-            raise ConfigError(
-                f"parallel.{extra[0]} applies only with parallel.pipeline > 1; remove it or "
-                "set parallel.pipeline"
-            )
-        return topo
-    if topo.world_size % p.pipeline:
-        raise ConfigError(
-            f"parallel.pipeline={p.pipeline} does not divide the {topo.world_size} ranks; set "
-            "hardware.nproc_per_node (x hardware.num_nodes) to a multiple of it"
-        )
-    refusals = (
-        (p.tensor > 1, f"parallel.tensor={p.tensor}"),
-        (p.context > 1, f"parallel.context={p.context}"),
-        (
-            p.expert > 1 or cfg.model.num_experts,
-            "a mixture of experts (its load-balancing loss spans the stages)",
-        ),
-        (cfg.compile, "compile=true"),
-        (cfg.precision.grad_scaler_enabled, "precision.grad_scaler_enabled=true (fp16)"),
-        (low_precision(cfg) is not None, low_precision(cfg) or ""),
-        (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
-        (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),
-        (
-            bool(cfg.eval.prompts or cfg.eval.harness_tasks),
-            "eval.prompts or eval.harness_tasks "
-            "(generation runs whole sequences through one model)",
-        ),
-        (
-            format_row(cfg.checkpoint.format).whole_files,
-            f"checkpoint.format={cfg.checkpoint.format.name} (use sharded: DCP)",
-        ),
-    )
-    for refused, what in refusals:
-        if refused:
-            raise ConfigError(
-                f"parallel.pipeline={p.pipeline} is not verified with {what} yet; set "
-                "parallel.pipeline=1 or drop that setting"
-            )
-    return stage_topology(topo, p.pipeline)
-
-
 def _check_context(cfg: Config, topo: Topology) -> None:
     """parallel.context: a divisor of the ranks (beside TP), a sequence cut into 2N equal
     chunks, and the settings CP does not run with, refused; the model's side (an attention the
@@ -387,7 +330,7 @@ def validate(cfg: Config, topo: Topology) -> None:
             f"sharding.replicate_size={s.replicate_size} applies only to sharding="
             f"{' or '.join(with_replica_groups())} (got sharding={s.strategy.name}); remove it"
         )
-    topo = _check_pipeline(cfg, topo)  # every rule below: within one pipeline stage
+    topo = check_pipeline(cfg, topo)  # every rule below: within one pipeline stage
     tensor = _check_parallel(cfg, topo)
     context = cfg.parallel.context
     dp = dp_size(topo, tensor, context=context)

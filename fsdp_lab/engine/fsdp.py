@@ -11,14 +11,13 @@ knows of either.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -32,85 +31,25 @@ from fsdp_lab.config import (
     Config,
     ParallelConfig,
     PrefetchConfig,
-    ShardingConfig,
 )
-from fsdp_lab.config.pipeline import PIPELINE_AXIS
 from fsdp_lab.config.sharding import offloaded
 from fsdp_lab.config.strategies import (
     CONTEXT_AXIS,
-    REPLICATE_AXIS,
-    SHARD_AXIS,
     TENSOR_AXIS,
     reshard_after_forward,
 )
 from fsdp_lab.config.topology import (
     EXPERT_AXIS,
-    EXPERT_SHARD_AXIS,
     Topology,
-    expert_mesh_split,
     expert_shard_dim,
-    fsdp_mesh_shape,
-    mesh_axes,
-    mesh_shape,
-    stage_topology,
 )
 from fsdp_lab.engine import activations, loading, low_precision, precision, wrap
 from fsdp_lab.engine import pipeline as pipeline_lib
 from fsdp_lab.engine.hardware import devices, memory, process_group
+from fsdp_lab.engine.mesh import build_expert_mesh, meshes
 from fsdp_lab.engine.nf4 import local_bytes
 from fsdp_lab.engine.sharded import ShardedModel
 from fsdp_lab.internals import torch_private
-
-
-def build_mesh(
-    cfg: ShardingConfig,
-    topo: Topology,
-    *,
-    device_type: str,
-    tensor: int = 1,
-    context: int = 1,
-    pipeline: int = 1,
-) -> DeviceMesh:
-    """Ranks are laid out replicate-major, so a shard group is contiguous ranks (one node when
-    replicate_size is the number of nodes): the frequent all-gathers stay intra-node. With
-    tensor parallelism the TP axis is innermost: a TP group is contiguous ranks; a CP group
-    (context parallelism) the next closest. Pipeline parallelism's axis is outermost: a stage
-    is ``world / pipeline`` contiguous ranks, and only activations cross between stages."""
-    shape = mesh_shape(cfg, stage_topology(topo, pipeline), tensor, context=context)
-    names = mesh_axes(cfg, tensor, context=context)
-    if pipeline > 1:
-        shape, names = (pipeline, *shape), (PIPELINE_AXIS, *names)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
-def data_parallel_mesh(mesh: DeviceMesh, cfg: ShardingConfig, topo: Topology) -> DeviceMesh:
-    """The sub-mesh FSDP shards on (``topology.fsdp_mesh_shape``; ``topo``: a stage's): every
-    axis but TP and PP, with the context axis folded into the shard axis (for no_shard, into
-    the replicate axis)."""
-    names = mesh.mesh_dim_names
-    data = tuple(n for n in names if n not in (TENSOR_AXIS, PIPELINE_AXIS))
-    if CONTEXT_AXIS not in names:
-        return mesh[data] if data != names else mesh
-    tensor = mesh.size(names.index(TENSOR_AXIS)) if TENSOR_AXIS in names else 1
-    shape = fsdp_mesh_shape(cfg, topo, tensor, context=mesh.size(names.index(CONTEXT_AXIS)))
-    flat = torch_private.flatten_mesh(mesh[data], "dp_cp")
-    if len(shape) == 1:
-        return flat
-    names = (f"{REPLICATE_AXIS}_cp", f"{SHARD_AXIS}_cp")
-    return torch_private.unflatten_mesh(flat, 0, shape, names)
-
-
-def build_expert_mesh(
-    cfg: ShardingConfig, topo: Topology, dp_mesh: DeviceMesh, *, expert: int
-) -> DeviceMesh:
-    """Expert parallelism's view of the data-parallel ranks: the shard axis unflattened into
-    ``(efsdp, ep)``, ep innermost (``topology.expert_mesh_split``). The same ranks and process
-    groups as ``dp_mesh``'s, so the experts' FSDP unit nests inside the dense layer's."""
-    efsdp, ep = expert_mesh_split(cfg, topo, expert)
-    axis = len(dp_mesh.shape) - 1  # the shard axis: the last of the strategy's axes
-    return torch_private.unflatten_mesh(
-        dp_mesh, axis, (efsdp, ep), (EXPERT_SHARD_AXIS, EXPERT_AXIS)
-    )
 
 
 @dataclass(frozen=True)
@@ -297,50 +236,34 @@ def apply_model_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig
         context_parallel.apply(model, mesh[CONTEXT_AXIS])
 
 
-# Long: the engine's steps in the order each needs the ones before it.
 def build_model(
     cfg: Config, topo: Topology, device: torch.device, *, meta_model: nn.Module, source, loss=None
 ) -> Fsdp2Model:
     """FSDP2: units of the wrap policy, activation checkpointing and compile per unit, then
     ``fully_shard`` on the strategy's mesh with the dtype and offload policies, all on meta;
     only then storage, filled from ``source()`` (rank 0's full model), so no rank holds the
-    whole model. Under a pipeline (``engine.pipeline``) the model is first cut to this rank's
-    stages, each stage the FSDP root of its modules over the stage's data-parallel ranks, and
-    ``loss`` is what the last stage computes."""
+    whole model. A pipeline (``engine.pipeline``) first cuts it to this rank's stages, each the
+    FSDP root of its modules; ``loss`` is what its last stage computes."""
     from fsdp_lab.engine import model as model_lib
 
     model, kind, p = meta_model, topo.device, cfg.parallel
     offload = offloaded(cfg.offload)
     tied = model_lib.tied_groups(model)
-    mesh = build_mesh(
-        cfg.sharding,
-        topo,
-        device_type=device.type,
-        tensor=p.tensor,
-        context=p.context,
-        pipeline=p.pipeline,
-    )
-    dp_mesh = data_parallel_mesh(mesh, cfg.sharding, stage_topology(topo, p.pipeline))
-    cut = _cut_for_pipeline(model, cfg, mesh)
+    mesh, dp_mesh = meshes(cfg, topo, device)
+    cut = pipeline_lib.cut(model, p, cfg.trainer.micro_batch_size, mesh)
     apply_model_parallel(model, mesh, p)  # TP and CP, then AC, compile, fully_shard
     # EP next: it swaps the experts' weights for DTensors on ep (which fully_shard then shards
     # on efsdp, as it does TP's) and their forward for the exchange (which AC recomputes).
     experts = apply_expert_parallel(model, cfg, topo, dp_mesh)
     lowp = low_precision.apply(model, cfg)  # torchao's float8 or NF4, sharded as themselves
     held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
-    units = [
-        u
-        for u in (wrap.select_units(model, cfg.wrap) if cut is None or cut.layers else [])
-        if not is_expert_unit(u, experts)
-    ]
+    units = _select_units(model, cfg, cut, experts)
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:
         activations.compile_units(units)
-    stage_modules = None
-    if cut is not None:  # the stages' views of the model, over its units as wrapped
-        stage_modules = pipeline_lib.build_stages(model, cut.layout, loss, pipeline_rank=cut.rank)
+    stage_modules = pipeline_lib.build_stages(model, cut, loss)  # over the units as wrapped
     apply_fsdp(
         model,
         units,
@@ -355,21 +278,11 @@ def build_model(
     )
     model_lib.check_tied(model, tied)
     low_precision.after_sharding(model, cfg, device)
-    if cut is not None and isinstance(source, loading.InitialWeights):
-        source = dataclasses.replace(source, layout=cut.whole)  # drawn as unsplit
+    if cut and isinstance(source, loading.InitialWeights):  # drawn as the unsplit model
+        source = dataclasses.replace(source, layout=cut.whole)
     fingerprint = model_lib.materialize(model, device=device, source=source, offload=offload)
     model_lib.check_tied(model, tied)
-    pipeline = (
-        None
-        if cut is None
-        else pipeline_lib.build_schedule(
-            stage_modules,
-            cut.layout,
-            mesh,
-            device,
-            hidden_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
-        )
-    )
+    pipeline = cut and pipeline_lib.build_schedule(stage_modules, cut, mesh, device, cfg.precision)
     return Fsdp2Model(
         model=model,
         mesh_shape=list(mesh.shape),
@@ -385,26 +298,12 @@ def build_model(
     )
 
 
-@dataclass(frozen=True)
-class PipelineCut:
-    layout: object  # config.pipeline.PipelineLayout
-    rank: int  # on the pipeline axis
-    layers: set[int]  # the decoder layers this rank's stages hold
-    whole: nn.Module  # the unsplit model on meta (the seeded init draws as it)
-
-
-def _cut_for_pipeline(model: nn.Module, cfg: Config, mesh: DeviceMesh) -> PipelineCut | None:
-    """parallel.pipeline > 1: the meta model cut to what this rank's stages hold (names
-    kept, ``engine.pipeline.keep``); None without a pipeline."""
-    if cfg.parallel.pipeline == 1:
-        return None
-    stages = pipeline_lib.check(model.config, cfg.parallel, cfg.trainer.micro_batch_size)
-    pipeline_lib.check_stage_numbers(model, stages)
-    rank = mesh.get_local_rank(PIPELINE_AXIS)
-    layers, embed, head = pipeline_lib.rank_layers(stages, rank)
-    whole = copy.deepcopy(model)
-    pipeline_lib.keep(model, layers, embed=embed, head=head)
-    return PipelineCut(stages, rank, layers, whole)
+def _select_units(model: nn.Module, cfg: Config, cut, experts) -> list[nn.Module]:
+    """The wrap policy's units, but the experts' (EP shards them apart); none on a pipeline
+    rank that holds no decoder layer (a stage of the embedding or the head alone)."""
+    if cut is not None and not cut.layers:
+        return []
+    return [u for u in wrap.select_units(model, cfg.wrap) if not is_expert_unit(u, experts)]
 
 
 def local_numel(module: nn.Module) -> int:

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_lab.config import ConfigError, ParallelConfig, families
 from fsdp_lab.config.pipeline import PIPELINE_AXIS, PipelineLayout, layout
-from fsdp_lab.data.labels import IGNORE_INDEX
+from fsdp_lab.engine.hardware.devices import TORCH_DTYPES
 
 BASE, LAYERS, EMBED, NORM, HEAD = "model", "layers", "embed_tokens", "norm", "lm_head"
 
@@ -213,7 +213,7 @@ class Pipeline:
                 total = out
             else:
                 hidden = out
-        count = (loss.targets(batch["labels"]) != IGNORE_INDEX).sum()
+        count = loss.target_count(batch["labels"])
         if total is None:
             return torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
         return torch.stack([total.double(), count.double()])
@@ -228,10 +228,12 @@ class Pipeline:
         return value
 
 
-def build_stages(lm: nn.Module, stages: PipelineLayout, loss, *, pipeline_rank: int) -> list[Stage]:
-    """This rank's stage modules over ``lm`` (already ``keep``-ed)."""
-    out = []
-    for s in stages.stages_of(pipeline_rank):
+def build_stages(lm: nn.Module, cut: PipelineCut | None, loss) -> list[Stage] | None:
+    """This rank's stage modules over ``lm`` (already ``cut``); None without a pipeline."""
+    if cut is None:
+        return None
+    out, stages = [], cut.layout
+    for s in stages.stages_of(cut.rank):
         first, last = s == 0, s == stages.stages - 1
         view = stage_view(lm, stages.layers[s], first=first, last=last)
         out.append(Stage(view, loss, index=s, first=first, last=last))
@@ -247,14 +249,11 @@ def rank_layers(stages: PipelineLayout, pipeline_rank: int) -> tuple[set[int], b
 
 
 def build_schedule(
-    stage_modules: list[Stage],
-    stages: PipelineLayout,
-    mesh: DeviceMesh,
-    device: torch.device,
-    *,
-    hidden_dtype: torch.dtype,
+    stage_modules: list[Stage], cut: PipelineCut, mesh: DeviceMesh, device: torch.device, precision
 ) -> Pipeline:
-    """torch's stages and schedule over this rank's stage modules (FSDP-sharded already)."""
+    """torch's stages and schedule over this rank's stage modules (FSDP-sharded already);
+    ``precision``: the run's (hidden states pass between stages in its compute dtype)."""
+    stages, hidden_dtype = cut.layout, TORCH_DTYPES[precision.param_dtype]
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -290,3 +289,28 @@ def check_stage_numbers(model: nn.Module, stages: PipelineLayout) -> None:
     total = sum(len(s) for s in stages.layers)
     if len(blocks) != total:
         raise RuntimeError(f"pipeline layout cuts {total} layers; the model has {len(blocks)}")
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """What ``cut`` took: the layout, this rank on the pipeline axis, its decoder layers, and
+    the unsplit model on meta (the seeded init draws as it)."""
+
+    layout: PipelineLayout
+    rank: int
+    layers: set[int]
+    whole: nn.Module
+
+
+def cut(model: nn.Module, parallel: ParallelConfig, micro_batch_size: int, mesh: DeviceMesh):
+    """parallel.pipeline > 1: the meta model cut in place to what this rank's stages hold
+    (names kept, ``keep``); None without a pipeline."""
+    if parallel.pipeline == 1:
+        return None
+    stages = check(model.config, parallel, micro_batch_size)
+    check_stage_numbers(model, stages)
+    rank = mesh.get_local_rank(PIPELINE_AXIS)
+    layers, embed, head = rank_layers(stages, rank)
+    whole = copy.deepcopy(model)
+    keep(model, layers, embed=embed, head=head)
+    return PipelineCut(stages, rank, layers, whole)

@@ -59,6 +59,15 @@ class PipelineShare:
     hidden_bytes: int  # one row's hidden states between stages: seq_len x hidden x dtype bytes
     boundaries: int  # stage boundaries this rank sends or receives across (each way)
 
+    @property
+    def note(self) -> str:
+        return (
+            f"a pipeline: counted for pipeline rank {self.rank} (stages {self.stages}, "
+            f"{self.layers} of {self.of_layers} layers, the most parameters); its schedule "
+            f"keeps {self.in_flight:.2f} of a micro-batch's activations in flight, and its "
+            f"bubble is {self.bubble:.0%} of a step"
+        )
+
     def step_bytes(self, cfg: Config) -> float:
         """Bytes sent and received in a step: each boundary, forward and backward, every row
         of every micro-batch."""
@@ -109,15 +118,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
     units = wrap.select_units(model, cfg.wrap)
     params, tp_notes = _param_shapes(cfg, model, units)
-    layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
-    if share is not None:  # its layers, as many of a micro-batch's rows as are in flight
-        layer = dataclasses.replace(layer, num_layers=share.layers)
-        notes.append(
-            f"parallel.pipeline={cfg.parallel.pipeline}: counted for pipeline rank {share.rank} "
-            f"(stages {share.stages}, {share.layers} of {share.of_layers} layers, the most "
-            f"parameters); {cfg.parallel.pipeline_schedule} keeps {share.in_flight:.2f} of a "
-            f"micro-batch's activations in flight; its bubble is {share.bubble:.0%} of a step"
-        )
+    layer, notes = _layer_shape(hf_config, cfg, share)
     if any(not q.trainable for q in params):
         notes.append(
             f"finetune={cfg.finetune.method.name}: activations are counted as for full "
@@ -166,6 +167,14 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         notes=notes + tp_notes,
         pipeline=share,
     )
+
+
+def _layer_shape(hf_config, cfg: Config, share: PipelineShare | None):
+    """The layer model's shape and notes; under a pipeline, of the counted rank's layers."""
+    layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
+    if share is None:
+        return layer, notes
+    return dataclasses.replace(layer, num_layers=share.layers), [*notes, share.note]
 
 
 def _pipeline_share(cfg: Config, model) -> PipelineShare | None:

@@ -171,6 +171,14 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
+def _pipeline_s(work: StepWork, device: DeviceProfile, busy: float) -> tuple[float, float]:
+    """A pipeline's (sends, bubble) seconds: the point-to-point sends exposed (a stage waits
+    for its input), and the schedule's idle share of the pipelined part, ``busy``."""
+    p2p = work.pipeline_bytes / device.intra_node.bytes_per_s if work.pipeline_bytes else 0.0
+    bubble = (busy + p2p) * work.pipeline_bubble / (1 - work.pipeline_bubble)
+    return p2p, bubble
+
+
 def collective_s(c: Collective | None, device: DeviceProfile) -> float:
     """Seconds of ``c.count`` ring collectives (0 over one rank: FSDP2 copies)."""
     if c is None or c.ranks <= 1 or c.nbytes <= 0:
@@ -278,13 +286,8 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     exposed_inner *= learned.get("comm_scale", 1.0)
     host = learned.get("host_s", 0.0) + device.step_host_s
     other = work.offload_bytes / device.host_link.bytes_per_s + host
-    # Pipeline: point-to-point sends, exposed (a stage waits for its input), and the bubble, the
-    # idle share of the pipelined part of the step.
-    p2p = work.pipeline_bytes / device.intra_node.bytes_per_s if work.pipeline_bytes else 0.0
-    exposed_inner += p2p
-    busy = compute + exposed_fsdp + exposed_inner
-    bubble = busy * work.pipeline_bubble / (1 - work.pipeline_bubble)
-    other += bubble
+    p2p, bubble = _pipeline_s(work, device, compute + exposed_fsdp + exposed_inner)
+    exposed_inner, other = exposed_inner + p2p, other + bubble
     step = compute + exposed_fsdp + exposed_inner + optimizer + other
     tokens = work.tokens * m / step if step > 0 else 0.0
     peak = device.compute.get(peak_key(work.dtype))

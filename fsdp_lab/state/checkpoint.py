@@ -280,6 +280,7 @@ class Checkpointer:
         reader.load(path, model=self.model, optimizer=self.optimizer, held=held)
         self._check_finite(path)
         self.scheduler.load_state_dict(trainer["scheduler"])
+        _fit_groups(self.scheduler, len(self.optimizer.param_groups))
         if self.scaler is not None and trainer["scaler"] is not None:
             self.scaler.load_state_dict(trainer["scaler"])
         rng_file = path / "rng" / f"rank{self.rank}.pt"
@@ -333,6 +334,16 @@ class Checkpointer:
                 f"model.name_or_path={record['source']} (the same weights) or resume=never"
             )
         return self.frozen
+
+
+def _fit_groups(scheduler, groups: int) -> None:
+    """The schedule's per-group lists as long as this rank's optimizer's groups: a rank may
+    hold a different number of them than the one that saved (under a pipeline, a stage with
+    no 1-D parameters has one). Every group follows the one schedule (``train.optim``)."""
+    for name in ("base_lrs", "_last_lr"):
+        values = getattr(scheduler, name, None)
+        if values and len(values) != groups:
+            setattr(scheduler, name, [values[0]] * groups)
 
 
 def legacy_fingerprint(fingerprint) -> bool:

@@ -80,6 +80,7 @@ def averaged_ranks(data) -> int:
     return data.dp_size * data.context // data.local_ranks
 
 
+# Many parameters: the step's pieces, keyword-only.
 def train_step(
     model: nn.Module,
     batches: list[dict[str, torch.Tensor]],
@@ -99,9 +100,7 @@ def train_step(
     on the host by the loader; ``dp``: the ranks the gradient is averaged over, which undoes
     the average into a sum). Reads nothing back from the device: the scale is copied there as
     the batches are, ``clip_grad_norm_`` keeps the norm there, and ``loss`` spares the forward
-    transformers' packed-sequence check. Under a pipeline (``engine.pipeline``) each
-    micro-batch runs through the schedule, the loss is summed over the pipeline axis and the
-    gradient norm over every stage's parameters."""
+    transformers' packed-sequence check. A ``pipeline``'s schedule runs each micro-batch."""
     num_micro = len(batches)
     device = batches[0]["input_ids"].device
     scale = loss_scale(targets, dp, device)

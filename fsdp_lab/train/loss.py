@@ -162,6 +162,10 @@ class Loss:
         masked LM's label."""
         return shifted_targets(labels) if self.causal and not self.sequences_split else labels
 
+    def target_count(self, labels: torch.Tensor) -> torch.Tensor:
+        """The positions of a batch that are trained on, on the device."""
+        return (self.targets(labels) != IGNORE_INDEX).sum()
+
     def _inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
         """The model's keyword arguments of a batch, ``labels`` popped by the caller: the
         attention mask made here (``engine.attention``: packed rows, ``position_ids`` with the
@@ -244,7 +248,7 @@ class Loss:
         """(sum of token losses, tokens counted) in float64, on the batch's device; the logits
         in fp32 (no gradient is kept)."""
         labels = batch["labels"]
-        count = (self.targets(labels) != IGNORE_INDEX).sum()
+        count = self.target_count(labels)
         inputs = self._inputs(model, batch)
         inputs.pop("labels")
         if loss_of(self.kind).fused:

@@ -43,6 +43,9 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # A rank may hold none of one kind (a pipeline stage of the embedding alone): an empty
+    # group carries nothing, and DCP cannot map one onto a checkpoint's groups.
+    groups = [g for g in groups if g["params"]] or groups[:1]
     match implementation:
         case OptimImpl.fused:
             kernels = {"fused": True}

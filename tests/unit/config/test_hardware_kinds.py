@@ -50,6 +50,7 @@ ASKING = {
     Feature.expert_parallel: ["model=olmoe_tiny", "parallel.expert=2"],
     Feature.torchao: ["precision=bf16", "precision.float8_recipe=tensorwise"],
     Feature.grouped_mm: ["model=olmoe_tiny", "model.experts_implementation=grouped_mm"],
+    Feature.pipeline_parallel: ["parallel.pipeline=2"],
 }
 LAUNCHED = {Feature.external_launch}  # asked by how the ranks start, not by a setting
 

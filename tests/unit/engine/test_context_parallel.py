@@ -11,7 +11,8 @@ from conftest import tiny_llama
 
 from fsdp_lab.config import ConfigError, HardwareKind, ShardingConfig, ShardingStrategy
 from fsdp_lab.config.topology import Topology
-from fsdp_lab.engine import context_parallel, fsdp
+from fsdp_lab.engine import context_parallel
+from fsdp_lab.engine import mesh as engine_mesh
 
 S = ShardingStrategy
 
@@ -37,8 +38,8 @@ def test_fsdp_shards_over_shard_x_context_on_8_fake_ranks(
 ):
     fake_group(5, 8)
     cfg = ShardingConfig(strategy=strategy)
-    mesh = fsdp.build_mesh(cfg, topo(8), device_type="cpu", tensor=tensor, context=2)
-    dp_mesh = fsdp.data_parallel_mesh(mesh, cfg, topo(8))
+    mesh = engine_mesh.build_mesh(cfg, topo(8), device_type="cpu", tensor=tensor, context=2)
+    dp_mesh = engine_mesh.data_parallel_mesh(mesh, cfg, topo(8))
     assert tuple(dp_mesh.shape) == fsdp_shape
     shard_axis = dp_mesh.ndim - 1
     row = dp_mesh.mesh.view(-1, dp_mesh.shape[shard_axis])

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, Qwen3MoeConfig
 from fsdp_lab.config import ConfigError, HardwareKind, PrefetchConfig, ShardingConfig
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import expert_parallel, fsdp
+from fsdp_lab.engine import mesh as engine_mesh
 from fsdp_lab.engine.model import build_meta_model
 
 E, H, WIDTH = 8, 64, 32  # experts, hidden size, expert width
@@ -35,8 +36,8 @@ def shard_with_ep(world: int, ep: int):
     """The tiny MoE on meta, experts split ``ep`` ways and every unit sharded, as this rank."""
     topo = Topology(world, world, 1, HardwareKind.cpu)
     sharding = ShardingConfig()
-    mesh = fsdp.build_mesh(sharding, topo, device_type="cpu")
-    expert_mesh = fsdp.build_expert_mesh(sharding, topo, mesh, expert=ep)
+    mesh = engine_mesh.build_mesh(sharding, topo, device_type="cpu")
+    expert_mesh = engine_mesh.build_expert_mesh(sharding, topo, mesh, expert=ep)
     model = build_meta_model(tiny_moe())
     modules = expert_parallel.apply(model, expert_mesh)
     fsdp.apply_fsdp(

@@ -23,6 +23,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import fsdp, precision, wrap
+from fsdp_lab.engine import mesh as engine_mesh
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
 
 
@@ -98,7 +99,7 @@ def test_64_ranks_on_a_fake_process_group(fake_group, strategy, placements, rows
     fake_group(rank, 64)
     t = topo(64, nodes=8)
     cfg = ShardingConfig(strategy=strategy)
-    mesh = fsdp.build_mesh(cfg, t, device_type="cpu")
+    mesh = engine_mesh.build_mesh(cfg, t, device_type="cpu")
     model = build_meta_model(
         build_hf_config(
             ModelConfig(
@@ -157,7 +158,7 @@ def test_prefetch_and_the_last_unit_on_a_fake_group(fake_group, prefetch, forwar
     """sharding.prefetch becomes each unit's explicit prefetch list (units ahead in forward,
     behind in backward, nearest first); the last unit keeps its parameters after forward."""
     fake_group(1, 4)
-    mesh = fsdp.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
+    mesh = engine_mesh.build_mesh(ShardingConfig(), topo(4), device_type="cpu")
     model = build_meta_model(
         build_hf_config(ModelConfig(arch=ModelArch.llama, vocab_size=256, num_layers=4))
     )

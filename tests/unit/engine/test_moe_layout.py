@@ -25,6 +25,7 @@ from fsdp_lab.config.load import compose
 from fsdp_lab.config.rules import refuse_for_hardware
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import fsdp, moe, precision, wrap
+from fsdp_lab.engine import mesh as engine_mesh
 from fsdp_lab.engine.hardware import devices
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
 from fsdp_lab.observe.metrics import flops_per_token
@@ -104,7 +105,7 @@ def test_experts_shard_on_dim_0_padding_where_uneven(fake_group, world):
         fsdp.apply_fsdp(
             model,
             wrap.select_units(model, WrapConfig()),
-            mesh=fsdp.build_mesh(
+            mesh=engine_mesh.build_mesh(
                 ShardingConfig(),
                 Topology(
                     world_size=world, nproc_per_node=world, num_nodes=1, device=HardwareKind.cpu

@@ -24,6 +24,7 @@ from fsdp_lab.config import (
 from fsdp_lab.config import ShardingStrategy as S
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.engine import fsdp, precision, tensor_parallel, wrap
+from fsdp_lab.engine import mesh as engine_mesh
 from fsdp_lab.engine.model import build_hf_config, build_meta_model
 
 
@@ -70,7 +71,7 @@ def test_hybrid_with_tp_on_8_fake_ranks(fake_group):
     rank = 5  # replicate 1, shard 0, tp 1
     fake_group(rank, 8)
     cfg = ShardingConfig(strategy=S.hybrid)
-    mesh = fsdp.build_mesh(cfg, topo(8), device_type="cpu", tensor=2)
+    mesh = engine_mesh.build_mesh(cfg, topo(8), device_type="cpu", tensor=2)
     assert mesh.mesh_dim_names == ("replicate", "shard", "tp")
     assert mesh["tp"].get_local_rank() == 1 and mesh["shard"].get_local_rank() == 0
     model = _llama()
@@ -78,7 +79,7 @@ def test_hybrid_with_tp_on_8_fake_ranks(fake_group):
     fsdp.apply_fsdp(
         model,
         wrap.select_units(model, WrapConfig()),
-        mesh=fsdp.data_parallel_mesh(mesh, cfg, topo(8)),
+        mesh=engine_mesh.data_parallel_mesh(mesh, cfg, topo(8)),
         reshard_after_forward=strategies.reshard_after_forward(cfg),
         mp_policy=precision.build_mp_policy(PrecisionConfig()),
         offload_policy=None,
@@ -106,7 +107,7 @@ def test_sequence_parallel_splits_the_norms_rows_on_tp(fake_group):
     """With sequence parallelism the layer norms become TP-replicated DTensors (they run on
     the sequence rows each TP rank holds); without it they are left to FSDP alone."""
     fake_group(0, 4)
-    mesh = fsdp.build_mesh(ShardingConfig(), topo(4), device_type="cpu", tensor=2)
+    mesh = engine_mesh.build_mesh(ShardingConfig(), topo(4), device_type="cpu", tensor=2)
     for sp in (False, True):
         model = _llama()
         tensor_parallel.apply(model, mesh["tp"], ParallelConfig(tensor=2, sequence_parallel=sp))

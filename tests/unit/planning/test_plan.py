@@ -27,6 +27,7 @@ from fsdp_lab.config import (
 from fsdp_lab.config.families import preset_family
 from fsdp_lab.data import corpus
 from fsdp_lab.engine import activations, finetune, fsdp, precision, wrap
+from fsdp_lab.engine import mesh as engine_mesh
 from fsdp_lab.engine import model as model_lib
 from fsdp_lab.planning import activation_memory, memory, plan, plan_result
 from fsdp_lab.tools import cli
@@ -191,7 +192,7 @@ def sharded_rank(overrides: list[str]):
     )
     kind = loss_lib.resolve_loss(cfg.loss, hf, cfg.model.task, topo.device, compiled=False)
     model, loss = loss_lib.meta_model_with_loss(cfg, hf, kind, compiled=False)
-    mesh = fsdp.build_mesh(cfg.sharding, topo, device_type="cpu")
+    mesh = engine_mesh.build_mesh(cfg.sharding, topo, device_type="cpu")
     experts = fsdp.apply_expert_parallel(model, cfg, topo, mesh)  # parallel.expert > 1
     selected = wrap.select_units(model, cfg.wrap)
     units = activations.apply_activation_checkpointing(
