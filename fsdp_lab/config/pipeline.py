@@ -16,9 +16,11 @@ from enum import Enum
 
 from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.errors import ConfigError, positive
+from fsdp_lab.config.losses import LossKind
 from fsdp_lab.config.low_precision import setting as low_precision
 from fsdp_lab.config.model import WeightLoading, task_row
 from fsdp_lab.config.schema import Config
+from fsdp_lab.config.strategies import reshard_after_forward
 from fsdp_lab.config.topology import Topology, stage_topology
 
 PIPELINE_AXIS = "pp"
@@ -168,12 +170,6 @@ def layout(parallel, num_layers: int, micro_batch_size: int) -> PipelineLayout:
     row = schedule_of(parallel.pipeline_schedule)
     per_rank = parallel.stages_per_rank or row.default_stages_per_rank
     where = f"parallel.pipeline_schedule={row.name}"
-    if row.splits_backward:
-        raise ConfigError(
-            f"{where} splits the backward into its input and weight halves, which FSDP2's "
-            "sharded stages do not yet give exact gradients with here (measured: a wrong "
-            "gradient norm at PP 2); use 1F1B, GPipe, Interleaved1F1B or LoopedBFS"
-        )
     if not row.multi and per_rank != 1:
         raise ConfigError(
             f"{where} runs one stage a rank (parallel.stages_per_rank={per_rank}); set "
@@ -214,6 +210,33 @@ def layout(parallel, num_layers: int, micro_batch_size: int) -> PipelineLayout:
             "parallel.pipeline_microbatches (and trainer.micro_batch_size, a multiple of it)"
         )
     return PipelineLayout(n, row, layers, m)
+
+
+def splits_backward(parallel) -> bool:
+    """Whether the run's schedule runs a backward in two halves (input, then weight), which
+    the model's own loss must compute (``train.loss.resolve_loss``: auto takes it)."""
+    return parallel.pipeline > 1 and schedule_of(parallel.pipeline_schedule).splits_backward
+
+
+def _check_split_backward(cfg: Config) -> None:
+    """A zero-bubble schedule computes a microbatch's weight gradients after other
+    microbatches' forwards, from the graph its input backward kept: the weights it saved must
+    stay gathered (a regather writes them in place; a resharded module offers its shards, not
+    the gathered weights the graph used), and every operation's backward must run in halves
+    (a fused loss's own backward computes both at once)."""
+    p, s = cfg.parallel, cfg.sharding
+    where = f"parallel.pipeline_schedule={schedule_of(p.pipeline_schedule).name}"
+    if reshard_after_forward(s) is not False:
+        raise ConfigError(
+            f"{where} computes weight gradients after later forwards, from weights kept "
+            f"gathered; sharding={s.strategy.name} reshards them after forward: use "
+            "sharding=grad_op (or sharding.reshard_after_forward=false), or 1F1B"
+        )
+    if cfg.loss.kind not in (LossKind.auto, LossKind.hf):
+        raise ConfigError(
+            f"{where} splits every backward into its input and weight halves; loss="
+            f"{cfg.loss.kind.name}'s backward computes both at once: use loss=hf (or auto)"
+        )
 
 
 def check_pipeline(cfg: Config, topo: Topology) -> Topology:
@@ -269,4 +292,6 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
                 f"parallel.pipeline={p.pipeline} is not verified with {what} yet; set "
                 "parallel.pipeline=1 or drop that setting"
             )
+    if splits_backward(p):
+        _check_split_backward(cfg)
     return stage_topology(topo, p.pipeline)

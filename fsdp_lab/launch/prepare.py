@@ -17,6 +17,7 @@ from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.hardware_kinds import Feature, hardware_row
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.model import method_row
+from fsdp_lab.config.pipeline import splits_backward
 from fsdp_lab.config.rules import refuse_for_hardware, validate
 from fsdp_lab.config.topology import Topology
 from fsdp_lab.launch import local
@@ -82,7 +83,12 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     hf_config = model_lib.build_hf_config(cfg.model)
     model_lib.check_seq_len(hf_config, cfg.trainer.seq_len)
     loss_kind = loss_lib.resolve_loss(
-        cfg.loss, hf_config, cfg.model.task, topo.device, compiled=cfg.compile
+        cfg.loss,
+        hf_config,
+        cfg.model.task,
+        topo.device,
+        compiled=cfg.compile,
+        split_backward=splits_backward(cfg.parallel),
     )
     resolve_implementation(cfg.optim, topo.device, grad_scaler=cfg.precision.grad_scaler_enabled)
     files = weights.local_files(cfg.model.name_or_path) if cfg.model.pretrained else None

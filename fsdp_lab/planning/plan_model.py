@@ -14,6 +14,7 @@ import torch
 from fsdp_lab.config import Config, HardwareKind
 from fsdp_lab.config.losses import loss_of
 from fsdp_lab.config.low_precision import NF4_BITS
+from fsdp_lab.config.pipeline import splits_backward
 from fsdp_lab.config.precisions import dtype_row
 from fsdp_lab.engine import activations, conversion, finetune, low_precision, wrap
 from fsdp_lab.engine import model as model_lib
@@ -113,9 +114,17 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
 
     hf_config, vocab_source = _hf_config(cfg)
     model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
+    flops = metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len)  # the whole model's
     share = _pipeline_share(cfg, model)  # under a pipeline: its heaviest rank's stages
     lowp = low_precision.apply(model, cfg)  # as engine.fsdp converts it, on meta
-    loss = loss_lib.resolve_loss(cfg.loss, hf_config, cfg.model.task, device, compiled=cfg.compile)
+    loss = loss_lib.resolve_loss(
+        cfg.loss,
+        hf_config,
+        cfg.model.task,
+        device,
+        compiled=cfg.compile,
+        split_backward=splits_backward(cfg.parallel),
+    )
     units = wrap.select_units(model, cfg.wrap)
     params, tp_notes = _param_shapes(cfg, model, units)
     layer, notes = _layer_shape(hf_config, cfg, share)
@@ -163,7 +172,7 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
         loss_chunk=loss_lib.tokens_per_chunk(cfg.loss, layer.vocab) if loss_row.fused else None,
         largest_converted=_largest_converted(model),
         checkpointed_units=frozenset(chosen),
-        flops_per_token=metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len),
+        flops_per_token=flops,
         notes=notes + tp_notes,
         pipeline=share,
     )

@@ -23,6 +23,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.data_kinds import kind_row
 from fsdp_lab.config.hardware_kinds import Engine, hardware_row
+from fsdp_lab.config.pipeline import splits_backward
 from fsdp_lab.config.topology import Topology, dp_size, stage_topology
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.context import ContextShare
@@ -185,7 +186,14 @@ def _model_on_meta(
     model, loss = loss_lib.meta_model_with_loss(
         cfg,
         hf_config,
-        loss_lib.resolve_loss(cfg.loss, hf_config, task, ctx.kind, compiled=cfg.compile),
+        loss_lib.resolve_loss(
+            cfg.loss,
+            hf_config,
+            task,
+            ctx.kind,
+            compiled=cfg.compile,
+            split_backward=splits_backward(cfg.parallel),
+        ),
         tp_ranks=cfg.parallel.tensor,
         sequences_split=cfg.parallel.context > 1,
         compute_dtype=devices.TORCH_DTYPES[cfg.precision.param_dtype],
@@ -204,7 +212,7 @@ def _model_on_meta(
 
 
 def _shard_and_fill(
-    cfg: Config, ctx: RankContext, meta_model: torch.nn.Module, hf_config, loss
+    cfg: Config, ctx: RankContext, meta_model: torch.nn.Module, hf_config, loss=None
 ) -> ShardedModel:
     """The engine (FSDP2, or torch_xla SPMD on tpu) picks the units, checkpoints and compiles
     them, shards them on the strategy's mesh with the dtype and offload policies, and fills the

@@ -76,7 +76,13 @@ CHUNK_LOGITS_BYTES = 256 * 2**20  # the default chunk's fp32 logits
 
 
 def resolve_loss(
-    cfg: LossConfig, hf_config, task: ModelTask, device: HardwareKind, *, compiled: bool
+    cfg: LossConfig,
+    hf_config,
+    task: ModelTask,
+    device: HardwareKind,
+    *,
+    compiled: bool,
+    split_backward: bool = False,
 ) -> LossKind:
     """The loss a run computes: ``cfg.kind``, with auto decided from the model and device.
     A loss the model or device cannot take (its row in ``config.losses``) is a ConfigError
@@ -86,7 +92,9 @@ def resolve_loss(
     fits = task_row(task).causal and row is not None and row.fused_loss
     if cfg.kind is LossKind.auto:
         hardware = hardware_row(device)
-        if not fits or not hardware.runs(Feature.custom_loss):
+        # split_backward: a zero-bubble pipeline runs each backward in halves, which a fused
+        # loss's own backward cannot (the rules refuse one set explicitly)
+        if not fits or not hardware.runs(Feature.custom_loss) or split_backward:
             return LossKind.hf
         # Compiled runs chunked, eager GPU runs liger: liger's kernel is the faster alone,
         # compiled chunked the faster in whole steps (liger's small chunks cost host time);
@@ -230,8 +238,8 @@ class Loss:
         if inputs_embeds is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = inputs_embeds
-        if not last:
-            return model(**inputs).logits
+        if not last:  # the decoder's output itself (a zero-bubble schedule detaches it in place)
+            return model.base_model(**inputs).last_hidden_state
         if loss_of(self.kind).fused:
             return self._fused(model, inputs, labels).float()
         logits = model(**inputs).logits

@@ -10,17 +10,19 @@ the gradient norm.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from conftest import check_ok, train
+from conftest import check_ok, run_python, train
 from omegaconf import OmegaConf
 from reference import reference_run
 
-from fsdp_lab.config import to_typed
+from fsdp_lab.config import compose, to_typed
 from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parents[1]
 
 FP32_TOL, NORM_RTOL, STEPS = 1e-5, 1e-5, 8
 
@@ -87,6 +89,48 @@ def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
     held = facts["local_params_per_rank"]
     assert sum(held) >= facts["total_params"] * (1 if dp == 1 else 0.99)
     assert max(held) * mesh["pp"] * dp < facts["total_params"] * 2
+
+
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+
+
+def test_every_schedule_matches_one_unsharded_process(tmp_path):
+    """PP 2 under each of torch's seven schedules (two stages a rank for all but GPipe and 1F1B),
+    in one process group: every step's loss and gradient norm equal one process's. The
+    zero-bubble ones keep the weights gathered (grad_op) and the model's own loss (the rules
+    ask for both)."""
+    overrides = ("parallel.pipeline=2", "model.num_layers=4", "sharding=grad_op", "loss=hf")
+    steps = 4
+    proc = run_python(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(TESTS / "pipeline_ranks.py"),
+            str(tmp_path),
+            str(steps),
+            ",".join(SCHEDULES),
+            *overrides,
+        ],
+        timeout=300,
+    )
+    check_ok(proc)
+    cfg = compose(["hardware=cpu", f"trainer.max_steps={steps}", *overrides])
+    want, want_norms = reference_run(cfg, world_size=1)
+    for schedule in SCHEDULES:
+        records = json.loads((tmp_path / f"{schedule}.json").read_text())["records"]
+        diff = max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True))
+        norm = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
+        assert diff <= FP32_TOL and norm <= NORM_RTOL, (schedule, diff, norm)
 
 
 def _losses(run_dir) -> dict[int, float]:

@@ -45,7 +45,6 @@ def test_a_layout_places_stages_by_the_schedules_placement():
     "fields,layers,micro,words",
     [
         (dict(pipeline_schedule="Nope"), 8, 4, "is not a schedule"),
-        (dict(pipeline_schedule="ZBVZeroBubble"), 8, 4, "splits the backward"),
         (dict(stages_per_rank=2), 8, 4, "one stage a rank"),
         (dict(), 1, 4, "more than the model's 1 layers"),
         (dict(pipeline_microbatches=3), 8, 4, "does not divide trainer.micro_batch_size=4"),
@@ -90,6 +89,11 @@ def test_a_stage_is_contiguous_ranks_and_the_rules_apply_within_it():
         (["model=qwen3_moe_tiny"], "mixture of experts"),
         (["eval.harness_tasks=[hellaswag]"], "eval.harness_tasks"),
         (["parallel.pipeline=1", "parallel.pipeline_microbatches=2"], "applies only"),
+        (["parallel.pipeline_schedule=ZBVZeroBubble"], "sharding=full reshards them"),
+        (
+            ["parallel.pipeline_schedule=DualPipeV", "sharding=grad_op", "loss=chunked"],
+            "loss=chunked's backward computes both at once",
+        ),
     ],
 )
 def test_what_pipeline_does_not_run_yet_is_refused_in_one_line(overrides, words):
@@ -118,3 +122,17 @@ def test_a_rank_keeps_its_stages_under_the_unsplit_names():
         assert ("model.embed_tokens.weight" in held) == (rank == 0)
         assert ("lm_head.weight" in held) == (rank == 1)
     assert sorted(names) == sorted(whole)  # every tensor once, on one stage
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [(["model.tie_word_embeddings=true"], "tie_word_embeddings"), (["model=gpt2_tiny"], "gpt2")],
+)
+def test_a_model_the_cut_cannot_serve_is_refused_in_one_line(overrides, words):
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.engine import pipeline
+
+    cfg = compose(["parallel.pipeline=2", *overrides])
+    with pytest.raises(ConfigError) as e:
+        pipeline.check(model_lib.build_hf_config(cfg.model), cfg.parallel, 4)
+    assert words in str(e.value) and "\n" not in str(e.value)
