@@ -259,6 +259,7 @@ def build_model(
     held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
     units = _select_units(model, cfg, cut, experts)
     units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
+    units_desc = cut.describe(units_desc) if cut else units_desc
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:

@@ -63,8 +63,10 @@ def compare(run_dir, dp: int) -> dict:
             {"pp": 2, "shard": 2},
         ),
         (4, ("parallel.pipeline=4", "model.num_layers=4"), {"pp": 4, "shard": 1}),
+        # each stage 2 replicas of 2 shards
+        (8, ("parallel.pipeline=2", "sharding=hybrid"), {"pp": 2, "replicate": 2, "shard": 2}),
     ],
-    ids=["1f1b-accum2", "interleaved-lora", "gpipe-x-full2", "pp4"],
+    ids=["1f1b-accum2", "interleaved-lora", "gpipe-x-full2", "pp4", "pp2-x-hybrid2x2"],
 )
 def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
     check_ok(
@@ -79,7 +81,7 @@ def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
             *overrides,
         )
     )
-    dp = mesh["shard"]  # the stage's ranks read different rows; the stages the same
+    dp = mesh.get("replicate", 1) * mesh["shard"]  # a stage's ranks read different rows
     facts = compare(run_dir, dp=dp)
     assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == mesh
     accum = 2 if "trainer.grad_accum_steps=2" in overrides else 1
@@ -88,7 +90,7 @@ def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
     # hold a decoder layer fewer: the embedding and the head count as one each)
     held = facts["local_params_per_rank"]
     assert sum(held) >= facts["total_params"] * (1 if dp == 1 else 0.99)
-    assert max(held) * mesh["pp"] * dp < facts["total_params"] * 2
+    assert max(held) * mesh["pp"] * mesh["shard"] < facts["total_params"] * 2
 
 
 SCHEDULES = (
@@ -131,6 +133,42 @@ def test_every_schedule_matches_one_unsharded_process(tmp_path):
         diff = max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True))
         norm = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
         assert diff <= FP32_TOL and norm <= NORM_RTOL, (schedule, diff, norm)
+
+
+def test_packed_chat_is_exact(tmp_path, bpe_tokenizer):
+    """Chat conversations packed several to a row (each query sees only its own: the masks are
+    built in every stage from the row's sequence index) and only replies trained on, with
+    activation checkpointing: PP 2 equals one process step by step."""
+    chats = tmp_path / "chats.jsonl"
+    with chats.open("w") as f:
+        for i in range(300):  # short exchanges: about 3 a row of 256 tokens
+            user = f"Say line {i} of the play, " + "briefly " * (i % 7)
+            reply = f"Line {i}: to be " + "or not " * (i % 5)
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    packed = tmp_path / "packed"
+    check_ok(
+        train(
+            packed,
+            "hardware=cpu",
+            "hardware.nproc_per_node=2",
+            "parallel.pipeline=2",
+            "logger=none",
+            f"trainer.max_steps={STEPS}",
+            "trainer.eval_every=0",
+            "checkpoint=none",
+            "data=chat",
+            f"data.files={chats}",
+            f"data.tokenizer={bpe_tokenizer}",
+            "data.chat_template=conf/chat_templates/chatml.jinja",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.seq_len=256",
+            "model.max_position_embeddings=256",
+            "trainer.micro_batch_size=2",
+            "activation_checkpointing=full",
+        )
+    )
+    compare(packed, dp=1)
 
 
 def _losses(run_dir) -> dict[int, float]:
