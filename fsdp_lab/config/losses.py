@@ -92,5 +92,10 @@ def loss_runs_anywhere(kind: LossKind) -> bool:
     return kind is LossKind.auto or loss_of(kind).own
 
 
+def loss_is_fused(kind: LossKind) -> bool:
+    """A fused loss set by name (auto may resolve to one, or not: ``resolve_loss`` says)."""
+    return kind is not LossKind.auto and loss_of(kind).fused
+
+
 def loss_needs_triton(kind: LossKind) -> bool:
     return kind is not LossKind.auto and loss_of(kind).triton

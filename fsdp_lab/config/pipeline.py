@@ -16,7 +16,7 @@ from enum import Enum
 
 from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.errors import ConfigError, positive
-from fsdp_lab.config.losses import LossKind
+from fsdp_lab.config.losses import loss_is_fused
 from fsdp_lab.config.low_precision import setting as low_precision
 from fsdp_lab.config.model import WeightLoading, task_row
 from fsdp_lab.config.schema import Config
@@ -232,7 +232,7 @@ def _check_split_backward(cfg: Config) -> None:
             f"gathered; sharding={s.strategy.name} reshards them after forward: use "
             "sharding=grad_op (or sharding.reshard_after_forward=false), or 1F1B"
         )
-    if cfg.loss.kind not in (LossKind.auto, LossKind.hf):
+    if loss_is_fused(cfg.loss.kind):
         raise ConfigError(
             f"{where} splits every backward into its input and weight halves; loss="
             f"{cfg.loss.kind.name}'s backward computes both at once: use loss=hf (or auto)"

@@ -258,8 +258,7 @@ def build_model(
     lowp = low_precision.apply(model, cfg)  # torchao's float8 or NF4, sharded as themselves
     held_whole = low_precision.left_to_every_rank(model, dp_mesh.size(dp_mesh.ndim - 1))
     units = _select_units(model, cfg, cut, experts)
-    units_desc = wrap.summarize_units(model, units)  # before fully_shard renames the classes
-    units_desc = cut.describe(units_desc) if cut else units_desc
+    units_desc = pipeline_lib.describe(wrap.summarize_units(model, units), cut)  # pre-rename
     units = activations.apply_activation_checkpointing(model, units, cfg.activation_checkpointing)
     checkpointed = [i for i, unit in enumerate(units) if activations.is_checkpointed(unit)]
     if cfg.compile:

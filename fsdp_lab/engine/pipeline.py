@@ -301,19 +301,22 @@ class PipelineCut:
     layers: set[int]
     whole: nn.Module
 
-    def describe(self, units: str) -> str:
-        """The banner's units line under a pipeline: this rank's stages, each the root of its
-        units."""
-        lay = self.layout
-        mine = ", ".join(
-            f"{s} (layers {lay.layers[s][0]}-{lay.layers[s][-1]})" if lay.layers[s] else f"{s}"
-            for s in lay.stages_of(self.rank)
-        )
-        return (
-            f"{units.split(', root ')[0] or 'none'}, each stage a root; stage(s) {mine} of "
-            f"{lay.stages} on pipeline rank {self.rank}, {lay.schedule.name}, "
-            f"{lay.microbatches} microbatches"
-        )
+
+def describe(units: str, cut: PipelineCut | None) -> str:
+    """The banner's units line (``wrap.summarize_units``'s); under a pipeline, this rank's
+    stages, each the root of its units, and the schedule."""
+    if cut is None:
+        return units
+    lay = cut.layout
+    mine = ", ".join(
+        f"{s} (layers {lay.layers[s][0]}-{lay.layers[s][-1]})" if lay.layers[s] else f"{s}"
+        for s in lay.stages_of(cut.rank)
+    )
+    return (
+        f"{units.split('root ')[0].rstrip(', ') or 'no unit'}, each stage a root; stage(s) "
+        f"{mine} of {lay.stages} on pipeline rank {cut.rank}, {lay.schedule.name}, "
+        f"{lay.microbatches} microbatches"
+    )
 
 
 def cut(model: nn.Module, parallel: ParallelConfig, micro_batch_size: int, mesh: DeviceMesh):

@@ -42,7 +42,7 @@ from fsdp_lab.config.topology import (
     stage_topology,
 )
 from fsdp_lab.engine.hardware import devices
-from fsdp_lab.planning import activation_memory, machine, memory, plan_time
+from fsdp_lab.planning import activation_memory, machine, memory, plan_pipeline, plan_time
 from fsdp_lab.planning.plan_model import ModelShape, inspect_model
 from fsdp_lab.planning.plan_result import (
     Batch,
@@ -197,6 +197,15 @@ def strategy_plan(
     )
 
 
+def _timed(cfg: Config, topo: Topology, facts: ModelShape, strategy, profile: DeviceProfile):
+    """``strategy``'s plan with its step time on ``profile`` (or why it is unavailable)."""
+    row = strategy_plan(cfg, topo, facts, strategy)
+    if isinstance(row, StrategyPlan):
+        step = plan_time.predict_step(cfg, topo, facts, row, strategy, profile)
+        row = dataclasses.replace(row, time=step)
+    return row
+
+
 def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, reshard):
     """(activations, transients) of a step on one rank: what autograd saves, and FSDP2's
     gathered units and gradient buffers on a shard axis of ``shard`` ranks."""
@@ -211,8 +220,8 @@ def _working_set(cfg: Config, topo: Topology, facts: ModelShape, shard: int, res
         loss_chunk=facts.loss_chunk,
         op=cfg.activation_checkpointing.mode is ActivationCheckpointingMode.op,
     )
-    if facts.pipeline is not None:  # the microbatches in flight on the counted stage's rank
-        act = dataclasses.replace(act, saved=int(act.saved * facts.pipeline.in_flight))
+    if facts.pipeline is not None:
+        act = plan_pipeline.activations(act, facts.pipeline)
     trans = memory.transient(
         memory.group_numels(facts.params, shard, ep=ep, param_bytes=b),
         memory.Reduction(b, rb, shard_size=shard, gloo=not hardware_row(topo.device).nccl),
@@ -330,13 +339,12 @@ def build_plan(overrides: list[str], device: str | None = None) -> Plan:
     t, p, layer = cfg.trainer, cfg.precision, facts.layer
     profile, time_notes = time_device(device, topo, cfg)
     notes += time_notes
-    strategies = {}
-    for s in ShardingStrategy:
-        row = strategy_plan(cfg, topo, facts, s)
-        if isinstance(row, StrategyPlan):
-            step = plan_time.predict_step(cfg, topo, facts, row, s, profile)
-            row = dataclasses.replace(row, time=step)
-        strategies[s.name] = row
+    stages = plan_pipeline.stage_facts(cfg, topo.device, facts)  # a pipeline: each rank's
+    strategies = {
+        s.name: plan_pipeline.combined([_timed(cfg, topo, f, s, profile) for f in stages])
+        for s in ShardingStrategy
+    }
+    notes += plan_pipeline.notes(stages, strategies[cfg.sharding.strategy.name])
     mode = cfg.activation_checkpointing.mode
     return Plan(
         world_size=topo.world_size,

@@ -4,7 +4,6 @@ shape its activations are counted from, and the loss."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
@@ -48,8 +47,8 @@ class ModelShape(ModelCounts):
 
 @dataclass(frozen=True)
 class PipelineShare:
-    """The pipeline rank the plan counts (the one holding the most parameters): its stages'
-    layers, and what the schedule keeps in flight and sends."""
+    """A pipeline rank the plan counts: its stages' layers, and what the schedule keeps in
+    flight and sends there."""
 
     rank: int
     stages: list[int]
@@ -59,14 +58,16 @@ class PipelineShare:
     in_flight: float  # of a micro-batch's activations held at the peak, as a fraction
     hidden_bytes: int  # one row's hidden states between stages: seq_len x hidden x dtype bytes
     boundaries: int  # stage boundaries this rank sends or receives across (each way)
+    microbatches: int = 1  # each micro-batch cut into these
+    head: bool = True  # it runs the last stage (the head and the loss)
 
     @property
     def note(self) -> str:
         return (
-            f"a pipeline: counted for pipeline rank {self.rank} (stages {self.stages}, "
-            f"{self.layers} of {self.of_layers} layers, the most parameters); its schedule "
-            f"keeps {self.in_flight:.2f} of a micro-batch's activations in flight, and its "
-            f"bubble is {self.bubble:.0%} of a step"
+            f"a pipeline: the figures are pipeline rank {self.rank}'s (stages {self.stages}, "
+            f"{self.layers} of {self.of_layers} layers), the highest peak; its schedule keeps "
+            f"{self.in_flight:.2f} of a micro-batch's activations in flight there, and idles "
+            f"{self.bubble:.0%} of a step (the bubble)"
         )
 
     def step_bytes(self, cfg: Config) -> float:
@@ -108,14 +109,17 @@ def _expert_dim1s(model) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
-    """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss."""
+def inspect_model(
+    cfg: Config, device: HardwareKind, pipeline_rank: int | None = None
+) -> ModelShape:
+    """Vocabulary, meta model, FSDP units, the owner unit of every parameter, and the loss;
+    with ``pipeline_rank``, of what that pipeline rank's stages hold."""
     from fsdp_lab.train import loss as loss_lib
 
     hf_config, vocab_source = _hf_config(cfg)
     model = model_lib.model_on_meta(hf_config, cfg.model.task, cfg.finetune)
     flops = metrics.flops_per_token(model, hf_config, cfg.trainer.seq_len)  # the whole model's
-    share = _pipeline_share(cfg, model)  # under a pipeline: its heaviest rank's stages
+    share = _pipeline_share(cfg, model, pipeline_rank)  # a pipeline rank's stages
     lowp = low_precision.apply(model, cfg)  # as engine.fsdp converts it, on meta
     loss = loss_lib.resolve_loss(
         cfg.loss,
@@ -128,28 +132,8 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     units = wrap.select_units(model, cfg.wrap)
     params, tp_notes = _param_shapes(cfg, model, units)
     layer, notes = _layer_shape(hf_config, cfg, share)
-    if any(not q.trainable for q in params):
-        notes.append(
-            f"finetune={cfg.finetune.method.name}: activations are counted as for full "
-            "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
-            "adds its adapters' small inputs)"
-        )
-    if lowp is not None:
-        notes.append(
-            f"{lowp['scheme']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
-            + (
-                f" held in NF4 ({NF4_BITS:.2f} bits a parameter) and gathered as such"
-                if lowp["scheme"] == "nf4"
-                else " gathered in float8 (1 byte a parameter)"
-                if lowp.get("all_gather")
-                else " computing in float8, gathered in param_dtype"
-            )
-        )
+    notes += _counting_notes(cfg, params, lowp, loss)
     loss_row = loss_of(loss)
-    if loss_row.memory_as is not None:
-        notes.append(
-            f"loss={loss.name}: its working memory is estimated as loss={loss_row.memory_as.name}'s"
-        )
     layers = finetune.blocks(model)
     layer_ids = {id(m) for m in layers}
     chosen = activations.checkpointed_indices(cfg.activation_checkpointing, len(units))
@@ -178,6 +162,34 @@ def inspect_model(cfg: Config, device: HardwareKind) -> ModelShape:
     )
 
 
+def _counting_notes(cfg: Config, params, lowp: dict | None, loss) -> list[str]:
+    """How the plan counts a frozen base, low-precision layers and a loss it does not model."""
+    notes = []
+    if any(not q.trainable for q in params):
+        notes.append(
+            f"finetune={cfg.finetune.method.name}: activations are counted as for full "
+            "training, an upper bound (a frozen linear layer saves no input for backward; LoRA "
+            "adds its adapters' small inputs)"
+        )
+    if lowp is not None:
+        notes.append(
+            f"{lowp['scheme']}: {lowp['converted']} linear layers ({', '.join(lowp['kinds'])})"
+            + (
+                f" held in NF4 ({NF4_BITS:.2f} bits a parameter) and gathered as such"
+                if lowp["scheme"] == "nf4"
+                else " gathered in float8 (1 byte a parameter)"
+                if lowp.get("all_gather")
+                else " computing in float8, gathered in param_dtype"
+            )
+        )
+    memory_as = loss_of(loss).memory_as
+    if memory_as is not None:
+        notes.append(
+            f"loss={loss.name}: its working memory is estimated as loss={memory_as.name}'s"
+        )
+    return notes
+
+
 def _layer_shape(hf_config, cfg: Config, share: PipelineShare | None):
     """The layer model's shape and notes; under a pipeline, of the counted rank's layers."""
     layer, notes = activation_memory.layer_shape(hf_config, cfg.model.task)
@@ -186,24 +198,16 @@ def _layer_shape(hf_config, cfg: Config, share: PipelineShare | None):
     return dataclasses.replace(layer, num_layers=share.layers), [*notes, share.note]
 
 
-def _pipeline_share(cfg: Config, model) -> PipelineShare | None:
-    """parallel.pipeline > 1: ``model`` (meta) cut in place to the stages of the pipeline rank
-    holding the most parameters (``engine.pipeline.keep``, as the engine cuts it), and what
-    that rank's schedule keeps in flight."""
+def _pipeline_share(cfg: Config, model, rank: int | None) -> PipelineShare | None:
+    """``model`` (meta) cut in place to pipeline rank ``rank``'s stages
+    (``engine.pipeline.keep``, as the engine cuts it), and what its schedule keeps in flight;
+    None: the whole model."""
     p = cfg.parallel
-    if p.pipeline == 1:
+    if p.pipeline == 1 or rank is None:
         return None
     from fsdp_lab.engine import pipeline
 
     stages = pipeline.check(model.config, p, cfg.trainer.micro_batch_size)
-
-    def held(rank: int) -> int:
-        trial = copy.deepcopy(model)
-        layers, embed, head = pipeline.rank_layers(stages, rank)
-        pipeline.keep(trial, layers, embed=embed, head=head)
-        return sum(t.numel() for t in trial.parameters())
-
-    rank = max(range(p.pipeline), key=held)
     layers, embed, head = pipeline.rank_layers(stages, rank)
     pipeline.keep(model, layers, embed=embed, head=head)
     mine = stages.stages_of(rank)
@@ -218,6 +222,8 @@ def _pipeline_share(cfg: Config, model) -> PipelineShare | None:
         in_flight=stages.in_flight(rank),
         hidden_bytes=cfg.trainer.seq_len * model.config.hidden_size * b,
         boundaries=boundaries,
+        microbatches=stages.microbatches,
+        head=head,
     )
 
 
@@ -276,11 +282,11 @@ def _param_shapes(cfg: Config, model, units) -> tuple[list[memory.ParamShape], l
         else []
     )
     experts = _expert_dim1s(model)
-    head = model.get_output_embeddings()
+    head = getattr(model.get_output_embeddings(), "weight", None)  # a pipeline stage's: none
     tables = {
         id(m.weight)
         for m in model.modules()
-        if isinstance(m, torch.nn.Embedding) and (head is None or m.weight is not head.weight)
+        if isinstance(m, torch.nn.Embedding) and m.weight is not head
     }
     params = [
         memory.ParamShape(

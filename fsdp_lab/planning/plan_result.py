@@ -54,11 +54,15 @@ class StrategyPlan:
     peak: int  # rank 0's, the largest (`memory.peak`)
     zero_paper: ZeroPaper
     time: StepTime | None = None  # the step's predicted time on the plan's device
+    # A pipeline: each pipeline rank's own plan, in rank order (``planning.plan_pipeline``)
+    parts: tuple[StrategyPlan, ...] = ()
+    counted: int = 0  # the rank whose state the figures show: the counted part's first
 
     @property
     def rank0(self) -> memory.StateBytes:
-        """Rank 0's state: chunk 0 is never smaller than another rank's."""
-        return self.per_rank[0]
+        """The counted rank's state (rank 0's: chunk 0 is never smaller than another rank's;
+        under a pipeline, the first rank of the stage with the highest peak)."""
+        return self.per_rank[self.counted]
 
     @property
     def sum(self) -> int:
@@ -68,6 +72,9 @@ class StrategyPlan:
     def peak_over_start(self, rank: int) -> int:
         """``rank``'s peak less what it holds before the first step (its parameters): what a
         run measures as its peak memory less its memory before training."""
+        if self.parts:  # a pipeline: the plan of the rank's stage
+            ranks = len(self.parts[0].per_rank)
+            return self.parts[rank // ranks].peak_over_start(rank % ranks)
         mine = self.per_rank[rank]
         peak = memory.peak(
             mine,
@@ -93,6 +100,8 @@ class StrategyPlan:
             "sum": self.sum,
             "zero_paper": self.zero_paper.to_json(),
             "time": self.time.to_json() if self.time is not None else None,
+            "pipeline_peaks": [part.peak for part in self.parts],
+            "counted_rank": self.counted,
         }
 
 
@@ -296,9 +305,12 @@ def _header_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:
 
 def _strategy_lines(plan: Plan, unit: int, unit_name: str) -> list[str]:
     """The table: one row per strategy, the chosen one marked."""
+    chosen, counted = plan.strategies.get(plan.chosen), "rank 0"
+    if isinstance(chosen, StrategyPlan) and chosen.parts:  # a pipeline: its heaviest stage
+        counted = f"rank {chosen.counted}: the pipeline stage with the highest peak"
     lines = [
         "",
-        f"per rank, {unit_name} (rank 0; others hold the same or less)",
+        f"per rank, {unit_name} ({counted}; others hold the same or less)",
         f"  {'strategy':<13} {'mesh':<9} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
         f"{'transient':>9} {'peak':>8}   ZeRO paper",
     ]

@@ -59,6 +59,17 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
                 "hardware.nproc_per_node=4",
             ],
         ),
+        # a pipeline: each rank's stages exactly; rank 0 holds its two microbatches' layers
+        # (1F1B), the last stage one and the head (measured 1.07x and 1.19x of the plan)
+        (MEDIUM, ["parallel.pipeline=2", "hardware.nproc_per_node=2"]),
+        (
+            MEDIUM,
+            [
+                "parallel.pipeline=2",
+                "parallel.pipeline_schedule=GPipe",
+                "hardware.nproc_per_node=4",
+            ],
+        ),
     ],
     ids=[
         "full",
@@ -71,6 +82,8 @@ RSS_TOLERANCE, RSS_SLACK = 0.05, 48 * 2**20
         "qwen2-big-vocab-no_shard",
         "bert-big-vocab-grad_op",
         "qwen3-moe-ep2xfsdp2",
+        "pp2-1f1b",
+        "pp2-gpipe-x-full2",
     ],
 )
 def test_measured_runs_match_the_plan(run_dir, base, overrides):
