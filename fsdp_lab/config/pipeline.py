@@ -265,8 +265,7 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
             "hardware.nproc_per_node (x hardware.num_nodes) to a multiple of it"
         )
     refusals = (
-        (p.tensor > 1, f"parallel.tensor={p.tensor}"),
-        (p.context > 1, f"parallel.context={p.context}"),
+        (p.sequence_parallel, "parallel.sequence_parallel=true"),
         (
             p.expert > 1 or cfg.model.num_experts,
             "a mixture of experts (its load-balancing loss spans the stages)",

@@ -129,8 +129,10 @@ def check(model: nn.Module, cfg: ParallelConfig) -> dict[str, str]:
 
 
 def apply(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:
-    """Split the plan's linear layers over ``tp_mesh`` (on meta: no memory is touched)."""
-    plan = check(model, cfg)
+    """Split the plan's linear layers over ``tp_mesh`` (on meta: no memory is touched). The
+    plan was checked on the whole model before launch (``check``); a pipeline rank's model may
+    hold none of a pattern's layers (another stage's)."""
+    plan = model_plan(model, cfg)
     # DTensor warns, once per rank, that reducing the (dp, tp) norm takes two all-reduces:
     # one scalar per step, not worth a flattened mesh.
     logging.getLogger(torch_private.REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)

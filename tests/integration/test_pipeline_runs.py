@@ -65,8 +65,30 @@ def compare(run_dir, dp: int) -> dict:
         (4, ("parallel.pipeline=4", "model.num_layers=4"), {"pp": 4, "shard": 1}),
         # each stage 2 replicas of 2 shards
         (8, ("parallel.pipeline=2", "sharding=hybrid"), {"pp": 2, "replicate": 2, "shard": 2}),
+        # a stage's layers split over a TP pair; with V stages, rank 0 holds no decoder layer
+        (
+            4,
+            (
+                "parallel.pipeline=2",
+                "parallel.tensor=2",
+                "parallel.pipeline_schedule=ZBVZeroBubble",
+                "sharding=grad_op",
+                "model.num_layers=4",
+            ),
+            {"pp": 2, "shard": 1, "tp": 2},
+        ),
+        # a stage's sequences split over a CP pair
+        (4, ("parallel.pipeline=2", "parallel.context=2"), {"pp": 2, "shard": 1, "context": 2}),
     ],
-    ids=["1f1b-accum2", "interleaved-lora", "gpipe-x-full2", "pp4", "pp2-x-hybrid2x2"],
+    ids=[
+        "1f1b-accum2",
+        "interleaved-lora",
+        "gpipe-x-full2",
+        "pp4",
+        "pp2-x-hybrid2x2",
+        "zbv-x-tp2",
+        "pp2-x-cp2",
+    ],
 )
 def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
     check_ok(
@@ -87,10 +109,12 @@ def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
     accum = 2 if "trainer.grad_accum_steps=2" in overrides else 1
     assert facts["tokens_per_step"] == dp * accum * 4 * 64  # each token once, not per stage
     # each tensor on one stage's ranks only; a rank about 1/pp of it (the first and last stages
-    # hold a decoder layer fewer: the embedding and the head count as one each)
+    # hold a decoder layer fewer: the embedding and the head count as one each); FSDP shards a
+    # stage over shard x context, TP splits its layers
     held = facts["local_params_per_rank"]
+    split = mesh["shard"] * mesh.get("context", 1) * mesh.get("tp", 1)
     assert sum(held) >= facts["total_params"] * (1 if dp == 1 else 0.99)
-    assert max(held) * mesh["pp"] * mesh["shard"] < facts["total_params"] * 2
+    assert max(held) * mesh["pp"] * split < facts["total_params"] * 2
 
 
 SCHEDULES = (

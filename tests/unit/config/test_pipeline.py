@@ -83,8 +83,7 @@ def test_a_stage_is_contiguous_ranks_and_the_rules_apply_within_it():
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["parallel.tensor=2"], "parallel.tensor=2"),
-        (["parallel.context=2"], "parallel.context=2"),
+        (["parallel.tensor=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
         (["compile=true"], "compile=true"),
         (["model=qwen3_moe_tiny"], "mixture of experts"),
         (["eval.harness_tasks=[hellaswag]"], "eval.harness_tasks"),
