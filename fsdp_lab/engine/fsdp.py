@@ -43,7 +43,7 @@ from fsdp_lab.config.topology import (
     Topology,
     expert_shard_dim,
 )
-from fsdp_lab.engine import activations, loading, low_precision, precision, wrap
+from fsdp_lab.engine import activations, conversion, loading, low_precision, precision, wrap
 from fsdp_lab.engine import pipeline as pipeline_lib
 from fsdp_lab.engine.hardware import devices, memory, process_group
 from fsdp_lab.engine.mesh import build_expert_mesh, meshes
@@ -153,6 +153,7 @@ class Fsdp2Model(ShardedModel):
     """The FSDP2 engine's model: DTensor shards on a device mesh, one rank per process."""
 
     device: torch.device  # this rank's
+    unsplit: nn.Module | None = None  # a pipeline's whole model on meta (what an export writes)
 
     def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return devices.to_device(batch, self.device)
@@ -163,11 +164,21 @@ class Fsdp2Model(ShardedModel):
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
         return process_group.gather_from_processes(state_bytes(self.model, optimizer))
 
+    def export_names(self) -> dict:
+        if self.unsplit is None:
+            return self.owned_tensors()
+        return conversion.owned_tensors(self.unsplit)
+
     def full_tensors(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Each tensor gathered whole from its shards (an all-gather over its mesh: every rank
-        holds it a moment, one tensor at a time); rank 0 keeps it, on the host."""
+        holds it a moment, one tensor at a time); rank 0 keeps it, on the host. Under a
+        pipeline, from the stage holding it (``engine.pipeline.Pipeline.full_tensors``)."""
 
         owned = self.owned_tensors()
+        if self.pipeline is not None:
+            like = {n: entry[2] for n, entry in self.export_names().items()}
+            stage = torch.distributed.get_world_size() // self.pipeline.layout.pipeline
+            return self.pipeline.full_tensors(owned, names, like, stage)
         rank0 = torch.distributed.get_rank() == 0
         out = {}
         for name in names:
@@ -295,6 +306,7 @@ def build_model(
         low_precision=low_precision.measured(model, lowp, held_whole),
         post_step=low_precision.post_step(cfg),
         pipeline=pipeline,
+        unsplit=cut.whole if cut else None,
     )
 
 

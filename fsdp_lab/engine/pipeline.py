@@ -218,6 +218,41 @@ class Pipeline:
             return torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
         return torch.stack([total.double(), count.double()])
 
+    def owner(self, name: str) -> int:
+        """The pipeline rank holding tensor ``name`` (a plain name of the unsplit model)."""
+        lay, parts = self.layout, name.split(".")
+        if parts[:2] == [BASE, LAYERS]:
+            layer = int(parts[2])
+            return lay.rank_of(next(s for s, held in enumerate(lay.layers) if layer in held))
+        return lay.rank_of(0 if parts[:2] == [BASE, EMBED] else lay.stages - 1)
+
+    def full_tensors(
+        self, owned: dict, names: list[str], like: dict[str, torch.Tensor], stage_ranks: int
+    ) -> dict[str, torch.Tensor] | None:
+        """The whole tensors ``names`` on the host of rank 0 (others: None); every rank calls
+        it with the same names. Each is gathered over the ranks of the stage holding it
+        (``owned``: this rank's), whose first rank sends it to rank 0; ``like``: the unsplit
+        model's tensors on meta (what rank 0 receives: shape and dtype)."""
+        from fsdp_lab.engine.loading import gather_whole
+
+        me, mine = dist.get_rank(), dist.get_rank(self.group)
+        out = {}
+        for name in names:
+            holder = self.owner(name)
+            first = holder * stage_ranks  # the pipeline axis is outermost
+            if mine == holder:
+                whole = gather_whole(owned[name][2]).detach().to(like[name].dtype)
+                if me == 0:
+                    out[name] = whole.cpu()
+                elif me == first:
+                    dist.send(whole.contiguous(), 0)
+                del whole
+            elif me == 0:
+                buffer = torch.empty(like[name].shape, dtype=like[name].dtype, device=self.device)
+                dist.recv(buffer, first)
+                out[name] = buffer.cpu()
+        return out if me == 0 else None
+
     def train(self, mode: bool = True) -> None:
         for stage in self.stages:
             stage.train(mode)

@@ -95,6 +95,11 @@ class ShardedModel(ABC):
             }
         return self._owned
 
+    def export_names(self) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+        """What an export writes, by plain name (``full_tensors`` reads them): this rank's
+        tensors, or under a pipeline the unsplit model's (on meta)."""
+        return self.owned_tensors()
+
     @staticmethod
     def clean_name(name: str) -> str:
         """A name without what this engine wraps the model in, beyond activation checkpointing

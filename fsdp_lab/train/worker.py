@@ -260,7 +260,7 @@ def _export(r: RankRun) -> None:
     out_dir = r.run_dir / HF_EXPORT_DIR
     sharded = r.state.sharded
     export_model(
-        sharded.owned_tensors(),
+        sharded.export_names(),
         sharded.full_tensors,
         ExportTarget(out_dir, replace=True, tokenizer=r.state.tokenizer),  # the run's own
         r.cfg,

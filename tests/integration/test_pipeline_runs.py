@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import check_ok, run_python, train
 from omegaconf import OmegaConf
 from reference import reference_run
@@ -195,6 +196,12 @@ def test_packed_chat_is_exact(tmp_path, bpe_tokenizer):
     compare(packed, dp=1)
 
 
+def _weights(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
@@ -211,13 +218,27 @@ def test_a_checkpoint_resumes_across_pipeline_sizes(tmp_path):
     check_ok(train(second, *common, "hardware.nproc_per_node=1", f"resume={at3}"))
     at6 = second / "checkpoints" / ckpt.step_dir_name(6)
     check_ok(
-        train(third, *common, "hardware.nproc_per_node=4", "parallel.pipeline=4", f"resume={at6}")
+        train(
+            third,
+            *common,
+            "hardware.nproc_per_node=4",
+            "parallel.pipeline=4",
+            f"resume={at6}",
+            "checkpoint.export_hf=true",
+        )
     )
     want = _losses(first)
     assert sorted(_losses(second)) == list(range(4, 10))
     for run, steps in ((second, range(4, 7)), (third, range(7, 10))):
         got = _losses(run)
         assert max(abs(got[s] - want[s]) for s in steps) <= FP32_TOL, (run.name, got, want)
+    # the run's own export (each tensor sent to rank 0 by its stage) is the whole model, as
+    # fsdp-lab export reads it from the last checkpoint in one process
+    offline = tmp_path / "offline"
+    check_ok(run_python(["-m", "fsdp_lab.tools.cli", "export", str(third), str(offline)]))
+    ours, theirs = (_weights(d) for d in (third / "hf", offline))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 4 * 9 + 3
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     val = [read_metrics(run / "metrics.jsonl", "val")[-1] for run in (first, second, third)]
     assert {r["step"] for r in val} == {9} and len({r["val_tokens"] for r in val}) == 1
     assert max(abs(r["val_loss"] - val[0]["val_loss"]) for r in val) <= FP32_TOL, val
