@@ -17,7 +17,6 @@ from enum import Enum
 from fsdp_lab.config.checkpoint_formats import format_row
 from fsdp_lab.config.errors import ConfigError, positive
 from fsdp_lab.config.losses import loss_is_fused
-from fsdp_lab.config.low_precision import setting as low_precision
 from fsdp_lab.config.model import WeightLoading, task_row
 from fsdp_lab.config.schema import Config
 from fsdp_lab.config.strategies import reshard_after_forward
@@ -272,7 +271,6 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
         ),
         (cfg.compile, "compile=true"),
         (cfg.precision.grad_scaler_enabled, "precision.grad_scaler_enabled=true (fp16)"),
-        (low_precision(cfg) is not None, low_precision(cfg) or ""),
         (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
         (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),
         (

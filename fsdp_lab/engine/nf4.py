@@ -48,14 +48,15 @@ def _absmax(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, NF4_BLOCK).abs().amax(dim=1)
 
 
-def _absmax_mean(absmax: torch.Tensor, *, distributed: bool) -> torch.Tensor:
-    """The mean of the whole tensor's block absmaxes (of all ranks' parts where
-    ``distributed``), summed in float64 so that the order of the sum (the world size) does not
-    move its last bit. Replicas add the same shares to both sums."""
+def _absmax_mean(absmax: torch.Tensor, *, mesh=None) -> torch.Tensor:
+    """The mean of the whole tensor's block absmaxes (of the parts held on ``mesh``, the
+    DTensor's, where given: its ranks alone, so a pipeline's other stages, holding other
+    tensors, take no part), summed in float64 so that the order of the sum (the world size)
+    does not move its last bit. Replicas add the same shares to both sums."""
     count = torch.tensor(absmax.numel(), dtype=torch.float64)
     stats = torch.stack([absmax.double().sum(), count])
-    if distributed and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats)
+    for dim in range(mesh.ndim if mesh is not None else 0):
+        dist.all_reduce(stats, group=mesh.get_group(dim))
     return (stats[0] / stats[1]).to(absmax.dtype)
 
 
@@ -86,7 +87,7 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
     _, to_nf4 = nf4_api()
     tensor = to_nf4(x.contiguous())
     absmax = _absmax(x)
-    mean = _absmax_mean(absmax, distributed=False)
+    mean = _absmax_mean(absmax)
     tensor.quantized_scalers, tensor.quantization_factor = _scales(absmax, mean)
     tensor.scaler_mean = mean
     return tensor.get_original_weight()
@@ -101,12 +102,12 @@ def _nf4_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def store_nf4(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Quantise this rank's part ``value`` of an NF4 weight into its shard. A collective: every
-    rank stores the same tensors in the same order."""
+    """Quantise this rank's part ``value`` of an NF4 weight into its shard. A collective over
+    the weight's mesh: its ranks store the same tensors in the same order."""
     local = _local(target)
     x = value.to(local.dtype).contiguous()
     absmax = _absmax(x)
-    mean = _absmax_mean(absmax, distributed=True)
+    mean = _absmax_mean(absmax, mesh=getattr(target, "device_mesh", None))
     data, scales, factor, lut = nf4_quantize(x, mean, absmax)
     with torch.no_grad():
         local.quantized_data.copy_(data)

@@ -196,6 +196,22 @@ def test_packed_chat_is_exact(tmp_path, bpe_tokenizer):
     compare(packed, dp=1)
 
 
+def test_qlora_equals_its_one_process_run(tmp_path):
+    """An NF4 base: each stage quantises its own tensors (the absmax mean over a tensor's own
+    mesh, not the world's, which holds other stages' tensors) and trains LoRA on it exactly as
+    one process does."""
+    common = ("hardware=cpu", "finetune=qlora", "model.num_layers=4", "logger=none")
+    common += (f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "checkpoint=none")
+    runs = {n: tmp_path / f"pp{n}" for n in (1, 2)}
+    check_ok(train(runs[1], *common, "hardware.nproc_per_node=1"))
+    check_ok(train(runs[2], *common, "hardware.nproc_per_node=2", "parallel.pipeline=2"))
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in (1, 2))
+    assert len(one) == len(two) == STEPS
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"], (a, b)
+
+
 def _weights(directory) -> dict:
     from safetensors.torch import load_file
 
