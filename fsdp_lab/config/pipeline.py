@@ -231,6 +231,11 @@ def _check_split_backward(cfg: Config) -> None:
             f"gathered; sharding={s.strategy.name} reshards them after forward: use "
             "sharding=grad_op (or sharding.reshard_after_forward=false), or 1F1B"
         )
+    if cfg.compile:
+        raise ConfigError(
+            f"{where} splits every backward into its input and weight halves, which torch "
+            "does not compile; set compile=false, or use 1F1B (or Interleaved1F1B)"
+        )
     if loss_is_fused(cfg.loss.kind):
         raise ConfigError(
             f"{where} splits every backward into its input and weight halves; loss="
@@ -269,7 +274,6 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
             p.expert > 1 or cfg.model.num_experts,
             "a mixture of experts (its load-balancing loss spans the stages)",
         ),
-        (cfg.compile, "compile=true"),
         (cfg.precision.grad_scaler_enabled, "precision.grad_scaler_enabled=true (fp16)"),
         (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
         (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),

@@ -84,7 +84,10 @@ def test_a_stage_is_contiguous_ranks_and_the_rules_apply_within_it():
     "overrides,words",
     [
         (["parallel.tensor=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
-        (["compile=true"], "compile=true"),
+        (
+            ["compile=true", "parallel.pipeline_schedule=ZBVZeroBubble", "sharding=grad_op"],
+            "compile=false",
+        ),
         (["model=qwen3_moe_tiny"], "mixture of experts"),
         (["eval.harness_tasks=[hellaswag]"], "eval.harness_tasks"),
         (["parallel.pipeline=1", "parallel.pipeline_microbatches=2"], "applies only"),
