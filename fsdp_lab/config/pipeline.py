@@ -278,11 +278,6 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
         (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
         (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),
         (
-            bool(cfg.eval.prompts or cfg.eval.harness_tasks),
-            "eval.prompts or eval.harness_tasks "
-            "(generation runs whole sequences through one model)",
-        ),
-        (
             format_row(cfg.checkpoint.format).whole_files,
             f"checkpoint.format={cfg.checkpoint.format.name} (use sharded: DCP)",
         ),

@@ -202,6 +202,19 @@ class Fsdp2Model(ShardedModel):
         with torch_private.kept_gathered(self.model, units):
             yield
 
+    @contextlib.contextmanager
+    def generation_model(self, keep_gathered: bool = True) -> Iterator[nn.Module]:
+        """Under a pipeline, the whole model gathered on every rank for the block (each stage's
+        tensors broadcast by it: ``engine.pipeline.Pipeline.gathered``), in fp32; else the
+        sharded model."""
+        if self.pipeline is None:
+            with super().generation_model(keep_gathered) as model:
+                yield model
+            return
+        stage = torch.distributed.get_world_size() // self.pipeline.layout.pipeline
+        with self.pipeline.gathered(self.owned_tensors(), self.unsplit, stage) as model:
+            yield model
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

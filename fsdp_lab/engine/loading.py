@@ -266,10 +266,12 @@ def _source_of(files, source, name: str) -> str:
     return f"{where}: one of {', '.join(source.keys[:3])}{more} (converted into {name})"
 
 
-def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=None) -> None:
+def read_pretrained(
+    model: nn.Module, name_or_path: str, *, seed: int, planned=None, layout=None
+) -> None:
     """Fill every parameter and persistent buffer of ``model`` the checkpoint holds with this
     rank's part of it; LoRA adapters (which it does not hold) are drawn as ``init_groups``
-    does."""
+    does (``layout``: the unsplit model a pipeline stage's draws follow)."""
     files, plan = _planned(model, name_or_path, planned)
     owned = owned_tensors(model)
     damaged = None
@@ -284,7 +286,9 @@ def read_pretrained(model: nn.Module, name_or_path: str, *, seed: int, planned=N
     if (damaged := finite.agree(damaged)) is not None:
         raise ConfigError(f"model.name_or_path={name_or_path}: {damaged}; {finite.DAMAGED}")
     if any(n not in plan.sources for n in owned):  # LoRA adapters: drawn, not read
-        init_groups(model, seed, wanted=lambda n: n not in plan.sources, hf_init=False)
+        init_groups(
+            model, seed, wanted=lambda n: n not in plan.sources, hf_init=False, layout=layout
+        )
 
 
 def frozen_fingerprint(model: nn.Module, weights_spec: InitialWeights, planned=None) -> str | None:
@@ -352,10 +356,11 @@ def fill(model: nn.Module, spec: InitialWeights) -> str | None:
     if spec.pretrained is not None:  # planned first: NotPerRank before anything is read
         if not spec.from_files():
             raise NotPerRank("not a local directory: download it to read it per rank")
-        planned = _planned(model, spec.pretrained)
+        # planned on the whole model: a pipeline stage's holds a part of the files' tensors
+        planned = _planned(spec.layout or model, spec.pretrained)
     recompute_buffers(model)
     if planned is not None:
-        read_pretrained(model, spec.pretrained, seed=spec.seed, planned=planned)
+        read_pretrained(model, spec.pretrained, seed=spec.seed, planned=planned, layout=spec.layout)
     else:
         init_groups(model, spec.seed, layout=spec.layout)
     return frozen_fingerprint(model, spec, planned)

@@ -25,7 +25,9 @@ norm's square too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -252,6 +254,30 @@ class Pipeline:
                 dist.recv(buffer, first)
                 out[name] = buffer.cpu()
         return out if me == 0 else None
+
+    @contextlib.contextmanager
+    def gathered(self, owned: dict, unsplit: nn.Module, stage_ranks: int) -> Iterator[nn.Module]:
+        """The whole model on every rank for the block (generation and harness scores run
+        whole sequences through it, without collectives): ``unsplit`` (meta) given storage,
+        each tensor gathered over the ranks of the stage holding it and broadcast by that
+        stage's first rank; freed after. Every rank calls it."""
+        from fsdp_lab.engine.conversion import owned_tensors
+        from fsdp_lab.engine.loading import gather_whole, recompute_buffers
+
+        whole = copy.deepcopy(unsplit)
+        whole.to_empty(device=self.device)
+        recompute_buffers(whole)
+        with torch.no_grad():
+            for name, (_, _, target) in sorted(owned_tensors(whole).items()):
+                holder = self.owner(name)
+                if dist.get_rank(self.group) == holder:
+                    target.copy_(gather_whole(owned[name][2]))
+                dist.broadcast(target, holder * stage_ranks)  # the pipeline axis is outermost
+        whole.eval()
+        try:
+            yield whole
+        finally:
+            del whole
 
     def train(self, mode: bool = True) -> None:
         for stage in self.stages:

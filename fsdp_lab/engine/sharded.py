@@ -61,6 +61,13 @@ class ShardedModel(ABC):
         the weights are sharded again after it. This default: as every forward does."""
         yield
 
+    @contextlib.contextmanager
+    def generation_model(self, keep_gathered: bool = True) -> Iterator[nn.Module]:
+        """The model generation and harness scoring run, for the block: this one, its
+        weights kept gathered where ``keep_gathered`` (``weights_kept_gathered``)."""
+        with self.weights_kept_gathered(keep_gathered):
+            yield self.model
+
     def after_optimizer_step(self) -> None:
         """What the engine does once the weights moved (float8: their scales, precomputed)."""
         if self.post_step is not None:

@@ -336,8 +336,8 @@ def _evaluate_at(state: TrainState, setup: LoopSetup, step: int) -> None:
         return
     if evals.samples_due(step):
         started = time.perf_counter()
-        with _whole_sequences(state, evals.keep_gathered):
-            samples = evals.generate(model, step)
+        with _whole_sequences(state, evals.keep_gathered) as generating:
+            samples = evals.generate(generating, step)
         if reporter is not None:
             reporter.samples(step, samples, time.perf_counter() - started)
 
@@ -346,8 +346,8 @@ def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
     """lm-eval's scores of the model being trained, on every rank (after the step's
     checkpoint)."""
     evals = state.evals
-    with _whole_sequences(state, evals.keep_gathered):
-        scores = evals.score(state.sharded.model)
+    with _whole_sequences(state, evals.keep_gathered) as scoring:
+        scores = evals.score(scoring)
     if setup.reporter is not None:
         setup.reporter.harness(step, scores)
 
@@ -356,11 +356,11 @@ def _score_at(state: TrainState, setup: LoopSetup, step: int) -> None:
 def _whole_sequences(state: TrainState, keep_gathered: bool):
     """Generation and scoring: many small forwards over whole sequences, on every rank (a
     context-parallel model attends over them, not over a split, inside), with their padding
-    masks built by transformers (not the training step's, ``engine.attention``)."""
-    model = state.sharded.model
+    masks built by transformers (not the training step's, ``engine.attention``). Yields the
+    model they run: the sharded one, or a pipeline's whole model gathered on every rank."""
     with (
-        state.sharded.weights_kept_gathered(keep_gathered),
+        state.sharded.generation_model(keep_gathered) as model,
         context_parallel.whole_sequences(model),
         attention.transformers_masks(model),
     ):
-        yield
+        yield model

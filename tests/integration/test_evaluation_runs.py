@@ -126,8 +126,15 @@ def outputs_at(run_dir, step: int) -> list[str]:
         ),
         # TP 2 x CP 2: generation runs whole sequences under SDPA on every rank of the group
         ("hardware.nproc_per_node=4", "sharding=full", "parallel.tensor=2", "parallel.context=2"),
+        # PP 2: the whole model gathered on every rank from its stages for the block
+        (
+            "hardware.nproc_per_node=2",
+            "parallel.pipeline=2",
+            "parallel.pipeline_schedule=GPipe",
+            "parallel.pipeline_microbatches=1",
+        ),
     ],
-    ids=["1-rank", "4-hybrid-lora", "4-tp2-cp2"],
+    ids=["1-rank", "4-hybrid-lora", "4-tp2-cp2", "2-pp2"],
 )
 def test_greedy_samples_equal_generate_on_the_whole_model(llama, tmp_path, overrides):
     run_dir = tmp_path / "run"
