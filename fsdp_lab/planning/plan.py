@@ -197,7 +197,7 @@ def strategy_plan(
     )
 
 
-def _timed(cfg: Config, topo: Topology, facts: ModelShape, strategy, profile: DeviceProfile):
+def timed(cfg: Config, topo: Topology, facts: ModelShape, strategy, profile: DeviceProfile):
     """``strategy``'s plan with its step time on ``profile`` (or why it is unavailable)."""
     row = strategy_plan(cfg, topo, facts, strategy)
     if isinstance(row, StrategyPlan):
@@ -341,7 +341,7 @@ def build_plan(overrides: list[str], device: str | None = None) -> Plan:
     notes += time_notes
     stages = plan_pipeline.stage_facts(cfg, topo.device, facts)  # a pipeline: each rank's
     strategies = {
-        s.name: plan_pipeline.combined([_timed(cfg, topo, f, s, profile) for f in stages])
+        s.name: plan_pipeline.combined([timed(cfg, topo, f, s, profile) for f in stages])
         for s in ShardingStrategy
     }
     notes += plan_pipeline.notes(stages, strategies[cfg.sharding.strategy.name])

@@ -305,7 +305,7 @@ def step_work(
     return StepWork(
         units=tuple(units),
         micro_batches=t.grad_accum_steps,
-        tokens=t.micro_batch_size * t.seq_len / cp / tp,
+        tokens=t.micro_batch_size * t.seq_len / cp / tp / cfg.parallel.pipeline,
         dtype=cfg.precision.param_dtype.name,
         optimizer_params=trainable,
         offload_bytes=(shards * gathers_per_step + s.rank0.grads) if offload else 0.0,

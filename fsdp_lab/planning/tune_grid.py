@@ -1,7 +1,7 @@
 """What `fsdp-lab tune` searches: the candidates (sharding x activation checkpointing x offload x
-micro-batch x TP degree x EP degree x CP degree) the topology can run, each with the plan's
-peak and its predicted step (``plan_time``), by which they are probed. Nothing here runs a
-rank.
+micro-batch x TP degree x EP degree x CP degree x PP degree) the topology can run, each with
+the plan's peak and its predicted step (``plan_time``), by which they are probed. Nothing here
+runs a rank.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
+from fsdp_lab.config.pipeline import layout
 from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.sharding import offload_config, offloaded
-from fsdp_lab.config.topology import dp_size
-from fsdp_lab.planning import plan, plan_time
+from fsdp_lab.config.topology import dp_size, stage_topology
+from fsdp_lab.planning import plan, plan_pipeline
 from fsdp_lab.planning.plan_result import StrategyPlan
 
 AC = ActivationCheckpointingMode
@@ -45,6 +46,7 @@ class Candidate:
     tensor: int = 1  # parallel.tensor
     expert: int = 1  # parallel.expert
     context: int = 1  # parallel.context
+    pipeline: int = 1  # parallel.pipeline
     grad_accum: int | None = None  # trainer.grad_accum_steps, set under --keep-global-batch
     float8: bool = False  # float8 linears on bf16 (proposed on a GPU where torchao is installed)
     planned_bytes: int = 0  # predicted peak per rank on the budget's basis, margin included
@@ -69,6 +71,7 @@ class Candidate:
             *([f"parallel.tensor={self.tensor}"] if self.tensor > 1 else []),
             *([f"parallel.expert={self.expert}"] if self.expert > 1 else []),
             *([f"parallel.context={self.context}"] if self.context > 1 else []),
+            *([f"parallel.pipeline={self.pipeline}"] if self.pipeline > 1 else []),
             *([f"trainer.grad_accum_steps={self.grad_accum}"] if self.grad_accum else []),
             *(["precision.float8_recipe=tensorwise"] if self.float8 else []),
         ]
@@ -92,6 +95,7 @@ class Grid:
     keep_global_batch: bool = False
     expert: list[int] | None = None  # --expert: EP degrees (MoE models; else 1 only)
     context: list[int] | None = None  # --context: CP degrees (default: by the sequence length)
+    pipeline: list[int] | None = None  # --pipeline: PP degrees (default: across nodes)
 
     @classmethod
     def parse(
@@ -103,6 +107,7 @@ class Grid:
         keep_global_batch: bool = False,
         expert: str | None = None,
         context: str | None = None,
+        pipeline: str | None = None,
     ) -> Grid:
         return cls(
             strategies=_members(sharding, "--sharding", list(ShardingStrategy)),
@@ -112,6 +117,7 @@ class Grid:
             keep_global_batch=keep_global_batch,
             expert=_sizes(expert, "--expert"),
             context=_sizes(context, "--context"),
+            pipeline=_sizes(pipeline, "--pipeline"),
         )
 
 
@@ -176,7 +182,11 @@ def _axes(cfg, topo, overrides: list[str], grid: Grid, max_micro_batch: int) -> 
     if _held(overrides, "parallel.context"):
         contexts = [cfg.parallel.context]
     float8s = _float8_axis(cfg, topo, overrides)
-    return strategies, acs, offloads, batches, tensors, experts, float8s, contexts
+    # PP across nodes: each stage's FSDP gathers then stay inside its node(s)
+    pipelines = grid.pipeline or [1, *(n for n in (2, 4, 8) if topo.num_nodes % n == 0)]
+    if _held(overrides, "parallel.pipeline"):
+        pipelines = [cfg.parallel.pipeline]
+    return strategies, acs, offloads, batches, tensors, experts, float8s, contexts, pipelines
 
 
 def _float8_axis(cfg, topo, overrides: list[str]) -> list[bool]:
@@ -208,25 +218,29 @@ def enumerate_candidates(
     topo, _ = plan.topology(cfg)
     validate(cfg, topo)
     profile, _ = plan.time_device(device, topo, cfg)
-    strategies, acs, offloads, batches, tensors, experts, float8s, contexts = _axes(
-        cfg, topo, overrides, grid, max_micro_batch
-    )
+    *axes, pipelines = _axes(cfg, topo, overrides, grid, max_micro_batch)
+    strategies, acs, offloads, batches, tensors, experts, float8s, contexts = axes
     rows = global_batch(cfg, topo) if grid.keep_global_batch else None
     out, indivisible = [], set()
-    for ac, tp, ep, f8, cp in itertools.product(acs, tensors, experts, float8s, contexts):
-        model_axes = _model_axes(cfg, topo, ac=ac, tensor=tp, expert=ep, context=cp, float8=f8)
+    layouts = itertools.product(acs, tensors, experts, float8s, contexts, pipelines)
+    for ac, tp, ep, f8, cp, pp in layouts:
+        model_axes = _model_axes(
+            cfg, topo, ac=ac, tensor=tp, expert=ep, context=cp, float8=f8, pipeline=pp
+        )
         if model_axes is None:
             continue
         base, facts = model_axes
         for strategy, offload, mb in itertools.product(strategies, offloads, batches):
             accum = base.trainer.grad_accum_steps
             if rows is not None:
-                share = mb * dp_size(topo, tp, context=cp)  # sequences per micro-step, all ranks
+                # sequences per micro-step, all ranks (a pipeline's stages read the same)
+                share = mb * dp_size(stage_topology(topo, pp), tp, context=cp)
                 if rows % share:
                     indivisible.add((mb, tp, cp))  # it cannot make up the global batch
                     continue
                 accum = rows // share
             c = Candidate(strategy, ac, offload, mb, tensor=tp, expert=ep, float8=f8, context=cp)
+            c.pipeline = pp
             c.grad_accum = accum if rows is not None else None
             if _plan_peak(c, base, topo, facts, accum=accum, profile=profile):
                 out.append(c)
@@ -236,10 +250,10 @@ def enumerate_candidates(
 
 
 def _plan_peak(
-    c: Candidate, base, topo, facts: plan.ModelShape, *, accum: int, profile: DeviceProfile
+    c: Candidate, base, topo, facts: list[plan.ModelShape], *, accum: int, profile: DeviceProfile
 ) -> bool:
-    """Set the candidate's plan peak and predicted step; False where the plan refuses it or
-    finds it cannot run."""
+    """Set the candidate's plan peak and predicted step (``facts``: each pipeline rank's, one
+    without a pipeline); False where the plan refuses it or finds it cannot run."""
     variant = dataclasses.replace(
         base,
         offload=offload_config(c.offload),
@@ -248,13 +262,17 @@ def _plan_peak(
         ),
     )
     try:
-        s = plan.strategy_plan(variant, topo, facts, c.strategy)
+        if c.pipeline > 1:  # the microbatches must divide the micro-batch
+            layout(variant.parallel, facts[0].pipeline.of_layers, c.micro_batch)
+        s = plan_pipeline.combined(
+            [plan.timed(variant, topo, f, c.strategy, profile) for f in facts]
+        )
     except ConfigError:
         return False
     if not isinstance(s, StrategyPlan):
         return False
     c.plan_peak_bytes = s.peak
-    step = plan_time.predict_step(variant, topo, facts, s, c.strategy, profile)
+    step = s.time
     c.predicted_step_s = step.step_s
     c.predicted_tokens_per_s = step.tokens_per_s * topo.world_size
     c.prior = 1 / c.predicted_tokens_per_s if c.predicted_tokens_per_s else float("inf")
@@ -271,12 +289,13 @@ def _model_axes(
     expert: int,
     context: int = 1,
     float8: bool = False,
+    pipeline: int = 1,
 ):
-    """(the config with these checkpointing, TP, EP, CP and float8 settings, the plan's model
-    facts), or None where the rules or the model refuse them: a TP degree the heads do not
-    divide, EP on a dense model or with experts the degree does not divide, float8 with
-    either, CP on a model whose attention it does not reproduce or a sequence its 2N chunks
-    do not divide."""
+    """(the config with these checkpointing, TP, EP, CP, float8 and PP settings, the plan's
+    model facts, one per pipeline rank), or None where the rules or the model refuse them: a
+    TP degree the heads do not divide, EP on a dense model or with experts the degree does not
+    divide, float8 with either, CP on a model whose attention it does not reproduce or a
+    sequence its 2N chunks do not divide, PP on a family it does not cut."""
     if float8 and cfg.precision.float8_recipe is None:
         cfg = dataclasses.replace(
             cfg, precision=dataclasses.replace(cfg.precision, float8_recipe=TUNED_RECIPE)
@@ -286,14 +305,17 @@ def _model_axes(
         activation_checkpointing=ActivationCheckpointingConfig(
             mode=ac, every=cfg.activation_checkpointing.every
         ),
-        parallel=dataclasses.replace(cfg.parallel, tensor=tensor, expert=expert, context=context),
+        parallel=dataclasses.replace(
+            cfg.parallel, tensor=tensor, expert=expert, context=context, pipeline=pipeline
+        ),
     )
     try:
         validate(base, topo)
-        facts = plan.inspect_model(base, topo.device)
+        whole = plan.inspect_model(base, topo.device)
+        facts = plan_pipeline.stage_facts(base, topo.device, whole)
     except ConfigError:
         return None
-    if expert > 1 and (not facts.layer.experts or facts.layer.experts % expert):
+    if expert > 1 and (not whole.layer.experts or whole.layer.experts % expert):
         return None
     return base, facts
 
@@ -313,7 +335,11 @@ def global_batch(cfg, topo) -> int:
     return (
         t.micro_batch_size
         * t.grad_accum_steps
-        * dp_size(topo, cfg.parallel.tensor, context=cfg.parallel.context)
+        * dp_size(
+            stage_topology(topo, cfg.parallel.pipeline),
+            cfg.parallel.tensor,
+            context=cfg.parallel.context,
+        )
     )
 
 

@@ -222,6 +222,11 @@ def _add_tune(sub, name: str) -> None:
         help="CP degrees to try, e.g. 1,2,4 (default: 1, and 2,4,8 from trainer.seq_len=4096 on)",
     )
     tun.add_argument(
+        "--pipeline",
+        help="PP degrees to try, e.g. 1,2 (default: 1, and the node counts' divisors across "
+        "nodes, where PP keeps FSDP's gathers inside a node)",
+    )
+    tun.add_argument(
         "--keep-global-batch",
         action="store_true",
         help="hold the overrides' sequences per optimizer step: each candidate's "
@@ -254,6 +259,7 @@ def _tune(args) -> int:
             keep_global_batch=args.keep_global_batch,
             expert=args.expert,
             context=args.context,
+            pipeline=args.pipeline,
         ),
         device=args.device,
     )

@@ -234,3 +234,17 @@ def test_long_sequences_get_the_context_parallel_degrees_that_fit():
     assert {c.context for c in held} == {2}
     gpt2 = [*long, "model=gpt2_tiny"]
     assert {c.context for c in tune.enumerate_candidates(gpt2, 1, grid)[0]} == {1}
+
+
+def test_pipeline_is_offered_across_nodes_and_priced_with_its_bubble():
+    """Across 2 nodes PP 2 joins the grid (each stage's gathers inside its node); on one node
+    only where asked, with the micro-batches its microbatches divide."""
+    args = ["hardware=gpu", "hardware.nproc_per_node=8", "model.num_layers=8"]
+    two, _, _ = tune.enumerate_candidates([*args, "hardware.num_nodes=2"], 8)
+    one, _, _ = tune.enumerate_candidates(args, 8)
+    assert {c.pipeline for c in two} == {1, 2} and {c.pipeline for c in one} == {1}
+    grid = tune.Grid(pipeline=[2], strategies=[ShardingStrategy.full])
+    asked, _, _ = tune.enumerate_candidates(args, 8, grid)
+    assert asked and all("parallel.pipeline=2" in c.overrides() for c in asked)
+    # the microbatches (one per stage) must divide the micro-batch: 1 cannot
+    assert all(c.micro_batch % 2 == 0 for c in asked)
