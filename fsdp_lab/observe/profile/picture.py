@@ -29,6 +29,7 @@ KIND_COLORS = {
     "reduce_scatter": "#2ca02c",
     "all_reduce": "#9467bd",
     "all_to_all": "#8c564b",
+    "pipeline_p2p": "#bcbd22",  # a pipeline's sends and receives between stages
     "context_all_gather": "#17becf",  # context parallelism's keys and values
     "context_reduce_scatter": "#bcbd22",
     "other": "#ff7f0e",

@@ -32,7 +32,8 @@ class UnitComm:
 
     unit: str  # the module's name (model.layers.3), ROOT_UNIT or OTHER_UNIT
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | context_all_gather
-    # | context_reduce_scatter (context parallelism's) | other
+    # | context_reduce_scatter (context parallelism's) | pipeline_p2p (a pipeline's sends and
+    # receives between stages; a receive spans its wait: the bubble) | other
     count: float  # collectives
     time_s: float  # their busy time (the union of their intervals)
     exposed_s: float  # of it, not covered by compute: what the step waited for

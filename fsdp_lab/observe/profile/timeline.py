@@ -144,10 +144,19 @@ _KINDS = {
 }
 
 
+# A pipeline's sends and receives between stages, by their call (c10d::send, c10d::recv_) or
+# gloo's operation; NCCL's SendRecv kernels take the kind of the c10d call that launched them
+# (EP's all-to-all runs on the same kernels). On a CPU rank a receive spans its wait for the
+# previous stage: the schedule's bubble shows there.
+_P2P = re.compile(r"^(c10d::(send|recv)|gloo:(send|recv))")
+
+
 def collective_kind(name: str) -> str:
-    """all_gather, reduce_scatter, all_reduce, all_to_all or other, from an operator's or
-    kernel's name (c10d::_allgather_base_, gloo:all_to_all,
-    ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL)."""
+    """all_gather, reduce_scatter, all_reduce, all_to_all, pipeline_p2p or other, from an
+    operator's or kernel's name (c10d::_allgather_base_, gloo:all_to_all,
+    ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL, c10d::send)."""
+    if _P2P.match(name.lower()):
+        return "pipeline_p2p"
     flat = name.lower().replace("_", "")
     return next((kind for word, kind in _KINDS.items() if word in flat), "other")
 
@@ -226,7 +235,10 @@ def _cpu(host: list[dict], others: list[dict]) -> tuple[list[Interval], list[Col
     units, context = _units(host), _context_regions(host)
     pending = deque((float(e["ts"]), collective_kind(e["name"])) for e in issued)
     comm = []
-    for e in sorted((e for e in others if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
+    # gloo's collectives run on its threads; a pipeline's sends and receives on the main one
+    ran = [e for e in others if e["name"].startswith("gloo:")]
+    ran += [e for e in host if e["name"].startswith("gloo:") and _P2P.match(e["name"])]
+    for e in sorted(ran, key=lambda e: e["ts"]):
         start, end = _span(e)
         kind, unit = collective_kind(e["name"]), OTHER_UNIT
         call = _take_issue(pending, start, kind)

@@ -276,6 +276,21 @@ def test_context_parallel_collectives_are_a_kind_of_their_own_on_cpu_and_gpu():
     assert [(u.unit, u.kind) for u in s.units] == [("other", "context_all_gather")]
 
 
+def test_a_pipeline_receive_on_the_main_thread_is_its_wait_for_the_stage_before():
+    """gloo runs a pipeline's send and receive on the calling thread: a receive's span is the
+    wait for the previous stage (the bubble), counted as pipeline_p2p, not compute."""
+    events = [
+        note("fsdp_lab::step 1", 0, 100),
+        op("aten::mm", 0, 20),
+        op("c10d::recv_", 20, 2),
+        op("gloo:recv", 22, 40, cat="user_annotation"),
+        op("aten::mm", 62, 30),
+    ]
+    (s,) = analyse(build_timeline(trace(events)), rank=0, trace="t").steps
+    assert [(u.kind, u.time_s) for u in s.units] == [("pipeline_p2p", 40 * 1e-6)]
+    assert s.compute_s == pytest.approx(50 * 1e-6)
+
+
 @pytest.mark.parametrize(
     "name,kind",
     [
@@ -287,6 +302,9 @@ def test_context_parallel_collectives_are_a_kind_of_their_own_on_cpu_and_gpu():
         ("gloo:all_to_all", "all_to_all"),  # expert parallelism's exchange
         ("c10d::alltoall_base_", "all_to_all"),
         ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "other"),
+        ("c10d::send", "pipeline_p2p"),  # a pipeline's stages
+        ("c10d::recv_", "pipeline_p2p"),
+        ("gloo:recv", "pipeline_p2p"),
     ],
 )
 def test_collectives_are_named_by_kind(name, kind):
