@@ -274,7 +274,6 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
             p.expert > 1 or cfg.model.num_experts,
             "a mixture of experts (its load-balancing loss spans the stages)",
         ),
-        (cfg.precision.grad_scaler_enabled, "precision.grad_scaler_enabled=true (fp16)"),
         (not task_row(cfg.model.task).causal, f"model.task={cfg.model.task.value}"),
         (cfg.model.loading is WeightLoading.rank0, "model.loading=rank0 (use per_rank)"),
         (

@@ -173,10 +173,13 @@ class Pipeline:
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return output * self.scale
 
-    def train_value(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+    def train_value(
+        self, batch: dict[str, torch.Tensor], scale: torch.Tensor, scaler=None
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch through the schedule; the summed scaled
-        losses of its microbatches on a rank holding the last stage, else a zero."""
-        self.scale = scale
+        losses of its microbatches on a rank holding the last stage, else a zero. ``scaler``
+        (fp16): the backward runs from the losses it scales, the value returned unscaled."""
+        self.scale = scale if scaler is None else scaler.scale(scale)
         losses: list[torch.Tensor] = []
         inputs = {k: v for k, v in batch.items() if v is not None}
         self.schedule.step(
@@ -187,7 +190,8 @@ class Pipeline:
             **inputs,
         )
         if self.holds_last:
-            return torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
+            total = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
+            return total * (scale / self.scale) if scaler is not None else total
         return torch.zeros((), dtype=torch.float32, device=batch["input_ids"].device)
 
     @torch.no_grad()

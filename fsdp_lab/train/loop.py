@@ -110,7 +110,7 @@ def train_step(
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     for i, batch in enumerate(batches):
         if pipeline is not None:  # forward and backward, by the schedule
-            total += pipeline.train_value(batch, scale)
+            total += pipeline.train_value(batch, scale, scaler)
             continue
         if set_sync is not None:
             set_sync(i == num_micro - 1)
