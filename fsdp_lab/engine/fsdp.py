@@ -270,8 +270,7 @@ def build_model(
     FSDP root of its modules; ``loss`` is what its last stage computes."""
     from fsdp_lab.engine import model as model_lib
 
-    model, kind, p = meta_model, topo.device, cfg.parallel
-    offload = offloaded(cfg.offload)
+    model, kind, p, offload = meta_model, topo.device, cfg.parallel, offloaded(cfg.offload)
     tied = model_lib.tied_groups(model)
     mesh, dp_mesh = meshes(cfg, topo, device)
     cut = pipeline_lib.cut(model, p, cfg.trainer.micro_batch_size, mesh)

@@ -37,7 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_lab.config import ConfigError, ParallelConfig, families
 from fsdp_lab.config.pipeline import PIPELINE_AXIS, PipelineLayout, layout
+from fsdp_lab.engine.conversion import owned_tensors
 from fsdp_lab.engine.hardware.devices import TORCH_DTYPES
+from fsdp_lab.engine.loading import gather_whole, recompute_buffers
 
 BASE, LAYERS, EMBED, NORM, HEAD = "model", "layers", "embed_tokens", "norm", "lm_head"
 
@@ -239,8 +241,6 @@ class Pipeline:
         it with the same names. Each is gathered over the ranks of the stage holding it
         (``owned``: this rank's), whose first rank sends it to rank 0; ``like``: the unsplit
         model's tensors on meta (what rank 0 receives: shape and dtype)."""
-        from fsdp_lab.engine.loading import gather_whole
-
         me, mine = dist.get_rank(), dist.get_rank(self.group)
         out = {}
         for name in names:
@@ -265,9 +265,6 @@ class Pipeline:
         whole sequences through it, without collectives): ``unsplit`` (meta) given storage,
         each tensor gathered over the ranks of the stage holding it and broadcast by that
         stage's first rank; freed after. Every rank calls it."""
-        from fsdp_lab.engine.conversion import owned_tensors
-        from fsdp_lab.engine.loading import gather_whole, recompute_buffers
-
         whole = copy.deepcopy(unsplit)
         whole.to_empty(device=self.device)
         recompute_buffers(whole)

@@ -89,7 +89,7 @@ def test_a_stage_is_contiguous_ranks_and_the_rules_apply_within_it():
             "compile=false",
         ),
         (["model=qwen3_moe_tiny"], "mixture of experts"),
-        (["eval.harness_tasks=[hellaswag]"], "eval.harness_tasks"),
+        (["model.loading=rank0"], "model.loading=rank0"),
         (["parallel.pipeline=1", "parallel.pipeline_microbatches=2"], "applies only"),
         (["parallel.pipeline_schedule=ZBVZeroBubble"], "sharding=full reshards them"),
         (
