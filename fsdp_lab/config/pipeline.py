@@ -268,8 +268,19 @@ def check_pipeline(cfg: Config, topo: Topology) -> Topology:
             f"parallel.pipeline={p.pipeline} does not divide the {topo.world_size} ranks; set "
             "hardware.nproc_per_node (x hardware.num_nodes) to a multiple of it"
         )
+    nodes = topo.num_nodes
+    if nodes > 1 and nodes % p.pipeline and p.pipeline % nodes:
+        raise ConfigError(
+            f"parallel.pipeline={p.pipeline} on {nodes} nodes: a stage must be whole nodes or "
+            "a share of one; set parallel.pipeline to a divisor or a multiple of "
+            "hardware.num_nodes"
+        )
     refusals = (
         (p.sequence_parallel, "parallel.sequence_parallel=true"),
+        (
+            cfg.precision.output_dtype is not None,
+            "precision.output_dtype (a stage's output is the hidden states it sends)",
+        ),
         (
             p.expert > 1 or cfg.model.num_experts,
             "a mixture of experts (its load-balancing loss spans the stages)",

@@ -363,7 +363,8 @@ def fill(model: nn.Module, spec: InitialWeights) -> str | None:
         read_pretrained(model, spec.pretrained, seed=spec.seed, planned=planned, layout=spec.layout)
     else:
         init_groups(model, spec.seed, layout=spec.layout)
-    return frozen_fingerprint(model, spec, planned)
+    # of the whole base: a pipeline stage's model holds a part (every rank the same value)
+    return frozen_fingerprint(spec.layout or model, spec, planned)
 
 
 def check_filled(model: nn.Module) -> None:

@@ -46,8 +46,7 @@ BASE, LAYERS, EMBED, NORM, HEAD = "model", "layers", "embed_tokens", "norm", "lm
 
 def check(hf_config, parallel: ParallelConfig, micro_batch_size: int) -> PipelineLayout:
     """The run's stages, or a one-line refusal: a family the split does not serve, tied
-    embeddings on a loop schedule (the embedding and the head on different ranks), a layout
-    the schedule cannot run (``config.pipeline.layout``)."""
+    embeddings, a layout the schedule cannot run (``config.pipeline.layout``)."""
     n = parallel.pipeline
     model_type = getattr(hf_config, "model_type", "?")
     row = families.family_of(model_type)
@@ -57,17 +56,15 @@ def check(hf_config, parallel: ParallelConfig, micro_batch_size: int) -> Pipelin
             f"parallel.pipeline={n}: model_type={model_type} cannot be cut into stages through "
             f"its own forwards (PP runs {runs}); set parallel.pipeline=1"
         )
-    stages = layout(parallel, hf_config.num_hidden_layers, micro_batch_size)
-    if getattr(hf_config, "tie_word_embeddings", False) and stages.rank_of(0) != stages.rank_of(
-        stages.stages - 1
-    ):
+    if getattr(hf_config, "tie_word_embeddings", False):
+        # the first and the last stage would each own the tensor (and under a V schedule two
+        # FSDP roots on rank 0 would each shard it): the tie would not hold
         raise ConfigError(
             f"parallel.pipeline={n}: the model ties its head to its embedding "
-            "(tie_word_embeddings), which the first and the last stage would hold on different "
-            "ranks; use a V schedule (parallel.pipeline_schedule=ZBVZeroBubble or DualPipeV, "
-            "whose rank 0 holds both) or untied embeddings (model.tie_word_embeddings=false)"
+            "(tie_word_embeddings), which the first and the last stage hold apart; use a model "
+            "with untied embeddings (model.tie_word_embeddings=false) or parallel.pipeline=1"
         )
-    return stages
+    return layout(parallel, hf_config.num_hidden_layers, micro_batch_size)
 
 
 class SkippedLayer(nn.Module):

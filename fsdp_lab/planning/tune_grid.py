@@ -20,7 +20,7 @@ from fsdp_lab.config import (
 )
 from fsdp_lab.config.hardware_kinds import hardware_row
 from fsdp_lab.config.hardware_profiles import DeviceProfile
-from fsdp_lab.config.pipeline import layout
+from fsdp_lab.config.pipeline import layout, schedule_of
 from fsdp_lab.config.precisions import FLOAT8_RECIPES, TUNED_RECIPE
 from fsdp_lab.config.rules import validate
 from fsdp_lab.config.sharding import offload_config, offloaded
@@ -309,6 +309,13 @@ def _model_axes(
             cfg.parallel, tensor=tensor, expert=expert, context=context, pipeline=pipeline
         ),
     )
+    if pipeline > 1:  # a micro-batch its microbatches divide (each candidate sets its own)
+        row = schedule_of(base.parallel.pipeline_schedule)
+        per_rank = base.parallel.stages_per_rank or row.default_stages_per_rank
+        m = base.parallel.pipeline_microbatches or pipeline * per_rank
+        base = dataclasses.replace(
+            base, trainer=dataclasses.replace(base.trainer, micro_batch_size=m)
+        )
     try:
         validate(base, topo)
         whole = plan.inspect_model(base, topo.device)

@@ -15,6 +15,7 @@ of a checkpoint (trainer.json, RNG states, the marker, the atomic rename) is the
 
 from __future__ import annotations
 
+import re
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -119,6 +120,14 @@ class StateFormat(ABC):
         return []
 
 
+# The optimizer's state and its groups' settings keyed by parameter name
+# (``param_groups.<name>.lr``), not by group index: ranks that hold different parameters (a
+# pipeline's stages) or another grouping (a stage without 1-D parameters has one group) write
+# keys that do not collide, and read back their own under any layout.
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+_INDEXED_GROUP = re.compile(r"^optim\.param_groups\.\d+\.[a-z_]+$")  # group 0's "lr"
+
+
 class DcpSharded(StateFormat):
     """checkpoint=sharded on FSDP2: every rank writes its DTensor shards with
     torch.distributed.checkpoint, keyed by parameter name, so any strategy or world size loads
@@ -129,7 +138,7 @@ class DcpSharded(StateFormat):
     ):
         state = {
             "model": frozen.keep(get_model_state_dict(model)),
-            "optim": get_optimizer_state_dict(model, optimizer),
+            "optim": get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIMIZER),
         }
         if async_group is not None:
             return dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group)
@@ -138,14 +147,19 @@ class DcpSharded(StateFormat):
         return None
 
     def load(self, path: Path, *, model, optimizer, held: FrozenBase) -> None:
+        # A checkpoint from before the flat layout keys its optimizer groups by index.
+        indexed = any(
+            _INDEXED_GROUP.match(k) for k in safe_load.read_metadata(path).state_dict_metadata
+        )
+        optim = StateDictOptions() if indexed else FLAT_OPTIMIZER
         state = {
             "model": held.keep(get_model_state_dict(model)),
-            "optim": get_optimizer_state_dict(model, optimizer),
+            "optim": get_optimizer_state_dict(model, optimizer, options=optim),
         }
         dcp.load(state, storage_reader=safe_load.Reader(path), planner=safe_load.LoadPlanner(path))
         partial = StateDictOptions(strict=held.trainable is None)
         set_model_state_dict(model, state["model"], options=partial)
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=optim)
 
     def saved_shapes(self, path: Path) -> dict[str, tuple[int, ...]]:
         meta = safe_load.read_metadata(path).state_dict_metadata

@@ -196,6 +196,19 @@ def test_packed_chat_is_exact(tmp_path, bpe_tokenizer):
     compare(packed, dp=1)
 
 
+def test_a_lora_run_resumes_bit_exact(tmp_path):
+    """Each stage's optimizer groups differ (a stage with no 1-D trainable parameter has one):
+    the checkpoint keys their settings by parameter name, so each reads back its own."""
+    common = ("hardware=cpu", "hardware.nproc_per_node=2", "parallel.pipeline=2", "logger=none")
+    common += ("finetune=lora", "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    check_ok(train(straight, *common))
+    at2 = straight / "checkpoints" / ckpt.step_dir_name(2)
+    check_ok(train(resumed, *common, f"resume={at2}"))
+    want, got = _losses(straight), _losses(resumed)
+    assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
+
+
 def test_qlora_equals_its_one_process_run(tmp_path):
     """An NF4 base: each stage quantises its own tensors (the absmax mean over a tensor's own
     mesh, not the world's, which holds other stages' tensors) and trains LoRA on it exactly as

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+import torch
 from conftest import assert_only_named_in
 
 from fsdp_lab.config import CheckpointFormat, checkpoint_formats
-from fsdp_lab.state import formats
+from fsdp_lab.state import formats, safe_load
 
 
 def test_every_format_but_none_has_a_reader_writer():
@@ -47,3 +49,46 @@ def test_the_table_has_a_row_and_the_state_a_reader_writer_for_every_format():
     assert saving == set(formats.STATE_FORMATS)
     full = checkpoint_formats.CHECKPOINT_FORMATS[CheckpointFormat.full]
     assert checkpoint_formats.format_row("full") is full
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed-groups", "flat"])
+def test_the_optimizer_reloads_from_either_group_layout(tmp_path, indexed):
+    """New checkpoints key the optimizer groups' settings by parameter name (a pipeline's
+    stages hold different parameters, and a stage may have one group where another has two);
+    one written before, by group index, still loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        groups = [
+            {"params": [model[0].weight], "weight_decay": 0.1},
+            {"params": [model[0].bias, *model[1].parameters()], "weight_decay": 0.0},
+        ]
+        return model, torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.9))
+
+    model, optimizer = build()
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions() if indexed else formats.FLAT_OPTIMIZER
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer, options=options),
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    keys = safe_load.read_metadata(tmp_path).state_dict_metadata
+    assert ("optim.param_groups.0.lr" in keys) == indexed
+    fresh, fresh_optimizer = build()
+    formats.DcpSharded().load(
+        tmp_path, model=fresh, optimizer=fresh_optimizer, held=formats.FrozenBase()
+    )
+    assert [g["betas"] for g in fresh_optimizer.param_groups] == [(0.8, 0.9)] * 2
+    assert [g["weight_decay"] for g in fresh_optimizer.param_groups] == [0.1, 0.0]
+    want = optimizer.state[model[0].weight]["exp_avg"]
+    assert torch.equal(fresh_optimizer.state[fresh[0].weight]["exp_avg"], want)
