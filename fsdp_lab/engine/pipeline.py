@@ -44,9 +44,13 @@ from fsdp_lab.engine.loading import gather_whole, recompute_buffers
 BASE, LAYERS, EMBED, NORM, HEAD = "model", "layers", "embed_tokens", "norm", "lm_head"
 
 
-def check(hf_config, parallel: ParallelConfig, micro_batch_size: int) -> PipelineLayout:
+def check(
+    hf_config, parallel: ParallelConfig, micro_batch_size: int, *, frozen_base: bool = False
+) -> PipelineLayout:
     """The run's stages, or a one-line refusal: a family the split does not serve, tied
-    embeddings, a layout the schedule cannot run (``config.pipeline.layout``)."""
+    embeddings, a layout the schedule cannot run (``config.pipeline.layout``), and with a
+    frozen base (``frozen_base``: LoRA, freeze) a rank holding no decoder layer (nothing to
+    train there: its optimizer would hold no state)."""
     n = parallel.pipeline
     model_type = getattr(hf_config, "model_type", "?")
     row = families.family_of(model_type)
@@ -64,7 +68,16 @@ def check(hf_config, parallel: ParallelConfig, micro_batch_size: int) -> Pipelin
             "(tie_word_embeddings), which the first and the last stage hold apart; use a model "
             "with untied embeddings (model.tie_word_embeddings=false) or parallel.pipeline=1"
         )
-    return layout(parallel, hf_config.num_hidden_layers, micro_batch_size)
+    stages = layout(parallel, hf_config.num_hidden_layers, micro_batch_size)
+    idle = [r for r in range(n) if not rank_layers(stages, r)[0]]
+    if frozen_base and idle:
+        raise ConfigError(
+            f"parallel.pipeline={n}: pipeline rank {idle[0]} holds no decoder layer (stages "
+            f"{stages.stages_of(idle[0])}: the embedding or the head alone), and with a frozen "
+            "base it would train nothing; give every rank a layer with parallel.pipeline_layers "
+            "(or fewer stages)"
+        )
+    return stages
 
 
 class SkippedLayer(nn.Module):
@@ -383,7 +396,8 @@ def cut(model: nn.Module, parallel: ParallelConfig, micro_batch_size: int, mesh:
     (names kept, ``keep``); None without a pipeline."""
     if parallel.pipeline == 1:
         return None
-    stages = check(model.config, parallel, micro_batch_size)
+    frozen_base = any(not p.requires_grad for p in model.parameters())
+    stages = check(model.config, parallel, micro_batch_size, frozen_base=frozen_base)
     check_stage_numbers(model, stages)
     rank = mesh.get_local_rank(PIPELINE_AXIS)
     layers, embed, head = rank_layers(stages, rank)

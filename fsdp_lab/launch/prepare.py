@@ -112,7 +112,8 @@ def check_model_and_data(cfg: Config, topo: Topology) -> tuple[Config, torch.nn.
     if cfg.parallel.pipeline > 1:  # a family it cannot cut, a layout its schedule refuses
         from fsdp_lab.engine import pipeline
 
-        pipeline.check(hf_config, cfg.parallel, cfg.trainer.micro_batch_size)
+        frozen = any(not p.requires_grad for p in meta_model.parameters())
+        pipeline.check(hf_config, cfg.parallel, cfg.trainer.micro_batch_size, frozen_base=frozen)
     if cfg.parallel.expert > 1:  # a dense model, or an expert count the degree cannot split
         from fsdp_lab.engine import expert_parallel
 

@@ -207,7 +207,8 @@ def _pipeline_share(cfg: Config, model, rank: int | None) -> PipelineShare | Non
         return None
     from fsdp_lab.engine import pipeline
 
-    stages = pipeline.check(model.config, p, cfg.trainer.micro_batch_size)
+    frozen = any(not q.requires_grad for q in model.parameters())
+    stages = pipeline.check(model.config, p, cfg.trainer.micro_batch_size, frozen_base=frozen)
     layers, embed, head = pipeline.rank_layers(stages, rank)
     pipeline.keep(model, layers, embed=embed, head=head)
     mine = stages.stages_of(rank)

@@ -138,3 +138,20 @@ def test_a_model_the_cut_cannot_serve_is_refused_in_one_line(overrides, words):
     with pytest.raises(ConfigError) as e:
         pipeline.check(model_lib.build_hf_config(cfg.model), cfg.parallel, 4)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_frozen_base_needs_a_decoder_layer_on_every_pipeline_rank():
+    """With LoRA a rank holding the embedding or the head alone would train nothing (its
+    optimizer would hold no state to checkpoint): refused, and a given split that gives every
+    rank a layer runs."""
+    from fsdp_lab.engine import model as model_lib
+    from fsdp_lab.engine import pipeline
+
+    args = ["parallel.pipeline=2", "parallel.pipeline_schedule=ZBVZeroBubble", "model.num_layers=4"]
+    cfg = compose(args)
+    hf = model_lib.build_hf_config(cfg.model)
+    pipeline.check(hf, cfg.parallel, 4)  # full training: the embedding and head train
+    with pytest.raises(ConfigError, match="pipeline rank 0 holds no decoder layer"):
+        pipeline.check(hf, cfg.parallel, 4, frozen_base=True)
+    given = compose([*args, "parallel.pipeline_layers=[1,1,1,1]"])
+    pipeline.check(hf, given.parallel, 4, frozen_base=True)
