@@ -1,26 +1,21 @@
 """``parallel.pipeline``: a Hugging Face causal LM cut into stages of whole decoder layers,
 run by torch's pipeline schedules (``torch.distributed.pipelining``), each stage sharded by
-FSDP2 over its own ranks.
+FSDP2 over its own ranks. The model is cut through its own forwards, never patched:
 
-The model is cut through its own forwards, never patched:
+- This rank's model (``keep``) is the meta model without what none of its stages holds: a
+  decoder layer becomes a ``SkippedLayer`` (it hands the hidden states on), the embedding,
+  final norm and head an ``nn.Identity``. Kept tensors keep their names, so DCP checkpoints
+  (resumed under any pipeline) and the Hugging Face export are the unsplit model's.
+- Each stage runs a view of it (``stage_view``), the layers of the rank's other stages
+  skipped too, through the model's own forward: the first stage from ``input_ids``, a later
+  one from the previous stage's hidden states as ``inputs_embeds``; the last computes the
+  loss (a fused loss in its head, as unsplit). Each stage builds its masks from its batch.
 
-- This rank's model (``keep``) is the run's meta model with what none of its stages holds
-  taken out: a decoder layer becomes a ``SkippedLayer`` (it hands the hidden states on), the
-  embedding, the final norm and the head an ``nn.Identity``. A kept tensor keeps its name
-  (``model.layers.5.mlp.up_proj.weight``), so DCP checkpoints, their resume under another
-  pipeline and the Hugging Face export are the unsplit model's.
-- Each stage runs a view of it (``stage_view``): a shallow copy of the causal LM and its decoder
-  sharing every kept module, with the layers of the rank's other stages skipped too.
-- A stage's forward is the model's own: the first stage from ``input_ids``, a later one from
-  the previous stage's hidden states as ``inputs_embeds``; a middle stage's head is the
-  identity, so its "logits" are its hidden states; the last computes the loss (a fused loss in
-  its head, as unsplit). The masks are built in each stage from the batch it is given.
-
-Loss and gradients are exact: the last stage returns each microbatch's summed token losses,
-scaled as the step scales a micro-batch (``dp / the global targets``); FSDP averages over the
-stage's data-parallel ranks as it does unsplit; the schedule does not scale
-(``scale_grads=False``). The step's loss is all-reduced over the pipeline axis, the gradient
-norm's square too.
+Loss and gradients are exact: the last stage returns each microbatch's summed token losses
+scaled as the step scales a micro-batch (``dp / the global targets``); FSDP averages over
+the stage's data-parallel ranks as unsplit; the schedule does not scale
+(``scale_grads=False``). The step's loss and the gradient norm's square are summed over the
+pipeline axis.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ def check(
 
 
 class SkippedLayer(nn.Module):
-    """A decoder layer another stage holds: the hidden states pass through it unchanged. It
-    keeps the attributes a decoder reads off its layers (``attention_type``)."""
+    """Another stage's decoder layer: the hidden states pass through; ``attention_type`` kept."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()

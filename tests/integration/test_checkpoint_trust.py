@@ -96,9 +96,12 @@ def _evil_metadata(path: Path, ran: Path) -> None:
 
 
 def _evil_byte_item(path: Path, ran: Path) -> None:
-    """Point an optimizer BYTE_IO item (a param group's lr) at a payload appended to a shard."""
+    """Point an optimizer BYTE_IO item (a param group's lr, keyed by a parameter's name) at a
+    payload appended to a shard."""
     meta = safe_load.read_metadata(path)
-    index = next(i for i in meta.storage_data if i.fqn.endswith("param_groups.0.lr"))
+    index = next(
+        i for i in meta.storage_data if ".param_groups." in i.fqn and i.fqn.endswith(".lr")
+    )
     info = meta.storage_data[index]
     blob = io.BytesIO()
     torch.save(_Touch(ran), blob)
