@@ -125,7 +125,8 @@ class StateFormat(ABC):
 # pipeline's stages) or another grouping (a stage without 1-D parameters has one group) write
 # keys that do not collide, and read back their own under any layout.
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
-_INDEXED_GROUP = re.compile(r"^optim\.param_groups\.\d+\.[a-z_]+$")  # group 0's "lr"
+# group 0's "lr", or the whole list as one item (torch_xla's writer, engine.xla)
+_INDEXED_GROUP = re.compile(r"^optim\.param_groups(\.\d+\.[a-z_]+)?$")
 
 
 class DcpSharded(StateFormat):
