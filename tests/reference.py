@@ -11,15 +11,19 @@ masks, chat data's answers).
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind, ModelTask
+from fsdp_lab.config import Config, DataKind, FinetuneMethod, HardwareKind, ModelTask, to_typed
 from fsdp_lab.data import corpus as corpus_lib
 from fsdp_lab.data.loader import IGNORE_INDEX, build_data
 from fsdp_lab.engine import finetune
 from fsdp_lab.engine.model import build_full_model, build_hf_config, full_model, load_pretrained
+from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.train.optim import build_optimizer, build_scheduler, resolve_implementation
 
 
@@ -150,3 +154,21 @@ def _finetune(model: torch.nn.Module, cfg: Config, hf_config) -> torch.nn.Module
     missing, unexpected = peft_model.base_model.model.load_state_dict(adapters, strict=False)
     assert not unexpected and all(".lora_" not in k for k in missing), unexpected
     return peft_model
+
+
+def compare(run_dir: Path, dp: int, *, steps: int, tol: float = 1e-5, norm_rtol: float = 1e-5):
+    """run.json of a finished run whose every step's loss and gradient norm equal one
+    unsharded process's on the same global batches (``dp`` data-parallel ranks)."""
+    cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    want, want_norms = reference_run(cfg, world_size=dp)
+    assert len(records) == len(want) == steps
+    diff = max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True))
+    norm = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
+    assert diff <= tol and norm <= norm_rtol, (diff, norm)
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Each step's training loss of a run."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}

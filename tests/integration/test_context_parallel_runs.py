@@ -14,29 +14,14 @@ import json
 
 import pytest
 from conftest import check_ok, train
-from omegaconf import OmegaConf
-from reference import reference_run
+from reference import compare, losses
 
-from fsdp_lab.config import to_typed
 from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 
 FP32_TOL, NORM_RTOL, STEPS = 1e-5, 1e-5, 10
-
-
-def compare(run_dir, dp: int) -> dict:
-    """run.json of a finished run whose every step's loss and gradient norm equal one
-    unsharded process's on the same global batches (``dp`` data-parallel ranks)."""
-    cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
-    records = read_metrics(run_dir / "metrics.jsonl")
-    want, want_norms = reference_run(cfg, world_size=dp)
-    assert len(records) == len(want) == STEPS
-    diff = max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True))
-    norm = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
-    assert diff <= FP32_TOL and norm <= NORM_RTOL, (diff, norm)
-    return json.loads((run_dir / "run.json").read_text())
 
 
 @pytest.mark.parametrize(
@@ -100,7 +85,7 @@ def test_cp_matches_one_unsharded_process(run_dir, world, overrides, mesh, shard
         )
     )
     dp = mesh.get("replicate", 1) * mesh["shard"]  # ranks that read different rows
-    facts = compare(run_dir, dp=dp)
+    facts = compare(run_dir, dp=dp, steps=STEPS)
     assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == mesh
     accum = 2 if "trainer.grad_accum_steps=2" in overrides else 1
     assert facts["tokens_per_step"] == dp * accum * 4 * 64  # each token once, not per CP rank
@@ -131,7 +116,7 @@ def test_sliding_window_and_packed_documents_are_exact(tmp_path, bpe_tokenizer):
     window = tmp_path / "window"
     model = ("model=local", f"model.name_or_path={tmp_path / 'mistral'}", "model.pretrained=false")
     check_ok(train(window, *common, *model))
-    compare(window, dp=1)
+    compare(window, dp=1, steps=STEPS)
     chats = tmp_path / "chats.jsonl"
     with chats.open("w") as f:
         for i in range(300):  # short exchanges: about 3 a row of 256 tokens
@@ -155,11 +140,7 @@ def test_sliding_window_and_packed_documents_are_exact(tmp_path, bpe_tokenizer):
             "activation_checkpointing=full",
         )
     )
-    compare(packed, dp=1)
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    compare(packed, dp=1, steps=STEPS)
 
 
 def test_a_checkpoint_resumes_across_cp_sizes(tmp_path):
@@ -176,10 +157,10 @@ def test_a_checkpoint_resumes_across_cp_sizes(tmp_path):
     check_ok(
         train(third, *common, "hardware.nproc_per_node=4", "parallel.context=4", f"resume={at6}")
     )
-    want = _losses(first)
-    assert sorted(_losses(second)) == list(range(4, 10))
+    want = losses(first)
+    assert sorted(losses(second)) == list(range(4, 10))
     for run, steps in ((second, range(4, 7)), (third, range(7, 10))):
-        got = _losses(run)
+        got = losses(run)
         assert max(abs(got[s] - want[s]) for s in steps) <= FP32_TOL, (run.name, got, want)
     val = [read_metrics(run / "metrics.jsonl", "val")[-1] for run in (first, second, third)]
     assert {r["step"] for r in val} == {9} and len({r["val_tokens"] for r in val}) == 1

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import check_ok, run_python, train
-from omegaconf import OmegaConf
-from reference import reference_run
+from reference import compare, losses, reference_run
 
-from fsdp_lab.config import compose, to_typed
+from fsdp_lab.config import compose
 from fsdp_lab.observe.run_logs import read_metrics
 from fsdp_lab.state import checkpoint as ckpt
 
@@ -26,19 +25,6 @@ pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parents[1]
 
 FP32_TOL, NORM_RTOL, STEPS = 1e-5, 1e-5, 8
-
-
-def compare(run_dir, dp: int) -> dict:
-    """run.json of a finished run whose every step's loss and gradient norm equal one
-    unsharded process's on the same global batches (``dp`` data-parallel ranks)."""
-    cfg = to_typed(OmegaConf.load(run_dir / "config.yaml"))
-    records = read_metrics(run_dir / "metrics.jsonl")
-    want, want_norms = reference_run(cfg, world_size=dp)
-    assert len(records) == len(want) == STEPS
-    diff = max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True))
-    norm = max(abs(r["grad_norm"] - n) / n for r, n in zip(records, want_norms, strict=True))
-    assert diff <= FP32_TOL and norm <= NORM_RTOL, (diff, norm)
-    return json.loads((run_dir / "run.json").read_text())
 
 
 @pytest.mark.parametrize(
@@ -105,7 +91,7 @@ def test_pp_matches_one_unsharded_process(run_dir, world, overrides, mesh):
         )
     )
     dp = mesh.get("replicate", 1) * mesh["shard"]  # a stage's ranks read different rows
-    facts = compare(run_dir, dp=dp)
+    facts = compare(run_dir, dp=dp, steps=STEPS)
     assert dict(zip(facts["mesh_axes"], facts["mesh_shape"], strict=True)) == mesh
     accum = 2 if "trainer.grad_accum_steps=2" in overrides else 1
     assert facts["tokens_per_step"] == dp * accum * 4 * 64  # each token once, not per stage
@@ -193,7 +179,7 @@ def test_packed_chat_is_exact(tmp_path, bpe_tokenizer):
             "activation_checkpointing=full",
         )
     )
-    compare(packed, dp=1)
+    compare(packed, dp=1, steps=STEPS)
 
 
 def test_a_lora_run_resumes_bit_exact(tmp_path):
@@ -205,7 +191,7 @@ def test_a_lora_run_resumes_bit_exact(tmp_path):
     check_ok(train(straight, *common))
     at2 = straight / "checkpoints" / ckpt.step_dir_name(2)
     check_ok(train(resumed, *common, f"resume={at2}"))
-    want, got = _losses(straight), _losses(resumed)
+    want, got = losses(straight), losses(resumed)
     assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
 
 
@@ -231,10 +217,6 @@ def _weights(directory) -> dict:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
-
-
 def test_a_checkpoint_resumes_across_pipeline_sizes(tmp_path):
     """PP 2 (2 ranks) -> PP 1 (1 rank) -> PP 4 (4 ranks): the tensors keep the unsplit model's
     names, so DCP reads each rank's stages from any split, and every resumed step is the
@@ -256,10 +238,10 @@ def test_a_checkpoint_resumes_across_pipeline_sizes(tmp_path):
             "checkpoint.export_hf=true",
         )
     )
-    want = _losses(first)
-    assert sorted(_losses(second)) == list(range(4, 10))
+    want = losses(first)
+    assert sorted(losses(second)) == list(range(4, 10))
     for run, steps in ((second, range(4, 7)), (third, range(7, 10))):
-        got = _losses(run)
+        got = losses(run)
         assert max(abs(got[s] - want[s]) for s in steps) <= FP32_TOL, (run.name, got, want)
     # the run's own export (each tensor sent to rank 0 by its stage) is the whole model, as
     # fsdp-lab export reads it from the last checkpoint in one process
