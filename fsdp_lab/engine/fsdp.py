@@ -177,8 +177,7 @@ class Fsdp2Model(ShardedModel):
         owned = self.owned_tensors()
         if self.pipeline is not None:
             like = {n: entry[2] for n, entry in self.export_names().items()}
-            stage = torch.distributed.get_world_size() // self.pipeline.layout.pipeline
-            return self.pipeline.full_tensors(owned, names, like, stage)
+            return self.pipeline.full_tensors(owned, names, like)
         rank0 = torch.distributed.get_rank() == 0
         out = {}
         for name in names:
@@ -211,8 +210,7 @@ class Fsdp2Model(ShardedModel):
             with super().generation_model(keep_gathered) as model:
                 yield model
             return
-        stage = torch.distributed.get_world_size() // self.pipeline.layout.pipeline
-        with self.pipeline.gathered(self.owned_tensors(), self.unsplit, stage) as model:
+        with self.pipeline.gathered(self.owned_tensors(), self.unsplit) as model:
             yield model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -230,6 +230,10 @@ class Pipeline:
             return torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
         return torch.stack([total.double(), count.double()])
 
+    def first_rank(self, pipeline_rank: int) -> int:
+        """The first global rank of a pipeline rank's stage (``world / pipeline`` contiguous)."""
+        return pipeline_rank * (dist.get_world_size() // self.layout.pipeline)
+
     def owner(self, name: str) -> int:
         """The pipeline rank holding tensor ``name`` (a plain name of the unsplit model)."""
         lay, parts = self.layout, name.split(".")
@@ -238,18 +242,15 @@ class Pipeline:
             return lay.rank_of(next(s for s, held in enumerate(lay.layers) if layer in held))
         return lay.rank_of(0 if parts[:2] == [BASE, EMBED] else lay.stages - 1)
 
-    def full_tensors(
-        self, owned: dict, names: list[str], like: dict[str, torch.Tensor], stage_ranks: int
-    ) -> dict[str, torch.Tensor] | None:
+    def full_tensors(self, owned: dict, names: list[str], like: dict) -> dict | None:
         """The whole tensors ``names`` on the host of rank 0 (others: None); every rank calls
         it with the same names. Each is gathered over the ranks of the stage holding it
         (``owned``: this rank's), whose first rank sends it to rank 0; ``like``: the unsplit
         model's tensors on meta (what rank 0 receives: shape and dtype)."""
-        me, mine = dist.get_rank(), dist.get_rank(self.group)
-        out = {}
+        me, mine, out = dist.get_rank(), dist.get_rank(self.group), {}
         for name in names:
             holder = self.owner(name)
-            first = holder * stage_ranks  # the pipeline axis is outermost
+            first = self.first_rank(holder)
             if mine == holder:
                 whole = gather_whole(owned[name][2]).detach().to(like[name].dtype)
                 if me == 0:
@@ -264,7 +265,7 @@ class Pipeline:
         return out if me == 0 else None
 
     @contextlib.contextmanager
-    def gathered(self, owned: dict, unsplit: nn.Module, stage_ranks: int) -> Iterator[nn.Module]:
+    def gathered(self, owned: dict, unsplit: nn.Module) -> Iterator[nn.Module]:
         """The whole model on every rank for the block (generation and harness scores run
         whole sequences through it, without collectives): ``unsplit`` (meta) given storage,
         each tensor gathered over the ranks of the stage holding it and broadcast by that
@@ -277,12 +278,9 @@ class Pipeline:
                 holder = self.owner(name)
                 if dist.get_rank(self.group) == holder:
                     target.copy_(gather_whole(owned[name][2]))
-                dist.broadcast(target, holder * stage_ranks)  # the pipeline axis is outermost
+                dist.broadcast(target, self.first_rank(holder))
         whole.eval()
-        try:
-            yield whole
-        finally:
-            del whole
+        yield whole  # freed with this frame when the block ends
 
     def train(self, mode: bool = True) -> None:
         for stage in self.stages:
